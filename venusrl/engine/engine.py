@@ -1,0 +1,485 @@
+"""The rollout engine: continuous batching over a paged KV cache with a radix prefix cache.
+
+One `step()` is schedule -> run -> postprocess:
+
+- schedule: a pure policy (`venusrl.policy.engine_schedule`) sees a snapshot of the queues and the
+  KV occupancy and returns which requests run how many tokens, and whom to preempt;
+- run: the chosen tokens of all sequences are packed into one forward pass (`StepBatch`);
+- postprocess: sequences that reached their end sample a token; finished and preempted sequences
+  hand their full KV pages to the radix tree and free the rest.
+
+A request carries no prefill/decode mode: it has `num_computed` tokens with KV and computes the
+rest in chunks; whenever all of its tokens have KV, it samples the next one. Resuming a preempted
+request is therefore the same as prefilling it, served mostly from the prefix cache.
+
+Ownership of device pages (checked by `check()`): each page is free, owned by the radix tree, or
+owned by exactly one running request. A request's first `num_shared_pages` pages are the tree's,
+kept alive by a lock on `tree_node`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from venusrl.config import EngineConfig
+from venusrl.engine.attention import PrefillSpan, StepBatch, causal_mask
+from venusrl.engine.kv_cache import KVCache
+from venusrl.engine.model import CausalLM
+from venusrl.engine.model_dir import iter_safetensors, load_model
+from venusrl.engine.radix_tree import RadixTree
+from venusrl.engine.request import GenerationOutput, Request, SamplingParams, Status
+from venusrl.engine.sampler import sample
+from venusrl.engine.tokenizer import Tokenizer
+from venusrl.policy.engine_schedule import EngineSnapshot, PriorityScheduler, RequestView
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class RequestError(ValueError):
+    """A request the engine cannot run as given; the message says why."""
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission only)
+    cached_prompt_tokens: int = 0  # of those, served from the prefix cache
+    computed_tokens: int = 0  # tokens run through the model (prefill, recompute and decode)
+    generated_tokens: int = 0
+    preemptions: int = 0
+    finished: int = 0
+
+    @property
+    def prefix_hit_ratio(self) -> float:
+        return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class Engine:
+    def __init__(
+        self,
+        model: CausalLM,
+        config: EngineConfig | None = None,
+        tokenizer: Tokenizer | None = None,
+        scheduler: PriorityScheduler | None = None,
+    ) -> None:
+        self.cfg = cfg = config or EngineConfig()
+        if cfg.threads is not None:
+            torch.set_num_threads(cfg.threads)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler or PriorityScheduler()
+        mc = model.config
+        self.device = torch.device(cfg.device)
+        self.page_size = ps = cfg.page_size
+        self.kv = KVCache(
+            num_layers=mc.num_layers,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            page_size=ps,
+            device_pages=cfg.device_kv_pages,
+            host_pages=cfg.host_kv_pages,
+            dtype=DTYPES[cfg.dtype],
+            device=self.device,
+        )
+        self.tree = RadixTree(ps)
+        self.max_context = min(cfg.max_context or mc.max_position_embeddings, mc.max_position_embeddings)
+        capacity_tokens = self.kv.device_pages.capacity * ps
+        if capacity_tokens < self.max_context:
+            raise ValueError(
+                f"engine.device_kv_pages={cfg.device_kv_pages} x page_size={ps} holds "
+                f"{capacity_tokens} tokens, less than one sequence of the context limit "
+                f"({self.max_context}); raise device_kv_pages or lower engine.max_context"
+            )
+        eos = set(mc.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
+        self.eos_token_ids = frozenset(eos)
+        self.weight_version = 0
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []  # sorted by the scheduler's queue order
+        self.running: list[Request] = []
+        self.stats = EngineStats()
+        self._arrivals = itertools.count()
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, config: EngineConfig | None = None) -> Engine:
+        cfg = config or EngineConfig()
+        model = load_model(model_dir, cfg.device, DTYPES[cfg.dtype])
+        return cls(model, cfg, Tokenizer.load(model_dir))
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        trajectory_id: str | None = None,
+        group_id: str | None = None,
+    ) -> Request:
+        params = params or SamplingParams()
+        prompt = [int(t) for t in prompt_ids]
+        vocab = self.model.config.vocab_size
+        if not prompt:
+            raise RequestError("prompt is empty")
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(prompt) >= self.max_context:
+            raise RequestError(
+                f"prompt has {len(prompt)} tokens; the context limit is {self.max_context} "
+                "and at least one token must be generated"
+            )
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        arrival = next(self._arrivals)
+        generator = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else self.cfg.seed * 1_000_003 + arrival
+            generator = torch.Generator().manual_seed(seed)
+        r = Request(
+            request_id,
+            prompt,
+            params,
+            priority=priority,
+            arrival=arrival,
+            trajectory_id=trajectory_id,
+            group_id=group_id,
+            namespace=self.weight_version if self.cfg.salt_cache_by_version else None,
+            generator=generator,
+        )
+        self.requests[request_id] = r
+        self._enqueue(r)
+        return r
+
+    def abort(self, request_id: str) -> bool:
+        r = self.requests.get(request_id)
+        if r is None or r.finished:
+            return False
+        self._finish(r, "abort")
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def pop_finished(self, request_id: str) -> GenerationOutput:
+        r = self.requests.pop(request_id)
+        assert r.finished, f"{request_id} has not finished"
+        return GenerationOutput.of(r)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[GenerationOutput]:
+        """Run prompts to completion (all submitted at once) and return outputs in order."""
+        per = params if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        ids = [self.add_request(p, sp).request_id for p, sp in zip(prompts, per, strict=True)]
+        while self.has_work():
+            self.step()
+        return [self.pop_finished(i) for i in ids]
+
+    # -- the step -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[Request]:
+        """Run one forward pass; returns the requests that finished in it."""
+        plan = self.scheduler.schedule(self._snapshot())
+        for rid in plan.preempt:
+            self._preempt(self.requests[rid])
+        work: list[tuple[Request, int]] = []
+        for rid, n in plan.run:
+            r = self.requests[rid]
+            if r.status is Status.WAITING:
+                self._admit(r)
+            n = min(n, r.tokens_to_compute)
+            if n > 0 and self._reserve_pages(r, n):
+                work.append((r, n))
+        if not work:
+            return []
+        work.sort(key=lambda item: item[1] > 1)
+        batch = self._build_batch(work)
+        logits = self.model(batch, self.kv)
+        self.stats.steps += 1
+        return self._postprocess(work, logits)
+
+    def _snapshot(self) -> EngineSnapshot:
+        ps = self.page_size
+        running = []
+        for r in self.running:
+            running.append(
+                RequestView(
+                    r.request_id,
+                    r.priority,
+                    r.arrival,
+                    r.num_computed,
+                    r.tokens_to_compute,
+                    pages_held=len(r.pages),
+                    pages_releasable=len(r.pages) - r.num_shared_pages,
+                )
+            )
+        prefilling = [r for r in self.running if r.tokens_to_compute > 1]
+        waiting = []
+        for r in self.waiting[: 2 * self.cfg.max_running]:
+            cached = self._cached_prefix_len(r)
+            key, in_flight = None, False
+            if self.cfg.prefix_cache and r.num_tokens - cached > ps:
+                head = r.all_ids[: cached + ps]
+                key = (r.namespace, tuple(head))
+                in_flight = any(
+                    o.namespace == r.namespace
+                    and o.num_computed <= cached
+                    and o.all_ids[: cached + ps] == head
+                    for o in prefilling
+                )
+            waiting.append(
+                RequestView(
+                    r.request_id,
+                    r.priority,
+                    r.arrival,
+                    cached,
+                    r.num_tokens - cached,
+                    pages_held=cached // ps,
+                    pages_releasable=0,
+                    prefix_key=key,
+                    prefix_in_flight=in_flight,
+                )
+            )
+        return EngineSnapshot(
+            running=running,
+            waiting=waiting,
+            free_pages=self.kv.device_pages.num_free + self.tree.evictable_pages,
+            page_size=ps,
+            token_budget=self.cfg.token_budget,
+            max_running=self.cfg.max_running,
+        )
+
+    def _cached_prefix_len(self, r: Request) -> int:
+        if not self.cfg.prefix_cache:
+            return 0
+        # At least the last token is computed, to produce the logits of the next one.
+        match = self.tree.match(r.all_ids[: r.num_tokens - 1], r.namespace)
+        return len(match.pages) * self.page_size
+
+    def _build_batch(self, work: Sequence[tuple[Request, int]]) -> StepBatch:
+        ps, dev = self.page_size, self.device
+        group = self.model.config.num_heads // self.model.config.num_kv_heads
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        decode_pages: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSpan] = []
+        for r, n in work:
+            start = r.num_computed
+            row = len(input_ids)
+            input_ids.extend(r.all_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(r.pages[p // ps] * ps + p % ps for p in range(start, start + n))
+            if start + n == r.num_tokens:
+                logits_rows.append(row + n - 1)
+            used = r.pages[: -(-(start + n) // ps)]
+            if n == 1:
+                decode_pages.append(used)
+                decode_lens.append(start + 1)
+            else:
+                prefills.append(
+                    PrefillSpan(
+                        row,
+                        n,
+                        torch.tensor(used, device=dev),
+                        start + n,
+                        causal_mask(start, n, group, dev),
+                    )
+                )
+        width = max((len(p) for p in decode_pages), default=0)
+        padded = [p + [0] * (width - len(p)) for p in decode_pages]
+        lens = torch.tensor(decode_lens, device=dev)
+        decode_mask = (torch.arange(width * ps, device=dev)[None, :] < lens[:, None])[None, :, None]
+        return StepBatch(
+            input_ids=torch.tensor(input_ids, device=dev),
+            positions=torch.tensor(positions, device=dev),
+            slots=torch.tensor(slots, device=dev),
+            logits_rows=torch.tensor(logits_rows, device=dev, dtype=torch.long),
+            num_decode=len(decode_pages),
+            decode_pages=torch.tensor(padded, device=dev, dtype=torch.long).view(len(padded), width),
+            decode_mask=decode_mask,
+            prefills=tuple(prefills),
+        )
+
+    def _postprocess(self, work: Sequence[tuple[Request, int]], logits: torch.Tensor) -> list[Request]:
+        sampling = []
+        for r, n in work:
+            r.num_computed += n
+            self.stats.computed_tokens += n
+            if r.num_computed == r.num_tokens:
+                sampling.append(r)
+        tokens, logprobs = sample(
+            logits, [r.params for r in sampling], [r.generator for r in sampling]
+        )
+        finished = []
+        for r, token, logprob in zip(sampling, tokens, logprobs, strict=True):
+            r.output_ids.append(token)
+            r.output_logprobs.append(logprob)
+            r.output_versions.append(self.weight_version)
+            self.stats.generated_tokens += 1
+            reason = self._stop_reason(r, token)
+            if reason is not None:
+                self._finish(r, reason)
+                finished.append(r)
+        if self.cfg.prefix_cache:
+            for r, n in work:
+                if n > 1 and not r.finished:
+                    self._cache_prefix(r)  # siblings waiting on this prompt can now match it
+        return finished
+
+    def _stop_reason(self, r: Request, token: int) -> str | None:
+        p = r.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if p.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(r.output_ids)
+            if any(s in text for s in p.stop):
+                return "stop"
+        if len(r.output_ids) >= p.max_tokens or r.num_tokens >= self.max_context:
+            return "length"
+        return None
+
+    # -- KV bookkeeping -----------------------------------------------------------------------
+
+    def _enqueue(self, r: Request) -> None:
+        r.status = Status.WAITING
+        bisect.insort(self.waiting, r, key=lambda x: (-x.priority, x.arrival))
+
+    def _admit(self, r: Request) -> None:
+        self.waiting.remove(r)
+        if self.cfg.prefix_cache:
+            match = self.tree.match(r.all_ids[: r.num_tokens - 1], r.namespace)
+            if match.pages:
+                self.tree.lock(match.node)
+                r.tree_node = match.node
+                r.pages = list(match.pages)
+                r.num_shared_pages = len(match.pages)
+                r.num_computed = len(match.pages) * self.page_size
+        r.admissions += 1
+        if r.admissions == 1:
+            r.cached_prompt_tokens = min(r.num_computed, len(r.prompt_ids))
+            self.stats.prompt_tokens += len(r.prompt_ids)
+            self.stats.cached_prompt_tokens += r.cached_prompt_tokens
+        r.status = Status.RUNNING
+        self.running.append(r)
+
+    def _reserve_pages(self, r: Request, n: int) -> bool:
+        need = -(-(r.num_computed + n) // self.page_size) - len(r.pages)
+        if need <= 0:
+            return True
+        alloc = self.kv.device_pages
+        if need > alloc.num_free:
+            alloc.free(self.tree.evict(need - alloc.num_free))
+        if need > alloc.num_free:
+            return False
+        r.pages.extend(alloc.allocate(need))
+        return True
+
+    def _cache_prefix(self, r: Request) -> None:
+        """Hand the request's full, computed pages to the radix tree; it keeps reading them."""
+        full = r.num_computed // self.page_size
+        if full <= r.num_shared_pages:
+            return
+        tokens = r.all_ids[: full * self.page_size]
+        tree_pages = self.tree.insert(tokens, r.pages[:full], r.namespace)
+        duplicates = [
+            own
+            for own, cached in zip(r.pages[r.num_shared_pages : full], tree_pages[r.num_shared_pages :])
+            if own != cached
+        ]
+        self.kv.device_pages.free(duplicates)
+        r.pages[:full] = tree_pages
+        match = self.tree.match(tokens, r.namespace)
+        self.tree.lock(match.node)
+        if r.tree_node is not None:
+            self.tree.unlock(r.tree_node)
+        r.tree_node, r.num_shared_pages = match.node, full
+
+    def _release_kv(self, r: Request) -> None:
+        if self.cfg.prefix_cache:
+            self._cache_prefix(r)
+        self.kv.device_pages.free(r.pages[r.num_shared_pages :])
+        if r.tree_node is not None:
+            self.tree.unlock(r.tree_node)
+        r.pages, r.num_shared_pages, r.tree_node, r.num_computed = [], 0, None, 0
+
+    def _preempt(self, r: Request) -> None:
+        self.running.remove(r)
+        self._release_kv(r)
+        self.stats.preemptions += 1
+        self._enqueue(r)
+
+    def _finish(self, r: Request, reason: str) -> None:
+        if r.status is Status.RUNNING:
+            self.running.remove(r)
+            self._release_kv(r)
+        elif r.status is Status.WAITING:
+            self.waiting.remove(r)
+        r.status, r.finish_reason = Status.FINISHED, reason
+        self.stats.finished += 1
+
+    # -- weights and cache --------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def update_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]] | str | Path,
+        version: int | None = None,
+        flush_cache: bool = False,
+    ) -> int:
+        """Load new weights in place between steps and bump the weight version.
+
+        Requests in flight keep their KV and continue; their later tokens record the new
+        version. `flush_cache` drops every cached prefix no running request holds; with
+        `engine.salt_cache_by_version`, requests submitted from now on never match KV computed
+        under an older version.
+        """
+        source = iter_safetensors(weights) if isinstance(weights, str | Path) else weights
+        self.model.load_weights(source)
+        self.weight_version = self.weight_version + 1 if version is None else version
+        if flush_cache:
+            self.flush_cache()
+        return self.weight_version
+
+    def flush_cache(self) -> int:
+        """Evict every unlocked prefix; returns the number of pages freed."""
+        pages = self.tree.evict(self.tree.evictable_pages)
+        self.kv.device_pages.free(pages)
+        return len(pages)
+
+    # -- invariants ---------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Allocator, tree and ownership invariants; tests call it after every step."""
+        self.kv.check()
+        self.tree.check()
+        owners: dict[int, str] = dict.fromkeys(self.tree.all_pages(), "tree")
+        for r in self.running:
+            assert r.status is Status.RUNNING
+            assert len(r.pages) * self.page_size >= r.num_computed
+            shared = set(r.pages[: r.num_shared_pages])
+            assert all(owners.get(p) == "tree" for p in shared), "shared page not in tree"
+            for p in r.pages[r.num_shared_pages :]:
+                assert p not in owners, f"page {p} owned by {owners.get(p)} and {r.request_id}"
+                owners[p] = r.request_id
+        for r in self.waiting:
+            assert r.status is Status.WAITING and not r.pages and r.tree_node is None
+        free = set(self.kv.device_pages.free_page_ids())
+        assert not free & set(owners), "a free page is also owned"
+        assert 0 not in owners, "the padding page is in use"
+        assert len(free) + len(owners) == self.kv.device_pages.capacity, "a page leaked"

@@ -1,0 +1,284 @@
+"""Decoder-only transformer for Hugging Face `qwen3`, `qwen2` and `llama` checkpoints.
+
+The three differ only in small switches read from `config.json`: Qwen3 normalises each head's
+queries and keys (QK norm) and has no q/k/v bias; Qwen2 has q/k/v bias and no QK norm; Llama has
+neither. Weights keep Hugging Face names on the way in (`load_weights`), but q/k/v and gate/up
+are stored fused, which halves the number of matmuls per layer.
+
+`forward` runs one engine step over a packed batch of tokens from many sequences (no padding in
+the matmuls), reading and writing the paged KV cache through `attention.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from venusrl.engine.attention import StepBatch, paged_attention
+from venusrl.engine.kv_cache import KVCache
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
+
+
+class ModelConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any]) -> ModelConfig:
+        """Read a Hugging Face `config.json` dict; unsupported features are clear errors."""
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelConfigError(
+                f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}"
+            )
+
+        def need(key: str) -> Any:
+            if key not in hf:
+                raise ModelConfigError(f"config.json lacks {key!r} (model_type {model_type})")
+            return hf[key]
+
+        scaling = hf.get("rope_scaling")
+        if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+            raise ModelConfigError(f"rope_scaling {scaling!r} is not supported yet")
+        num_heads = int(need("num_attention_heads"))
+        hidden = int(need("hidden_size"))
+        num_kv_heads = int(hf.get("num_key_value_heads") or num_heads)
+        if num_heads % num_kv_heads:
+            raise ModelConfigError(
+                f"num_attention_heads ({num_heads}) must be a multiple of "
+                f"num_key_value_heads ({num_kv_heads})"
+            )
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        if model_type == "qwen2":
+            attention_bias = True
+        else:
+            attention_bias = bool(hf.get("attention_bias", False))
+        return cls(
+            model_type=model_type,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=int(hf.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(hf.get("rope_theta", 10000.0)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            qk_norm=model_type == "qwen3",
+            eos_token_ids=eos_ids,
+        )
+
+    @property
+    def num_params(self) -> int:
+        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * (attn + mlp) + embed
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding in the Hugging Face (rotate-half) convention."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
+        super().__init__()
+        self.head_dim, self.theta, self.max_positions = head_dim, theta, max_positions
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.reset_cache()
+
+    def reset_cache(self, device: torch.device | str | None = None) -> None:
+        """(Re)compute the cos/sin tables in float64 then store fp32, on `device`."""
+        device = torch.device(device) if device is not None else self.cos.device
+        steps = torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device)
+        inv_freq = 1.0 / (self.theta ** (steps / self.head_dim))
+        positions = torch.arange(self.max_positions, dtype=torch.float64, device=device)
+        emb = torch.outer(positions, inv_freq).repeat(1, 2)
+        self.cos, self.sin = emb.cos().float(), emb.sin().float()
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [tokens, heads, head_dim]."""
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_dim + 2 * kv_dim, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, rotary: Rotary, batch: StepBatch, kv: KVCache
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        h = self.input_layernorm(x)
+        kv_dim = self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(h).split([self.num_heads * self.head_dim, kv_dim, kv_dim], dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(q, batch.positions), rotary(k, batch.positions)
+        attn = paged_attention(q, k, v, kv.layer(self.layer_index), batch)
+        x = x + self.o_proj(attn)
+        h = self.post_attention_layernorm(x)
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+
+    def forward(self, batch: StepBatch, kv: KVCache) -> torch.Tensor:
+        """Runs every token of the step; returns logits for `batch.logits_rows` only."""
+        x = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            x = layer(x, self.rotary, batch, kv)
+        x = self.norm(x.index_select(0, batch.logits_rows))
+        return self.lm_head(x).float()
+
+    # -- weights in Hugging Face naming --------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into this model, in place.
+
+        Every parameter must be covered exactly; a missing, unexpected or misshaped tensor is an
+        error that names it. Copying in place keeps tensor identity, so a running engine can be
+        updated between steps without rebuilding anything.
+        """
+        targets = self._hf_targets()
+        seen: set[str] = set()
+        for name, tensor in weights:
+            if name not in targets:
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue
+                if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                    continue
+                raise ModelConfigError(f"unexpected weight {name!r}")
+            dst = targets[name]
+            if tuple(tensor.shape) != tuple(dst.shape):
+                raise ModelConfigError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
+                )
+            with torch.no_grad():
+                dst.copy_(tensor)
+            seen.add(name)
+        missing = sorted(set(targets) - seen)
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ModelConfigError(f"{len(missing)} weights missing: {shown}")
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """This model's weights under Hugging Face names (views into the fused tensors)."""
+        return {name: t.detach() for name, t in self._hf_targets().items()}
+
+    def _hf_targets(self) -> dict[str, torch.Tensor]:
+        cfg = self.config
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        out: dict[str, torch.Tensor] = {
+            "model.embed_tokens.weight": self.embed_tokens.weight,
+            "model.norm.weight": self.norm.weight,
+        }
+        if not cfg.tie_word_embeddings:
+            out["lm_head.weight"] = self.lm_head.weight
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, DecoderLayer)
+            p = f"model.layers.{i}."
+            qkv, gate_up = layer.qkv_proj.weight, layer.gate_up_proj.weight
+            out[p + "self_attn.q_proj.weight"] = qkv[:q_dim]
+            out[p + "self_attn.k_proj.weight"] = qkv[q_dim : q_dim + kv_dim]
+            out[p + "self_attn.v_proj.weight"] = qkv[q_dim + kv_dim :]
+            if layer.qkv_proj.bias is not None:
+                bias = layer.qkv_proj.bias
+                out[p + "self_attn.q_proj.bias"] = bias[:q_dim]
+                out[p + "self_attn.k_proj.bias"] = bias[q_dim : q_dim + kv_dim]
+                out[p + "self_attn.v_proj.bias"] = bias[q_dim + kv_dim :]
+            out[p + "self_attn.o_proj.weight"] = layer.o_proj.weight
+            if layer.q_norm is not None and layer.k_norm is not None:
+                out[p + "self_attn.q_norm.weight"] = layer.q_norm.weight
+                out[p + "self_attn.k_norm.weight"] = layer.k_norm.weight
+            out[p + "mlp.gate_proj.weight"] = gate_up[: cfg.intermediate_size]
+            out[p + "mlp.up_proj.weight"] = gate_up[cfg.intermediate_size :]
+            out[p + "mlp.down_proj.weight"] = layer.down_proj.weight
+            out[p + "input_layernorm.weight"] = layer.input_layernorm.weight
+            out[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
+        return out
+
+    def init_random(self, seed: int, std: float = 0.02) -> None:
+        """Random weights as Hugging Face initialises them (normal(0, std), norms at 1)."""
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, t in self._hf_targets().items():
+                if name.endswith("norm.weight"):
+                    t.fill_(1.0)
+                elif name.endswith(".bias"):
+                    t.zero_()
+                else:
+                    t.copy_(torch.randn(t.shape, generator=g) * std)
+

@@ -1,0 +1,163 @@
+"""Reading and writing Hugging Face-format model directories.
+
+A model directory holds `config.json` and one or more `*.safetensors` files (sharded ones are
+listed in `model.safetensors.index.json`), optionally `tokenizer.json`, `tokenizer_config.json`
+and `generation_config.json`. `init_model_dir` writes a random-weight directory from a named
+preset or a given config, for tests, demos and benchmarks.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from venusrl.engine.model import CausalLM, ModelConfig, ModelConfigError
+from venusrl.engine.tokenizer import BYTE_LEVEL_SPECIAL_TOKENS, write_byte_level_tokenizer
+
+# Shapes for demos and benchmarks. `tiny` is the engine-benchmark shape of shared/MEASURED.md;
+# `small` is ~100M parameters, where compute rather than Python overhead dominates on CPU.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+    ),
+    "small": dict(
+        vocab_size=32768,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        head_dim=64,
+    ),
+    "qwen3-0.6b": dict(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+    ),
+}
+QWEN3_DEFAULTS: dict[str, Any] = dict(
+    model_type="qwen3",
+    architectures=["Qwen3ForCausalLM"],
+    hidden_act="silu",
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+    attention_bias=False,
+    torch_dtype="float32",
+)
+
+
+def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ModelConfigError(f"model directory {path} does not exist")
+    config_path = path / "config.json"
+    if not config_path.exists():
+        raise ModelConfigError(f"{path} has no config.json; is it a Hugging Face model directory?")
+    hf: dict[str, Any] = json.loads(config_path.read_text())
+    gen_path = path / "generation_config.json"
+    if gen_path.exists():  # generation_config's eos list wins, as in transformers
+        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        if eos is not None:
+            hf["eos_token_id"] = eos
+    return hf
+
+
+def read_model_config(model_dir: str | Path) -> ModelConfig:
+    return ModelConfig.from_hf(read_hf_config(model_dir))
+
+
+def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    path = Path(model_dir)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({path / f for f in weight_map.values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelConfigError(f"{path} holds no *.safetensors weights")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, f.get_tensor(name)
+
+
+def load_model(
+    model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> CausalLM:
+    cfg = read_model_config(model_dir)
+    model = build_model(cfg, device, dtype)
+    model.load_weights(iter_safetensors(model_dir))
+    return model.eval()
+
+
+def build_model(
+    cfg: ModelConfig, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> CausalLM:
+    """An uninitialised model (weights are filled by `load_weights` or `init_random`)."""
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    model.rotary.reset_cache(device)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model
+
+
+def save_model(model: CausalLM, model_dir: str | Path, hf_config: Mapping[str, Any]) -> None:
+    """Write weights and config.json in Hugging Face format (a single safetensors file)."""
+    path = Path(model_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.hf_state_dict().items()}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(dict(hf_config), indent=2) + "\n")
+
+
+def init_model_dir(
+    out_dir: str | Path,
+    preset: str | None = "tiny",
+    overrides: Mapping[str, Any] | None = None,
+    seed: int = 0,
+    tokenizer: bool = True,
+) -> Path:
+    """Write a random-weight Qwen3 model directory with a byte-level tokenizer."""
+    if preset is not None and preset not in PRESETS:
+        raise ModelConfigError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
+    hf = {**QWEN3_DEFAULTS, **(PRESETS[preset] if preset else {}), **(overrides or {})}
+    if tokenizer:
+        first_special = 256
+        if hf["vocab_size"] < first_special + len(BYTE_LEVEL_SPECIAL_TOKENS):
+            raise ModelConfigError(
+                f"vocab_size {hf['vocab_size']} is too small for the byte-level tokenizer "
+                f"(needs >= {first_special + len(BYTE_LEVEL_SPECIAL_TOKENS)})"
+            )
+        hf.setdefault("eos_token_id", first_special + BYTE_LEVEL_SPECIAL_TOKENS.index("<|im_end|>"))
+        hf.setdefault("bos_token_id", None)
+    cfg = ModelConfig.from_hf(hf)
+    model = build_model(cfg)
+    model.init_random(seed)
+    path = Path(out_dir)
+    save_model(model, path, hf)
+    if tokenizer:
+        write_byte_level_tokenizer(path, cfg.max_position_embeddings)
+    return path

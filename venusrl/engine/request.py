@@ -1,0 +1,122 @@
+"""A generation request: what was asked, what was produced, and where its KV lives."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from venusrl.engine.radix_tree import RadixNode
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. `temperature == 0` is greedy.
+
+    Logprobs are those of the sampled token under softmax(logits / temperature) (raw logits when
+    greedy), before top-k/top-p truncation: the behaviour policy a trainer corrects against.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.max_tokens < 1:
+            problems.append(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            problems.append(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            problems.append(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if any(not s for s in self.stop):
+            problems.append("stop strings must not be empty")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int = 0  # higher runs first
+    arrival: int = 0  # order of arrival, the FIFO tie-break
+    trajectory_id: str | None = None
+    group_id: str | None = None
+    namespace: object = None  # radix-cache namespace, fixed at submission
+
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_versions: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache on admission
+    admissions: int = 0  # > 1 after a preemption
+
+    # KV state. pages[:num_shared_pages] are borrowed from the radix tree and protected by a
+    # lock on `tree_node`; the rest are owned by this request.
+    pages: list[int] = field(default_factory=list)
+    num_shared_pages: int = 0
+    tree_node: RadixNode | None = None
+    num_computed: int = 0  # tokens of all_ids whose KV sits in pages
+    generator: torch.Generator | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def tokens_to_compute(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    weight_versions: list[int]
+    finish_reason: str
+    cached_prompt_tokens: int
+
+    @classmethod
+    def of(cls, r: Request) -> GenerationOutput:
+        assert r.finish_reason is not None
+        return cls(
+            r.request_id,
+            list(r.prompt_ids),
+            list(r.output_ids),
+            list(r.output_logprobs),
+            list(r.output_versions),
+            r.finish_reason,
+            r.cached_prompt_tokens,
+        )

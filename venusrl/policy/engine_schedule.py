@@ -1,0 +1,127 @@
+"""Which requests an engine step runs, how many tokens each, and whom it preempts.
+
+Pure policy (DESIGN.md contract 1): it sees a snapshot of the engine's queues and KV occupancy and
+returns a plan; it reads no clock, does no I/O and imports neither torch nor Ray, so the engine and
+the simulator run the same object.
+
+`PriorityScheduler` is continuous batching with chunked prefill under a token budget:
+
+1. Running requests go first, in priority order (higher `priority` first, then arrival). Each
+   runs one token (decode) or its next prefill chunk, within the step's token budget.
+2. Waiting requests are then admitted in the same order while slots, budget and pages last. A
+   waiting request whose next uncached page another request is computing right now (a GRPO
+   sibling) is deferred, so the shared prompt is computed once and then served from the cache.
+3. When pages run short, running requests of *strictly lower* priority are preempted, lowest
+   priority and latest arrival first. High-priority work therefore never waits behind
+   low-priority work, and requests of equal priority never preempt each other to get in.
+
+With every priority equal it is plain FCFS continuous batching.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RequestView:
+    request_id: str
+    priority: int
+    arrival: int
+    num_computed: int  # tokens with KV already in pages (for waiting: the prefix-cache hit)
+    tokens_to_compute: int
+    pages_held: int  # device pages the request would keep using (shared prefix included)
+    pages_releasable: int  # device pages freed or made evictable if it is preempted
+    prefix_key: Hashable | None = None  # identity of its next uncached page (waiting only)
+    prefix_in_flight: bool = False  # another running request is computing that page now
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    running: Sequence[RequestView]
+    waiting: Sequence[RequestView]  # the head of the queue, in `queue_order`
+    free_pages: int  # free in the allocator plus evictable in the prefix cache
+    page_size: int
+    token_budget: int
+    max_running: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    run: tuple[tuple[str, int], ...]  # (request_id, tokens this step), decode tokens first
+    preempt: tuple[str, ...]
+
+
+def pages_needed(view: RequestView, num_tokens: int, page_size: int) -> int:
+    total = -(-(view.num_computed + num_tokens) // page_size)
+    return max(0, total - view.pages_held)
+
+
+class PriorityScheduler:
+    def queue_order(self, view: RequestView) -> tuple[int, int]:
+        """Sort key of the waiting queue and of the running set: priority, then arrival."""
+        return (-view.priority, view.arrival)
+
+    def schedule(self, snap: EngineSnapshot) -> StepPlan:
+        budget, free = snap.token_budget, snap.free_pages
+        planned: dict[str, int] = {}
+        preempted: list[str] = []
+        by_order = sorted(snap.running, key=self.queue_order)
+        victims = list(by_order)  # the last one is preempted first
+
+        def make_room(need: int, view: RequestView, waiting: bool) -> bool:
+            """Preempt victims until `need` pages are free. A waiting request may only displace
+            strictly lower priority; a running one any request behind it in queue order, so
+            equal-priority requests cannot deadlock on a full cache."""
+            nonlocal free, budget
+            while need > free and victims:
+                victim = victims[-1]
+                if victim is view or (
+                    victim.priority >= view.priority
+                    if waiting
+                    else self.queue_order(victim) <= self.queue_order(view)
+                ):
+                    break
+                victims.pop()
+                if victim.request_id in planned:
+                    tokens = planned.pop(victim.request_id)
+                    budget += tokens
+                    free += pages_needed(victim, tokens, snap.page_size)
+                preempted.append(victim.request_id)
+                free += victim.pages_releasable
+            return need <= free
+
+        def plan(view: RequestView, waiting: bool) -> bool:
+            nonlocal free, budget
+            n = min(view.tokens_to_compute, budget)
+            need = pages_needed(view, n, snap.page_size)
+            if not make_room(need, view, waiting):
+                return False
+            planned[view.request_id] = n
+            free -= need
+            budget -= n
+            return True
+
+        # Decodes before prefill chunks, so a long prompt never starves the decoding batch.
+        for view in sorted(by_order, key=lambda v: v.tokens_to_compute > 1):
+            if budget > 0 and view.request_id not in preempted:
+                plan(view, waiting=False)  # if it gets no pages it waits a step
+
+        prefixes_in_flight = set()
+        active = len(snap.running) - len(preempted)
+        for view in snap.waiting:
+            if budget <= 0 or active >= snap.max_running:
+                break
+            if view.prefix_in_flight or (
+                view.prefix_key is not None and view.prefix_key in prefixes_in_flight
+            ):
+                continue  # a sibling computes the shared prefix; admit it once that is cached
+            if not plan(view, waiting=True):
+                break  # FCFS within a priority: later arrivals do not jump the queue
+            active += 1
+            if view.prefix_key is not None:
+                prefixes_in_flight.add(view.prefix_key)
+
+        run = sorted(planned.items(), key=lambda item: item[1] > 1)
+        return StepPlan(run=tuple(run), preempt=tuple(preempted))
