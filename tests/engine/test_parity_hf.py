@@ -62,10 +62,12 @@ def prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
 
 
-def reference_tokens(hf: Any, prompt: list[int]) -> list[int]:
+def reference_tokens(hf: Any, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
+    """HF greedy generation that, like `ignore_eos`, neither stops at nor suppresses EOS."""
+    hf.generation_config.eos_token_id = None
     out = hf.generate(
-        torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-        do_sample=False, attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
     )
     return out[0, len(prompt):].tolist()
 

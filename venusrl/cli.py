@@ -1,0 +1,116 @@
+"""`venusrl` command line: serve | model init | generate."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from venusrl.config import ConfigError, load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="venusrl", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible + /generate)")
+    serve.add_argument("--model", help="Hugging Face-format model directory")
+    serve.add_argument("--host", help="bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default 8000)")
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
+    _config_args(serve)
+
+    model = sub.add_parser("model", help="model directories")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    init = model_sub.add_parser("init", help="write a random-weight Qwen3 model directory")
+    init.add_argument("out", help="directory to write")
+    init.add_argument("--preset", default="tiny", help="named shape: tiny, small, qwen3-0.6b")
+    init.add_argument("--config", dest="hf_config", help="JSON file of config.json fields")
+    init.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="override one config.json field, e.g. --set num_hidden_layers=2")
+    init.add_argument("--seed", type=int, default=0)
+
+    gen = sub.add_parser("generate", help="generate from a prompt in-process and print JSON")
+    gen.add_argument("--model", required=True)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int)
+    _config_args(gen)
+
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "model":
+            return _model_init(args)
+        return _generate(args)
+    except (ConfigError, ValueError, OSError) as e:
+        print(f"venusrl {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML config file")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="dotted config overrides, e.g. engine.page_size=32")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from venusrl.engine.engine import Engine
+    from venusrl.engine.server import create_app
+
+    overrides = list(args.overrides)
+    for flag, key in ((args.model, "model"), (args.host, "server.host"),
+                      (args.port, "server.port"), (args.api_key, "server.api_key")):
+        if flag is not None:
+            overrides.append(f"{key}={flag}")
+    cfg = load_config(args.config, overrides)
+    if cfg.model is None:
+        raise ConfigError("no model: pass --model DIR or set `model` in the config")
+    engine = Engine.from_model_dir(cfg.model, cfg.engine)
+    name = cfg.server.model_name or Path(cfg.model).name
+    app = create_app(engine, name, cfg.server.api_key)
+    uvicorn.run(app, host=cfg.server.host, port=cfg.server.port, log_level="warning")
+    return 0
+
+
+def _model_init(args: argparse.Namespace) -> int:
+    import yaml
+
+    from venusrl.engine.model_dir import init_model_dir
+
+    fields: dict[str, Any] = {}
+    if args.hf_config:
+        fields.update(json.loads(Path(args.hf_config).read_text()))
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r} must look like key=value")
+        fields[key] = yaml.safe_load(value)
+    path = init_model_dir(args.out, args.preset, fields, seed=args.seed)
+    print(json.dumps({"model_dir": str(path)}))
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from venusrl.engine.engine import Engine
+    from venusrl.engine.request import SamplingParams
+
+    cfg = load_config(args.config, args.overrides)
+    engine = Engine.from_model_dir(args.model, cfg.engine)
+    if engine.tokenizer is None:
+        raise ValueError(f"{args.model} has no tokenizer.json; use the server's token-id API")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    (out,) = engine.generate([engine.tokenizer.encode(args.prompt)], params)
+    print(json.dumps({"text": engine.tokenizer.decode(out.token_ids), "token_ids": out.token_ids,
+                      "finish_reason": out.finish_reason}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
