@@ -102,6 +102,7 @@ def main() -> None:
     )
     startup_s = time.perf_counter() - t0
     try:
+
         def params(n: int) -> SamplingParams:
             return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
 

@@ -28,8 +28,13 @@ def main(argv: list[str] | None = None) -> int:
     init.add_argument("out", help="directory to write")
     init.add_argument("--preset", default="tiny", help="named shape: tiny, small, qwen3-0.6b")
     init.add_argument("--config", dest="hf_config", help="JSON file of config.json fields")
-    init.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                      help="override one config.json field, e.g. --set num_hidden_layers=2")
+    init.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config.json field, e.g. --set num_hidden_layers=2",
+    )
     init.add_argument("--seed", type=int, default=0)
 
     gen = sub.add_parser("generate", help="generate from a prompt in-process and print JSON")
@@ -54,8 +59,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML config file")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                   help="dotted config overrides, e.g. engine.page_size=32")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="dotted config overrides, e.g. engine.page_size=32",
+    )
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -65,8 +74,12 @@ def _serve(args: argparse.Namespace) -> int:
     from venusrl.engine.server import create_app
 
     overrides = list(args.overrides)
-    for flag, key in ((args.model, "model"), (args.host, "server.host"),
-                      (args.port, "server.port"), (args.api_key, "server.api_key")):
+    for flag, key in (
+        (args.model, "model"),
+        (args.host, "server.host"),
+        (args.port, "server.port"),
+        (args.api_key, "server.api_key"),
+    ):
         if flag is not None:
             overrides.append(f"{key}={flag}")
     cfg = load_config(args.config, overrides)
@@ -105,10 +118,19 @@ def _generate(args: argparse.Namespace) -> int:
     engine = Engine.from_model_dir(args.model, cfg.engine)
     if engine.tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer.json; use the server's token-id API")
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+    )
     (out,) = engine.generate([engine.tokenizer.encode(args.prompt)], params)
-    print(json.dumps({"text": engine.tokenizer.decode(out.token_ids), "token_ids": out.token_ids,
-                      "finish_reason": out.finish_reason}))
+    print(
+        json.dumps(
+            {
+                "text": engine.tokenizer.decode(out.token_ids),
+                "token_ids": out.token_ids,
+                "finish_reason": out.finish_reason,
+            }
+        )
+    )
     return 0
 
 

@@ -76,7 +76,9 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
         if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {path} must hold a mapping, got {type(loaded).__name__}")
+            raise ConfigError(
+                f"config file {path} must hold a mapping, got {type(loaded).__name__}"
+            )
         data = loaded or {}
     for item in overrides:
         apply_override(data, item)
@@ -84,7 +86,7 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
 
 
 def apply_override(data: dict[str, Any], item: str) -> None:
-    """Set `data[a][b][c]` from `a.b.c=value`; the value is parsed as YAML (`1e-5`, `true`, `[1,2]`)."""
+    """Set `data[a][b][c]` from `a.b.c=value`; the value is parsed as YAML (`1e-5`, `[1,2]`)."""
     key, sep, raw = item.partition("=")
     key = key.strip()
     if not sep or not key or any(not part for part in key.split(".")):

@@ -20,22 +20,33 @@ LOGPROB_TOL = 1e-4
 SHAPES: dict[str, dict[str, Any]] = {
     # GQA ratio 1, head_dim (32) != hidden / heads (16), tied embeddings, 2 layers
     "qwen3-mha-tied": dict(
-        model_type="qwen3", num_attention_heads=4, num_key_value_heads=4, head_dim=32,
-        tie_word_embeddings=True, num_hidden_layers=2,
+        model_type="qwen3",
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+        tie_word_embeddings=True,
+        num_hidden_layers=2,
     ),
     # GQA ratio 2, untied, 3 layers
     "qwen3-gqa2": dict(model_type="qwen3", num_key_value_heads=2, head_dim=16, num_hidden_layers=3),
     # GQA ratio 4, head_dim 24, 6 layers
     "qwen3-gqa4-deep": dict(
-        model_type="qwen3", num_attention_heads=8, num_key_value_heads=2, head_dim=24,
+        model_type="qwen3",
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=24,
         num_hidden_layers=6,
     ),
     # q/k/v bias, no QK norm
     "qwen2-bias": dict(model_type="qwen2", num_key_value_heads=2, num_hidden_layers=2),
     # neither bias nor QK norm, GQA ratio 4
     "llama-gqa4": dict(
-        model_type="llama", num_attention_heads=8, num_key_value_heads=2, head_dim=8,
-        num_hidden_layers=3, tie_word_embeddings=True,
+        model_type="llama",
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_hidden_layers=3,
+        tie_word_embeddings=True,
     ),
 }
 
@@ -66,10 +77,12 @@ def reference_tokens(hf: Any, prompt: list[int], n: int = NEW_TOKENS) -> list[in
     """HF greedy generation that, like `ignore_eos`, neither stops at nor suppresses EOS."""
     hf.generation_config.eos_token_id = None
     out = hf.generate(
-        torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+        torch.tensor([prompt]),
+        max_new_tokens=n,
+        do_sample=False,
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
     )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def reference_logprobs(hf: Any, prompt: list[int], tokens: list[int]) -> torch.Tensor:
@@ -84,10 +97,14 @@ def assert_matches_reference(hf: Any, prompt: list[int], out: GenerationOutput) 
     assert len(set(expected)) > 4, "reference output too repetitive for a meaningful check"
     assert out.token_ids == expected
     ours = torch.tensor(out.logprobs)
-    torch.testing.assert_close(ours, reference_logprobs(hf, prompt, expected), atol=LOGPROB_TOL, rtol=0)
+    torch.testing.assert_close(
+        ours, reference_logprobs(hf, prompt, expected), atol=LOGPROB_TOL, rtol=0
+    )
 
 
-def run_checked(engine: Engine, batch: list[list[int]], params: SamplingParams = GREEDY) -> list[GenerationOutput]:
+def run_checked(
+    engine: Engine, batch: list[list[int]], params: SamplingParams = GREEDY
+) -> list[GenerationOutput]:
     ids = [engine.add_request(p, params).request_id for p in batch]
     while engine.has_work():
         engine.step()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -49,10 +48,26 @@ def server(model_dir: Path) -> Iterator[str]:
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "venusrl.cli", "serve", "--model", str(model_dir), "--port",
-         str(port), "--api-key", API_KEY, "engine.threads=1", "engine.page_size=4",
-         "engine.device_kv_pages=512", "server.model_name=tiny"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "venusrl.cli",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--api-key",
+            API_KEY,
+            "engine.threads=1",
+            "engine.page_size=4",
+            "engine.device_kv_pages=512",
+            "server.model_name=tiny",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -82,20 +97,32 @@ def auth() -> dict[str, str]:
     return {"Authorization": f"Bearer {API_KEY}"}
 
 
-def test_openai_client_greedy_completion_matches_transformers(client: openai.OpenAI, reference: Any) -> None:
+def test_openai_client_greedy_completion_matches_transformers(
+    client: openai.OpenAI, reference: Any
+) -> None:
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(300, 512, (n,), generator=g).tolist() for n in (5, 23, 61)]
     for prompt in prompts:
-        resp = client.completions.create(model="tiny", prompt=prompt, max_tokens=32, temperature=0,
-                                         logprobs=0, extra_body={"ignore_eos": True})
+        resp = client.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=32,
+            temperature=0,
+            logprobs=0,
+            extra_body={"ignore_eos": True},
+        )
         choice = resp.choices[0]
         token_ids = choice.model_extra["token_ids"]
         expected = reference_tokens(reference, prompt, 32)
         assert len(set(expected)) > 4
         assert token_ids == expected
         assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
-        torch.testing.assert_close(torch.tensor(choice.logprobs.token_logprobs),
-                                   reference_logprobs(reference, prompt, expected), atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(choice.logprobs.token_logprobs),
+            reference_logprobs(reference, prompt, expected),
+            atol=1e-4,
+            rtol=0,
+        )
         assert resp.usage is not None and resp.usage.completion_tokens == 32
 
 
@@ -105,8 +132,13 @@ def test_models_endpoint_lists_the_served_model(client: openai.OpenAI) -> None:
 
 def test_chat_completion_applies_the_chat_template(client: openai.OpenAI, model_dir: Path) -> None:
     messages = [{"role": "user", "content": "What is 2+2?"}]
-    resp = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8,  # type: ignore[arg-type]
-                                          temperature=0, logprobs=True)
+    resp = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=8,  # type: ignore[arg-type]
+        temperature=0,
+        logprobs=True,
+    )
     tok = Tokenizer.load(model_dir)
     assert tok is not None
     expected_prompt = tok.encode(tok.apply_chat_template(messages))
@@ -122,17 +154,21 @@ def test_streamed_completion_yields_the_same_tokens(client: openai.OpenAI) -> No
     whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
     streamed: list[int] = []
     finish = None
-    for chunk in client.completions.create(model="tiny", prompt=prompt, max_tokens=12,
-                                           temperature=0, stream=True):
+    for chunk in client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True
+    ):
         streamed += chunk.choices[0].model_extra["token_ids"]
         finish = chunk.choices[0].finish_reason or finish
     assert streamed == whole.choices[0].model_extra["token_ids"]
     assert finish == "length"
 
 
-def test_seeded_sampling_is_reproducible_and_n_gives_distinct_samples(client: openai.OpenAI) -> None:
-    kwargs: dict[str, Any] = dict(model="tiny", prompt=list(range(300, 320)), max_tokens=16,
-                                  temperature=1.0, seed=11, n=3)
+def test_seeded_sampling_is_reproducible_and_n_gives_distinct_samples(
+    client: openai.OpenAI,
+) -> None:
+    kwargs: dict[str, Any] = dict(
+        model="tiny", prompt=list(range(300, 320)), max_tokens=16, temperature=1.0, seed=11, n=3
+    )
     a = client.completions.create(**kwargs)
     b = client.completions.create(**kwargs)
     ids_a = [c.model_extra["token_ids"] for c in a.choices]
@@ -141,8 +177,13 @@ def test_seeded_sampling_is_reproducible_and_n_gives_distinct_samples(client: op
 
 
 def test_native_generate_returns_tokens_logprobs_and_versions(server: str) -> None:
-    body = {"input_ids": list(range(300, 330)), "trajectory_id": "t1", "group_id": "g1",
-            "priority": 5, "sampling_params": {"max_tokens": 10, "temperature": 0}}
+    body = {
+        "input_ids": list(range(300, 330)),
+        "trajectory_id": "t1",
+        "group_id": "g1",
+        "priority": 5,
+        "sampling_params": {"max_tokens": 10, "temperature": 0},
+    }
     r = httpx.post(f"{server}/generate", json=body, headers=auth(), timeout=60)
     assert r.status_code == 200, r.text
     out = r.json()
@@ -162,25 +203,39 @@ def test_native_generate_returns_tokens_logprobs_and_versions(server: str) -> No
         ("/v1/completions", {"prompt": [1], "temperature": -1}, 400, "temperature"),
         ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
-        ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_tokenz": 3}}, 400, "max_tokenz"),
+        (
+            "/generate",
+            {"input_ids": [1, 2], "sampling_params": {"max_tokenz": 3}},
+            400,
+            "max_tokenz",
+        ),
         ("/generate", {"input_ids": [], "sampling_params": {}}, 400, "input_ids"),
         ("/update_weights", {"path": "/nonexistent"}, 400, "not a directory"),
     ],
 )
-def test_bad_requests_get_a_4xx_that_says_what_is_wrong(server: str, path: str, body: dict[str, Any],
-                                                         status: int, words: str) -> None:
+def test_bad_requests_get_a_4xx_that_says_what_is_wrong(
+    server: str, path: str, body: dict[str, Any], status: int, words: str
+) -> None:
     r = httpx.post(f"{server}{path}", json=body, headers=auth(), timeout=60)
     assert r.status_code == status, r.text
     assert words in r.json()["error"]["message"]
     # ... and the server keeps serving.
-    ok = httpx.post(f"{server}/v1/completions", json={"prompt": [300, 301], "max_tokens": 2},
-                    headers=auth(), timeout=60)
+    ok = httpx.post(
+        f"{server}/v1/completions",
+        json={"prompt": [300, 301], "max_tokens": 2},
+        headers=auth(),
+        timeout=60,
+    )
     assert ok.status_code == 200
 
 
 def test_malformed_json_is_a_400(server: str) -> None:
-    r = httpx.post(f"{server}/v1/completions", content=b"{not json", headers={
-        **auth(), "content-type": "application/json"}, timeout=30)
+    r = httpx.post(
+        f"{server}/v1/completions",
+        content=b"{not json",
+        headers={**auth(), "content-type": "application/json"},
+        timeout=30,
+    )
     assert r.status_code == 400
     assert "JSON" in r.json()["error"]["message"]
 
@@ -198,14 +253,23 @@ def test_hot_weight_update_switches_outputs_to_the_new_weights(
 
     new_dir = write_hf_model(tmp_path / "v1", "qwen3", seed=99, head_dim=16)
     new_hf = transformers.AutoModelForCausalLM.from_pretrained(new_dir, dtype=torch.float32).eval()
-    r = httpx.post(f"{server}/update_weights", json={"path": str(new_dir), "flush_cache": True},
-                   headers=auth(), timeout=60)
+    r = httpx.post(
+        f"{server}/update_weights",
+        json={"path": str(new_dir), "flush_cache": True},
+        headers=auth(),
+        timeout=60,
+    )
     assert r.status_code == 200, r.text
     assert r.json()["weight_version"] == 1
     prompt = list(range(310, 345))
-    resp = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
-                                     extra_body={"ignore_eos": True})
+    resp = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert resp.choices[0].model_extra["token_ids"] == reference_tokens(new_hf, prompt, 16)
-    gen = httpx.post(f"{server}/generate", headers=auth(), timeout=60,
-                     json={"input_ids": prompt, "sampling_params": {"max_tokens": 3}}).json()
+    gen = httpx.post(
+        f"{server}/generate",
+        headers=auth(),
+        timeout=60,
+        json={"input_ids": prompt, "sampling_params": {"max_tokens": 3}},
+    ).json()
     assert gen["weight_versions"] == [1, 1, 1]

@@ -73,7 +73,7 @@ class AsyncEngine:
         def command() -> None:
             try:
                 result = fn(self.engine)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
+            except BaseException as e:
                 loop.call_soon_threadsafe(_set_exception, future, e)
             else:
                 loop.call_soon_threadsafe(_set_result, future, result)

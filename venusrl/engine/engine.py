@@ -88,7 +88,9 @@ class Engine:
             device=self.device,
         )
         self.tree = RadixTree(ps)
-        self.max_context = min(cfg.max_context or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.max_context = min(
+            cfg.max_context or mc.max_position_embeddings, mc.max_position_embeddings
+        )
         capacity_tokens = self.kv.device_pages.capacity * ps
         if capacity_tokens < self.max_context:
             raise ValueError(
@@ -181,7 +183,9 @@ class Engine:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[GenerationOutput]:
         """Run prompts to completion (all submitted at once) and return outputs in order."""
-        per = params if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        per = (
+            params if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        )
         ids = [self.add_request(p, sp).request_id for p, sp in zip(prompts, per, strict=True)]
         while self.has_work():
             self.step()
@@ -311,12 +315,16 @@ class Engine:
             slots=torch.tensor(slots, device=dev),
             logits_rows=torch.tensor(logits_rows, device=dev, dtype=torch.long),
             num_decode=len(decode_pages),
-            decode_pages=torch.tensor(padded, device=dev, dtype=torch.long).view(len(padded), width),
+            decode_pages=torch.tensor(padded, device=dev, dtype=torch.long).view(
+                len(padded), width
+            ),
             decode_mask=decode_mask,
             prefills=tuple(prefills),
         )
 
-    def _postprocess(self, work: Sequence[tuple[Request, int]], logits: torch.Tensor) -> list[Request]:
+    def _postprocess(
+        self, work: Sequence[tuple[Request, int]], logits: torch.Tensor
+    ) -> list[Request]:
         sampling = []
         for r, n in work:
             r.num_computed += n
@@ -399,7 +407,9 @@ class Engine:
         tree_pages = self.tree.insert(tokens, r.pages[:full], r.namespace)
         duplicates = [
             own
-            for own, cached in zip(r.pages[r.num_shared_pages : full], tree_pages[r.num_shared_pages :])
+            for own, cached in zip(
+                r.pages[r.num_shared_pages : full], tree_pages[r.num_shared_pages :], strict=True
+            )
             if own != cached
         ]
         self.kv.device_pages.free(duplicates)

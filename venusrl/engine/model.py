@@ -74,10 +74,8 @@ class ModelConfig:
             )
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        if model_type == "qwen2":
-            attention_bias = True
-        else:
-            attention_bias = bool(hf.get("attention_bias", False))
+        # Qwen2 always has q/k/v bias; the others say so in `attention_bias`.
+        attention_bias = model_type == "qwen2" or bool(hf.get("attention_bias", False))
         return cls(
             model_type=model_type,
             vocab_size=int(need("vocab_size")),
@@ -122,6 +120,8 @@ class Rotary(nn.Module):
     def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
         super().__init__()
         self.head_dim, self.theta, self.max_positions = head_dim, theta, max_positions
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
         self.reset_cache()
@@ -281,4 +281,3 @@ class CausalLM(nn.Module):
                     t.zero_()
                 else:
                     t.copy_(torch.randn(t.shape, generator=g) * std)
-

@@ -34,12 +34,16 @@ from venusrl.engine.request import GenerationOutput, SamplingParams
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
-def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+def _error(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "server_error"
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status)
@@ -118,9 +122,9 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next: Callable[..., Any]) -> Any:
-        if api_key and request.url.path != "/health":
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                return _error(401, "missing or wrong API key (Authorization: Bearer ...)")
+        authorized = request.headers.get("authorization") == f"Bearer {api_key}"
+        if api_key and request.url.path != "/health" and not authorized:
+            return _error(401, "missing or wrong API key (Authorization: Bearer ...)")
         return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
@@ -138,24 +142,39 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
-            raise ApiError(404, f"model {name!r} does not exist; this server serves {model_name!r}",
-                           "model", "model_not_found")
+            raise ApiError(
+                404,
+                f"model {name!r} does not exist; this server serves {model_name!r}",
+                "model",
+                "model_not_found",
+            )
 
     def encode(prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
             return prompt
         if tok is None:
-            raise ApiError(400, "this model has no tokenizer: send the prompt as token ids", "prompt")
+            raise ApiError(
+                400, "this model has no tokenizer: send the prompt as token ids", "prompt"
+            )
         return tok.encode(prompt)
 
-    def sampling(body: _Sampling, prompt_len: int, max_tokens: int | None, index: int) -> SamplingParams:
+    def sampling(
+        body: _Sampling, prompt_len: int, max_tokens: int | None, index: int
+    ) -> SamplingParams:
         limit = engine.max_context - prompt_len
         if limit < 1:
-            raise ApiError(400, f"prompt has {prompt_len} tokens; the context limit is "
-                                f"{engine.max_context}", "prompt")
+            raise ApiError(
+                400,
+                f"prompt has {prompt_len} tokens; the context limit is {engine.max_context}",
+                "prompt",
+            )
         if max_tokens is not None and max_tokens > limit:
-            raise ApiError(400, f"max_tokens={max_tokens} plus the prompt's {prompt_len} tokens "
-                                f"exceeds the context limit of {engine.max_context}", "max_tokens")
+            raise ApiError(
+                400,
+                f"max_tokens={max_tokens} plus the prompt's {prompt_len} tokens "
+                f"exceeds the context limit of {engine.max_context}",
+                "max_tokens",
+            )
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if stop and tok is None:
             raise ApiError(400, "stop strings need a tokenizer; use stop_token_ids", "stop")
@@ -191,8 +210,11 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
     def usage(outs: list[GenerationOutput]) -> dict[str, int]:
         prompt = sum(len(o.prompt_ids) for o in outs)
         completion = sum(len(o.token_ids) for o in outs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -200,38 +222,60 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "venusrl",
-                "max_model_len": engine.max_context}
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "venusrl",
+            "max_model_len": engine.max_context,
+        }
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionBody) -> Any:
         check_model(body.model)
         raw = body.prompt
-        prompts: list[str | list[int]]
-        if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
-            prompts = [raw]  # type: ignore[list-item]
-        else:
-            prompts = list(raw)  # type: ignore[arg-type]
+        single = isinstance(raw, str) or (raw and isinstance(raw[0], int))
+        prompts: list[Any] = [raw] if single else list(raw)
         if not prompts:
             raise ApiError(400, "prompt is empty", "prompt")
         encoded = [encode(p) for p in prompts]
-        jobs = [(ids, sampling(body, len(ids), body.max_tokens, i * body.n + j))
-                for i, ids in enumerate(encoded) for j in range(body.n)]
+        jobs = [
+            (ids, sampling(body, len(ids), body.max_tokens, i * body.n + j))
+            for i, ids in enumerate(encoded)
+            for j in range(body.n)
+        ]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             return _sse(_stream_completion(runner, jobs, rid, created, model_name, text_of))
         outs = await _gather(run, jobs)
         choices = []
         for index, ((_, sp), out) in enumerate(zip(jobs, outs, strict=True)):
-            choice: dict[str, Any] = {"index": index, "text": text_of(out, sp.stop),
-                                      "finish_reason": out.finish_reason, "token_ids": out.token_ids}
-            choice["logprobs"] = None if body.logprobs is None else {
-                "tokens": [tok.decode([t]) if tok else str(t) for t in out.token_ids],
-                "token_logprobs": out.logprobs, "top_logprobs": None, "text_offset": None}
+            choice: dict[str, Any] = {
+                "index": index,
+                "text": text_of(out, sp.stop),
+                "finish_reason": out.finish_reason,
+                "token_ids": out.token_ids,
+            }
+            choice["logprobs"] = (
+                None
+                if body.logprobs is None
+                else {
+                    "tokens": [tok.decode([t]) if tok else str(t) for t in out.token_ids],
+                    "token_logprobs": out.logprobs,
+                    "top_logprobs": None,
+                    "text_offset": None,
+                }
+            )
             choices.append(choice)
-        return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                "choices": choices, "usage": usage(outs)}
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": model_name,
+            "choices": choices,
+            "usage": usage(outs),
+        }
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatBody) -> Any:
@@ -248,24 +292,42 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         outs = await _gather(run, jobs)
         choices = []
         for index, ((_, sp), out) in enumerate(zip(jobs, outs, strict=True)):
-            logprobs = None
+            logprobs: dict[str, Any] | None = None
             if body.logprobs:
-                logprobs = {"content": [
-                    {"token": tok.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
-                    for t, lp in zip(out.token_ids, out.logprobs, strict=True)]}
-            choices.append({"index": index, "finish_reason": out.finish_reason,
-                            "message": {"role": "assistant", "content": text_of(out, sp.stop)},
-                            "logprobs": logprobs, "token_ids": out.token_ids})
-        return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
-                "choices": choices, "usage": usage(outs)}
+                logprobs = {
+                    "content": [
+                        {"token": tok.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
+                        for t, lp in zip(out.token_ids, out.logprobs, strict=True)
+                    ]
+                }
+            choices.append(
+                {
+                    "index": index,
+                    "finish_reason": out.finish_reason,
+                    "message": {"role": "assistant", "content": text_of(out, sp.stop)},
+                    "logprobs": logprobs,
+                    "token_ids": out.token_ids,
+                }
+            )
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": model_name,
+            "choices": choices,
+            "usage": usage(outs),
+        }
 
     @app.post("/generate")
     async def generate(body: GenerateBody) -> dict[str, Any]:
         allowed = set(SamplingParams.__dataclass_fields__)
         unknown = sorted(set(body.sampling_params) - allowed)
         if unknown:
-            raise ApiError(400, f"unknown sampling_params {unknown}; known: {sorted(allowed)}",
-                           "sampling_params")
+            raise ApiError(
+                400,
+                f"unknown sampling_params {unknown}; known: {sorted(allowed)}",
+                "sampling_params",
+            )
         sp_args = dict(body.sampling_params)
         for key in ("stop", "stop_token_ids"):
             if key in sp_args:
@@ -275,12 +337,23 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             params = SamplingParams(**sp_args)
         except (TypeError, ValueError) as e:
             raise ApiError(400, f"sampling_params: {e}", "sampling_params") from None
-        out = await run(body.input_ids, params, request_id=body.request_id,
-                        trajectory_id=body.trajectory_id, group_id=body.group_id,
-                        priority=body.priority)
-        return {"request_id": out.request_id, "token_ids": out.token_ids, "logprobs": out.logprobs,
-                "weight_versions": out.weight_versions, "finish_reason": out.finish_reason,
-                "prompt_tokens": len(out.prompt_ids), "cached_tokens": out.cached_prompt_tokens}
+        out = await run(
+            body.input_ids,
+            params,
+            request_id=body.request_id,
+            trajectory_id=body.trajectory_id,
+            group_id=body.group_id,
+            priority=body.priority,
+        )
+        return {
+            "request_id": out.request_id,
+            "token_ids": out.token_ids,
+            "logprobs": out.logprobs,
+            "weight_versions": out.weight_versions,
+            "finish_reason": out.finish_reason,
+            "prompt_tokens": len(out.prompt_ids),
+            "cached_tokens": out.cached_prompt_tokens,
+        }
 
     @app.post("/update_weights")
     async def update_weights(body: UpdateWeightsBody) -> dict[str, Any]:
@@ -288,7 +361,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             raise ApiError(400, f"path {body.path!r} is not a directory", "path")
         try:
             version = await runner.call(
-                lambda e: e.update_weights(body.path, body.version, body.flush_cache))
+                lambda e: e.update_weights(body.path, body.version, body.flush_cache)
+            )
         except ModelConfigError as e:
             raise ApiError(400, str(e), "path") from None
         return {"weight_version": version}
@@ -296,7 +370,9 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
     return app
 
 
-async def _gather(run: Callable[..., Any], jobs: list[tuple[list[int], SamplingParams]]) -> list[GenerationOutput]:
+async def _gather(
+    run: Callable[..., Any], jobs: list[tuple[list[int], SamplingParams]]
+) -> list[GenerationOutput]:
     return list(await asyncio.gather(*(run(ids, sp) for ids, sp in jobs)))
 
 
@@ -306,13 +382,16 @@ def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
             async for chunk in chunks:
                 yield f"data: {json.dumps(chunk)}\n\n"
         except RequestError as e:
-            yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'invalid_request_error'}})}\n\n"
+            error = {"error": {"message": str(e), "type": "invalid_request_error"}}
+            yield f"data: {json.dumps(error)}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream")
 
 
-async def _deltas(runner: AsyncEngine, jobs: list[tuple[list[int], SamplingParams]]) -> AsyncIterator[tuple[int, TokenDelta]]:
+async def _deltas(
+    runner: AsyncEngine, jobs: list[tuple[list[int], SamplingParams]]
+) -> AsyncIterator[tuple[int, TokenDelta]]:
     """Deltas of several requests, interleaved as they come."""
     queue: asyncio.Queue[tuple[int, TokenDelta] | BaseException | None] = asyncio.Queue()
 
@@ -320,7 +399,7 @@ async def _deltas(runner: AsyncEngine, jobs: list[tuple[list[int], SamplingParam
         try:
             async for delta in runner.stream(ids, sp):
                 await queue.put((index, delta))
-        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
+        except BaseException as e:
             await queue.put(e)
         finally:
             await queue.put(None)
@@ -341,8 +420,14 @@ async def _deltas(runner: AsyncEngine, jobs: list[tuple[list[int], SamplingParam
             t.cancel()
 
 
-async def _stream_completion(runner: AsyncEngine, jobs: list[tuple[list[int], SamplingParams]], rid: str,
-                             created: int, model: str, text_of: Callable[..., str]) -> AsyncIterator[dict[str, Any]]:
+async def _stream_completion(
+    runner: AsyncEngine,
+    jobs: list[tuple[list[int], SamplingParams]],
+    rid: str,
+    created: int,
+    model: str,
+    text_of: Callable[..., str],
+) -> AsyncIterator[dict[str, Any]]:
     tokens: dict[int, list[int]] = {i: [] for i in range(len(jobs))}
     unsent: dict[int, int] = dict.fromkeys(range(len(jobs)), 0)  # tokens not yet in a chunk
     text_sent: dict[int, str] = dict.fromkeys(range(len(jobs)), "")
@@ -355,18 +440,51 @@ async def _stream_completion(runner: AsyncEngine, jobs: list[tuple[list[int], Sa
         piece, text_sent[index] = text[len(text_sent[index]) :], text
         new_ids = tokens[index][len(tokens[index]) - unsent[index] :]
         unsent[index] = 0
-        yield {"id": rid, "object": "text_completion", "created": created, "model": model,
-               "choices": [{"index": index, "text": piece, "token_ids": new_ids,
-                            "finish_reason": delta.output.finish_reason if delta.output else None}]}
+        yield {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "index": index,
+                    "text": piece,
+                    "token_ids": new_ids,
+                    "finish_reason": delta.output.finish_reason if delta.output else None,
+                }
+            ],
+        }
 
 
-async def _stream_chat(runner: AsyncEngine, jobs: list[tuple[list[int], SamplingParams]], rid: str,
-                       created: int, model: str, text_of: Callable[..., str]) -> AsyncIterator[dict[str, Any]]:
+async def _stream_chat(
+    runner: AsyncEngine,
+    jobs: list[tuple[list[int], SamplingParams]],
+    rid: str,
+    created: int,
+    model: str,
+    text_of: Callable[..., str],
+) -> AsyncIterator[dict[str, Any]]:
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     for index in range(len(jobs)):
-        yield {**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                    "finish_reason": None}]}
+        yield {
+            **base,
+            "choices": [
+                {
+                    "index": index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "finish_reason": None,
+                }
+            ],
+        }
     async for chunk in _stream_completion(runner, jobs, rid, created, model, text_of):
         choice = chunk["choices"][0]
-        yield {**base, "choices": [{"index": choice["index"], "delta": {"content": choice["text"]},
-                                    "finish_reason": choice["finish_reason"]}]}
+        yield {
+            **base,
+            "choices": [
+                {
+                    "index": choice["index"],
+                    "delta": {"content": choice["text"]},
+                    "finish_reason": choice["finish_reason"],
+                }
+            ],
+        }

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Set up .venv/ with the dev extras, then lint, type-check and run the tests.
+#   scripts/test.sh            the default suite (under 15 minutes on 2 cores)
+#   scripts/test.sh --slow     only the tests marked slow
+# Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/bootstrap.sh dev
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+.venv/bin/ruff check venusrl tests benchmarks
+.venv/bin/ruff format --check venusrl tests benchmarks
+.venv/bin/mypy
+marker=(-m "not slow")
+if [ "${1:-}" = "--slow" ]; then
+  marker=(-m slow)
+  shift
+fi
+.venv/bin/python -m pytest -p no:cacheprovider "${marker[@]}" "$@"

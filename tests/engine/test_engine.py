@@ -1,0 +1,221 @@
+"""Engine behaviours a user relies on: batching invariants, sharing, sampling, weights, errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import write_hf_model
+from venusrl.config import EngineConfig
+from venusrl.engine.engine import Engine, RequestError
+from venusrl.engine.kv_cache import KVCache
+from venusrl.engine.model_dir import iter_safetensors
+from venusrl.engine.request import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def engine_for(model_dir: Path, **cfg: object) -> Engine:
+    base: dict[str, object] = dict(page_size=4, device_kv_pages=256)
+    base.update(cfg)
+    return Engine.from_model_dir(model_dir, EngineConfig(**base))  # type: ignore[arg-type]
+
+
+def drain(engine: Engine) -> None:
+    while engine.has_work():
+        engine.step()
+        engine.check()
+
+
+workloads = st.lists(
+    st.tuples(
+        st.integers(0, 2),  # which shared prefix
+        st.lists(st.integers(2, 500), min_size=0, max_size=9),  # own suffix
+        st.integers(1, 10),  # max tokens
+        st.integers(0, 2),  # priority
+    ),
+    min_size=1,
+    max_size=7,
+)
+
+
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    workload=workloads,
+    pool_pages=st.integers(16, 64),
+    page_size=st.sampled_from([1, 4, 8]),
+    budget=st.integers(8, 64),
+)
+def test_outputs_do_not_depend_on_paging_caching_or_preemption(
+    tiny_qwen3: Path, workload: list, pool_pages: int, page_size: int, budget: int
+) -> None:
+    prefixes = [list(range(100, 120)), list(range(200, 213)), [300]]
+    prompts = [prefixes[i] + suffix for i, suffix, _, _ in workload]
+    reference = engine_for(tiny_qwen3, prefix_cache=False, page_size=16, device_kv_pages=64)
+    expected = [
+        reference.generate([p], SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))[0]
+        for p, (_, _, m, _) in zip(prompts, workload, strict=True)
+    ]
+    engine = engine_for(
+        tiny_qwen3,
+        page_size=page_size,
+        device_kv_pages=max(pool_pages, 64 // page_size + 1),
+        token_budget=budget,
+        max_context=64,
+    )
+    ids = [
+        engine.add_request(
+            p, SamplingParams(max_tokens=m, temperature=0, ignore_eos=True), priority=prio
+        ).request_id
+        for p, (_, _, m, prio) in zip(prompts, workload, strict=True)
+    ]
+    drain(engine)
+    for rid, exp in zip(ids, expected, strict=True):
+        assert engine.pop_finished(rid).token_ids == exp.token_ids
+    engine.flush_cache()
+    engine.check()
+    assert engine.kv.device_pages.num_free == engine.kv.device_pages.capacity
+
+
+def test_grpo_siblings_compute_their_shared_prompt_once(tiny_qwen3: Path) -> None:
+    engine = engine_for(tiny_qwen3, page_size=4, token_budget=64)
+    prompt = list(range(100, 181))  # 81 tokens, 20 whole pages
+    for _ in range(8):
+        engine.add_request(prompt, GREEDY)
+    drain(engine)
+    # The first sibling computes 81 tokens; each other one only the last partial page (1 token).
+    assert engine.stats.cached_prompt_tokens == 7 * 80
+    assert engine.stats.prefix_hit_ratio == pytest.approx(7 * 80 / (8 * 81))
+
+
+def test_seeded_sampling_does_not_depend_on_batch_composition(tiny_qwen3: Path) -> None:
+    params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, top_k=50, seed=1234)
+    alone = engine_for(tiny_qwen3).generate([[5, 6, 7]], params)[0]
+    crowded = engine_for(tiny_qwen3).generate(
+        [[9, 9, 9, 9], [5, 6, 7], list(range(40, 70))],
+        [SamplingParams(max_tokens=20, temperature=1.0), params, GREEDY],
+    )[1]
+    assert alone.token_ids == crowded.token_ids
+    assert alone.logprobs == pytest.approx(crowded.logprobs, abs=1e-5)
+    other_seed = engine_for(tiny_qwen3).generate(
+        [[5, 6, 7]], SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, top_k=50, seed=4321)
+    )[0]
+    assert other_seed.token_ids != alone.token_ids
+
+
+def test_top_k_one_is_greedy(tiny_qwen3: Path) -> None:
+    engine = engine_for(tiny_qwen3)
+    greedy, topk1 = engine.generate(
+        [[3, 4, 5], [3, 4, 5]],
+        [GREEDY, SamplingParams(max_tokens=12, temperature=1.0, top_k=1, ignore_eos=True)],
+    )
+    assert greedy.token_ids == topk1.token_ids
+
+
+def test_stop_token_ends_generation_with_reason_stop(tiny_qwen3: Path) -> None:
+    engine = engine_for(tiny_qwen3)
+    free_run = engine.generate([[8, 9, 10]], GREEDY)[0]
+    stop_at = free_run.token_ids[4]
+    first = free_run.token_ids.index(stop_at)
+    stopped = engine.generate(
+        [[8, 9, 10]],
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=(stop_at,)),
+    )[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == free_run.token_ids[: first + 1]
+    assert free_run.finish_reason == "length" and len(free_run.token_ids) == 12
+
+
+def test_weight_update_mid_flight_keeps_requests_running_and_tags_versions(
+    tiny_qwen3: Path, tmp_path: Path
+) -> None:
+    other = write_hf_model(tmp_path / "other", "qwen3", seed=5, head_dim=16)
+    engine = engine_for(tiny_qwen3)
+    r = engine.add_request(
+        list(range(10, 30)), SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    )
+    for _ in range(6):
+        engine.step()
+    produced_before = len(r.output_ids)
+    assert engine.update_weights(iter_safetensors(other)) == 1
+    drain(engine)
+    out = engine.pop_finished(r.request_id)
+    assert len(out.token_ids) == 20
+    assert out.weight_versions == [0] * produced_before + [1] * (20 - produced_before)
+    # A fresh request after the update matches a fresh engine on the new weights.
+    prompt = list(range(50, 70))
+    fresh = engine_for(other).generate([prompt], GREEDY)[0]
+    engine.flush_cache()
+    assert engine.generate([prompt], GREEDY)[0].token_ids == fresh.token_ids
+
+
+def test_salted_cache_is_not_reused_across_weight_versions(tiny_qwen3: Path) -> None:
+    engine = engine_for(tiny_qwen3, salt_cache_by_version=True)
+    prompt = list(range(10, 50))
+    engine.generate([prompt], GREEDY)
+    assert engine.generate([prompt], GREEDY)[0].cached_prompt_tokens > 0
+    engine.update_weights(engine.model.hf_state_dict().items())
+    assert engine.generate([prompt], GREEDY)[0].cached_prompt_tokens == 0
+
+
+def test_abort_frees_the_request_pages(tiny_qwen3: Path) -> None:
+    engine = engine_for(tiny_qwen3, prefix_cache=False)
+    r = engine.add_request(list(range(10, 60)), GREEDY)
+    engine.step()
+    assert engine.kv.device_pages.num_free < engine.kv.device_pages.capacity
+    assert engine.abort(r.request_id)
+    assert engine.pop_finished(r.request_id).finish_reason == "abort"
+    engine.check()
+    assert engine.kv.device_pages.num_free == engine.kv.device_pages.capacity
+
+
+@pytest.mark.parametrize(
+    ("prompt", "words"),
+    [([], "empty"), ([1, 100000], "outside the vocabulary"), (list(range(2, 400)) * 2, "context")],
+)
+def test_impossible_requests_are_refused_with_a_reason(
+    tiny_qwen3: Path, prompt: list[int], words: str
+) -> None:
+    with pytest.raises(RequestError, match=words):
+        engine_for(tiny_qwen3).add_request(prompt, GREEDY)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"stop": ("",)}, "stop"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(kwargs: dict, words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        SamplingParams(**kwargs)
+
+
+def test_engine_refuses_a_cache_smaller_than_one_full_context(tiny_qwen3: Path) -> None:
+    with pytest.raises(ValueError, match="device_kv_pages"):
+        engine_for(tiny_qwen3, device_kv_pages=8)
+
+
+def test_kv_offload_and_load_round_trip_preserves_pages() -> None:
+    kv = KVCache(
+        num_layers=2, num_kv_heads=2, head_dim=4, page_size=3, device_pages=8, host_pages=8
+    )
+    pages = kv.device_pages.allocate(3)
+    data = torch.randn(2, 2, 2, 3, 3, 4)
+    kv.device_kv[:, :, :, pages] = data
+    host = kv.offload(pages)
+    assert kv.device_pages.num_free == kv.device_pages.capacity
+    back = kv.load(host)
+    torch.testing.assert_close(kv.device_kv[:, :, :, back], data)
+    assert kv.host_pages.num_free == kv.host_pages.capacity
+    kv.check()

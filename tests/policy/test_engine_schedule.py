@@ -1,0 +1,90 @@
+"""The engine's scheduling policy, as a pure function of a snapshot."""
+
+from __future__ import annotations
+
+from venusrl.policy.engine_schedule import EngineSnapshot, PriorityScheduler, RequestView
+
+
+def view(
+    rid: str,
+    priority: int = 0,
+    arrival: int = 0,
+    computed: int = 0,
+    todo: int = 1,
+    held: int = 0,
+    releasable: int = 0,
+    key: object = None,
+    in_flight: bool = False,
+) -> RequestView:
+    return RequestView(rid, priority, arrival, computed, todo, held, releasable, key, in_flight)
+
+
+def snap(
+    running: list[RequestView],
+    waiting: list[RequestView],
+    free: int,
+    budget: int = 100,
+    max_running: int = 8,
+) -> EngineSnapshot:
+    return EngineSnapshot(
+        running, waiting, free, page_size=4, token_budget=budget, max_running=max_running
+    )
+
+
+def test_decodes_run_before_prefill_chunks_within_the_token_budget() -> None:
+    plan = PriorityScheduler().schedule(
+        snap(
+            running=[
+                view("prefill", arrival=0, computed=0, todo=50),
+                view("decode", arrival=1, computed=10, todo=1, held=3),
+            ],
+            waiting=[view("new", arrival=2, todo=30)],
+            free=100,
+            budget=20,
+        )
+    )
+    assert plan.run == (("decode", 1), ("prefill", 19))
+    assert plan.preempt == ()
+
+
+def test_high_priority_arrival_preempts_low_priority_running_work() -> None:
+    running = [view("low", priority=0, arrival=0, computed=40, held=10, releasable=10)]
+    plan = PriorityScheduler().schedule(
+        snap(running, [view("high", priority=5, arrival=1, todo=30)], free=2)
+    )
+    assert plan.preempt == ("low",)
+    assert ("high", 30) in plan.run and all(rid != "low" for rid, _ in plan.run)
+
+
+def test_equal_priority_arrival_waits_instead_of_preempting() -> None:
+    running = [view("a", arrival=0, computed=40, held=10, releasable=10)]
+    plan = PriorityScheduler().schedule(snap(running, [view("b", arrival=1, todo=30)], free=2))
+    assert plan.preempt == ()
+    assert plan.run == (("a", 1),)
+
+
+def test_running_request_short_of_pages_preempts_a_later_arrival_not_an_earlier_one() -> None:
+    # Both need a new page; only one page is free.
+    a = view("a", arrival=0, computed=8, todo=1, held=2, releasable=2)
+    b = view("b", arrival=1, computed=8, todo=1, held=2, releasable=2)
+    plan = PriorityScheduler().schedule(snap([a, b], [], free=1))
+    assert plan.run == (("a", 1),) and plan.preempt == ()
+    plan = PriorityScheduler().schedule(snap([a, b], [], free=0))
+    assert plan.preempt == ("b",) and plan.run == (("a", 1),)
+
+
+def test_siblings_wait_for_the_prompt_another_request_is_computing() -> None:
+    waiting = [
+        view("s1", arrival=0, todo=300, key="prompt-A"),
+        view("s2", arrival=1, todo=300, key="prompt-A"),
+        view("s3", arrival=2, todo=300, key="prompt-A", in_flight=True),
+        view("other", arrival=3, todo=20, key="prompt-B"),
+    ]
+    plan = PriorityScheduler().schedule(snap([], waiting, free=1000, budget=1000))
+    assert sorted(rid for rid, _ in plan.run) == ["other", "s1"]
+
+
+def test_admission_respects_max_running() -> None:
+    waiting = [view(f"w{i}", arrival=i, todo=4) for i in range(5)]
+    plan = PriorityScheduler().schedule(snap([], waiting, free=100, max_running=3))
+    assert [rid for rid, _ in plan.run] == ["w0", "w1", "w2"]

@@ -1,0 +1,56 @@
+"""The typed config tree: YAML plus dotted overrides, with errors that name the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from venusrl.config import ConfigError, load_config
+
+
+def test_yaml_and_dotted_overrides_compose(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("model: /models/x\nengine:\n  page_size: 32\n  token_budget: 1024\n")
+    cfg = load_config(
+        path, ["engine.token_budget=4096", "server.port=9000", "engine.dtype=bfloat16"]
+    )
+    assert cfg.model == "/models/x"
+    assert cfg.engine.page_size == 32 and cfg.engine.token_budget == 4096
+    assert cfg.engine.dtype == "bfloat16" and cfg.server.port == 9000
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (["engine.page_sz=3"], "engine.page_sz: unknown key; known keys: device"),
+        (["engine.page_size=0"], "engine.page_size: Input should be greater than or equal to 1"),
+        (["engine.page_size=many"], "engine.page_size"),
+        (["engine.dtype=float8"], "engine.dtype"),
+        (["trainer.lr=1e-5"], "trainer: unknown key"),
+        (["engine=3"], "engine"),
+        (["engine.page_size.x=1"], "engine.page_size is a value, not a section"),
+        (["page_size"], "must look like section.key=value"),
+        (["=3"], "must look like section.key=value"),
+    ],
+)
+def test_bad_keys_and_values_name_the_key_and_the_reason(overrides: list[str], words: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(
+            None,
+            overrides if "page_size.x" not in overrides[0] else ["engine.page_size=4", *overrides],
+        )
+    assert words in str(err.value)
+
+
+def test_unreadable_or_malformed_files_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("engine: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(listy)
