@@ -32,7 +32,9 @@ class EngineConfig(_Section):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="model and KV dtype; fp32 on CPU (bf16 decode is ~2x slower there)"
     )
-    page_size: int = Field(16, ge=1, le=1024, description="tokens per KV page")
+    page_size: int = Field(
+        8, ge=1, le=1024, description="tokens per KV page (only whole pages are shared)"
+    )
     device_kv_pages: int = Field(
         4096, ge=2, description="pages in the device tier (page 0 is reserved as padding)"
     )

@@ -11,6 +11,7 @@ import torch
 
 from tests.conftest import write_hf_model
 from venusrl.config import EngineConfig
+from venusrl.engine import engine as engine_module
 from venusrl.engine.engine import Engine
 from venusrl.engine.request import GenerationOutput, SamplingParams
 
@@ -130,6 +131,23 @@ def test_greedy_parity_holds_with_prefix_cache_hits(model_dir: Path, reference: 
     assert outs[0].cached_prompt_tokens >= 28 and outs[1].cached_prompt_tokens >= 28
     assert_matches_reference(reference, longer, outs[0])
     assert_matches_reference(reference, shared, outs[1])
+
+
+def test_siblings_decoding_through_shared_prefix_attention_match_transformers(
+    model_dir: Path, reference: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Force the cascade path (shared prefix attended once per group) even for short prompts.
+    monkeypatch.setattr(engine_module, "CASCADE_MIN_SAVED_TOKENS", 0)
+    engine = Engine.from_model_dir(model_dir, EngineConfig(page_size=4, device_kv_pages=256))
+    used = []
+    build = engine._decode_batch
+    monkeypatch.setattr(engine, "_decode_batch", lambda rows: used.append(b := build(rows)) or b)
+    group_a, group_b = prompts(6, (37, 22))
+    batch = [group_a] * 3 + [group_b] * 2 + [prompts(7, (9,))[0]]
+    outs = run_checked(engine, batch)
+    assert any(b.prefixes is not None and b.prefixes.pages.shape[0] == 2 for b in used)
+    for prompt, out in zip(batch, outs, strict=True):
+        assert_matches_reference(reference, prompt, out)
 
 
 def test_greedy_parity_holds_across_preemption(model_dir: Path, reference: Any) -> None:

@@ -1,23 +1,49 @@
 """Attention over the paged KV cache, for one packed engine step.
 
 A step packs every scheduled token of every sequence into one `[tokens, ...]` batch. The first
-`num_decode` tokens are single-token sequences (decode): their attention runs as one batched call
-over their pages, padded with the reserved page 0 and masked. Each multi-token span (a prefill
+`decode.num_rows` tokens are single-token sequences (decode); each multi-token span (a prefill
 chunk, or a resumed sequence) runs on its own with a causal mask that starts at its first position.
 
-Grouped-query attention folds the query heads of one KV head into the query-length dimension
+Decode with shared prefixes. GRPO siblings share their prompt's KV pages (the radix cache hands
+them the same page ids). Reading those pages once per sibling would multiply the dominant cost of
+decoding by the group size, so decode attention is split in two (cascade attention): the shared
+prefix is gathered once per group and attended by all members' queries in one matmul, each row's
+own pages are attended separately, and the two partial softmaxes are merged exactly through their
+log-sum-exp. Rows without siblings skip the prefix part.
+
+Grouped-query attention folds the query heads of one KV head into the query dimension
 (`[kv_heads, seqs, group, head_dim]`), so keys and values are never repeated per query head.
-Pages are gathered with one `index_select` along the page dimension, which keeps the result a
-view-compatible `[kv_heads, pages * page_size, head_dim]` (measured here: gather + SDPA costs a
-fraction of fancy indexing, see shared/MEASURED.md).
+Pages are gathered with one `index_select` along the page dimension, which yields
+`[kv_heads, pages * page_size, head_dim]` without a permute.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class SharedPrefixes:
+    """Groups of decode rows that share their first pages; attended once per group."""
+
+    pages: torch.Tensor  # [groups, prefix_pages] shared page ids, padded with page 0
+    key_mask: torch.Tensor  # [1, groups, 1, prefix_pages * page_size] additive (0 or -inf)
+    slot_rows: torch.Tensor  # [groups * width] decode row of each member slot (padding: row 0)
+    valid_slots: torch.Tensor  # indices of slots that hold a real member
+    valid_rows: torch.Tensor  # the decode rows of those slots
+    width: int  # member slots per group
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    num_rows: int
+    pages: torch.Tensor  # [rows, pages] each row's own pages after its shared prefix, 0-padded
+    key_mask: torch.Tensor  # [1, rows, 1, pages * page_size] bool, True = key is valid
+    prefixes: SharedPrefixes | None
 
 
 @dataclass(frozen=True)
@@ -35,9 +61,7 @@ class StepBatch:
     positions: torch.Tensor  # [T]
     slots: torch.Tensor  # [T] page * page_size + offset where each token's K/V is written
     logits_rows: torch.Tensor  # rows whose logits are needed (last token of sampling sequences)
-    num_decode: int
-    decode_pages: torch.Tensor  # [num_decode, max_pages], padded with page 0
-    decode_mask: torch.Tensor  # [1, num_decode, 1, max_pages * page_size] bool
+    decode: DecodeBatch | None
     prefills: tuple[PrefillSpan, ...]
 
 
@@ -67,18 +91,70 @@ def paged_attention(
     flat[1].index_copy_(1, batch.slots, v.transpose(0, 1))
 
     out = q.new_empty(tokens, heads, dim)
-    d = batch.num_decode
-    if d:
-        qd = q[:d].view(d, kv_heads, group, dim).transpose(0, 1)
-        kv = layer_kv.index_select(2, batch.decode_pages.view(-1))
-        kv = kv.view(2, kv_heads, d, -1, dim)
-        od = F.scaled_dot_product_attention(qd, kv[0], kv[1], attn_mask=batch.decode_mask)
-        out[:d] = od.transpose(0, 1).reshape(d, heads, dim)
+    if batch.decode is not None:
+        d = batch.decode.num_rows
+        qd = q[:d].view(d, kv_heads, group, dim).transpose(0, 1)  # [kv_heads, d, group, dim]
+        out[:d] = _decode(qd, layer_kv, batch.decode).transpose(0, 1).reshape(d, heads, dim)
     for span in batch.prefills:
         n, rows = span.num_tokens, slice(span.row, span.row + span.num_tokens)
         qp = q[rows].view(n, kv_heads, group, dim).permute(1, 0, 2, 3).reshape(kv_heads, -1, dim)
-        kv = layer_kv.index_select(2, span.pages).view(2, kv_heads, -1, dim)
-        kv = kv[:, :, : span.context_len]
+        kv = _gather(layer_kv, span.pages)[:, :, : span.context_len]
         op = F.scaled_dot_product_attention(qp, kv[0], kv[1], attn_mask=span.mask)
         out[rows] = op.view(kv_heads, n, group, dim).permute(1, 0, 2, 3).reshape(n, heads, dim)
     return out.view(tokens, heads * dim)
+
+
+def _gather(layer_kv: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """K and V of `pages` ([n] or [b, n]) as [2, kv_heads, (b,) n * page_size, dim]."""
+    _, kv_heads, _, _, dim = layer_kv.shape
+    kv = layer_kv.index_select(2, pages.reshape(-1))
+    return kv.view(2, kv_heads, *pages.shape[:-1], -1, dim)
+
+
+def _decode(q: torch.Tensor, layer_kv: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+    """q: [kv_heads, rows, group, dim] -> attention output of the same shape."""
+    own = _gather(layer_kv, batch.pages)
+    if batch.prefixes is None:
+        return F.scaled_dot_product_attention(q, own[0], own[1], attn_mask=batch.key_mask)
+    own_out, own_lse = _attend(q, own[0], own[1], batch.key_mask)
+    pre_out, pre_lse = _shared_prefix(q, layer_kv, batch.prefixes)
+    # Exact merge of two partial softmaxes: weights exp(lse - max) renormalised.
+    top = torch.maximum(own_lse, pre_lse)
+    w_own, w_pre = (own_lse - top).exp(), (pre_lse - top).exp()
+    merged = own_out * w_own[..., None] + pre_out * w_pre[..., None]
+    return merged / (w_own + w_pre)[..., None]
+
+
+def _shared_prefix(
+    q: torch.Tensor, layer_kv: torch.Tensor, prefixes: SharedPrefixes
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's members attend its shared pages once. Returns per-row output and
+    log-sum-exp ([kv_heads, rows, group, dim], [kv_heads, rows, group]); rows outside every
+    group get lse = -inf, so they weigh nothing in the merge."""
+    kv_heads, rows, group, dim = q.shape
+    groups = prefixes.pages.shape[0]
+    members = q.index_select(1, prefixes.slot_rows)  # [kv_heads, groups * width, group, dim]
+    members = members.reshape(kv_heads, groups, prefixes.width * group, dim)
+    shared = _gather(layer_kv, prefixes.pages)
+    out, lse = _attend(members, shared[0], shared[1], prefixes.key_mask, additive=True)
+    out = out.reshape(kv_heads, groups * prefixes.width, group, dim)
+    lse = lse.reshape(kv_heads, groups * prefixes.width, group)
+    row_out = q.new_zeros(kv_heads, rows, group, dim)
+    row_lse = q.new_full((kv_heads, rows, group), -math.inf)
+    row_out.index_copy_(1, prefixes.valid_rows, out.index_select(1, prefixes.valid_slots))
+    row_lse.index_copy_(1, prefixes.valid_rows, lse.index_select(1, prefixes.valid_slots))
+    return row_out, row_lse
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, additive: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention that also returns the log-sum-exp of the scores (for merging)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(1.0 / math.sqrt(q.shape[-1]))
+    if additive:
+        scores.add_(mask)
+    else:
+        scores.masked_fill_(~mask, -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = scores.sub_(lse[..., None]).exp_()
+    return torch.matmul(probs, v), lse

@@ -28,7 +28,14 @@ from pathlib import Path
 import torch
 
 from venusrl.config import EngineConfig
-from venusrl.engine.attention import PrefillSpan, StepBatch, causal_mask
+from venusrl.engine.attention import (
+    DecodeBatch,
+    PrefillSpan,
+    SharedPrefixes,
+    StepBatch,
+    causal_mask,
+)
+from venusrl.engine.host_malloc import keep_freed_memory_in_heap
 from venusrl.engine.kv_cache import KVCache
 from venusrl.engine.model import CausalLM
 from venusrl.engine.model_dir import iter_safetensors, load_model
@@ -37,6 +44,10 @@ from venusrl.engine.request import GenerationOutput, Request, SamplingParams, St
 from venusrl.engine.sampler import sample
 from venusrl.engine.tokenizer import Tokenizer
 from venusrl.policy.engine_schedule import EngineSnapshot, PriorityScheduler, RequestView
+
+# Decode rows sharing a prefix attend it once (cascade attention) when that saves reading at
+# least this many KV tokens per layer; below it one fused SDPA call over all pages is cheaper.
+CASCADE_MIN_SAVED_TOKENS = 2048
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -71,6 +82,8 @@ class Engine:
         self.cfg = cfg = config or EngineConfig()
         if cfg.threads is not None:
             torch.set_num_threads(cfg.threads)
+        if torch.device(cfg.device).type == "cpu":
+            keep_freed_memory_in_heap()
         self.model = model
         self.tokenizer = tokenizer
         self.scheduler = scheduler or PriorityScheduler()
@@ -274,14 +287,14 @@ class Engine:
         return len(match.pages) * self.page_size
 
     def _build_batch(self, work: Sequence[tuple[Request, int]]) -> StepBatch:
+        """Pack the step's tokens; `work` lists decode (single-token) entries first."""
         ps, dev = self.page_size, self.device
         group = self.model.config.num_heads // self.model.config.num_kv_heads
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logits_rows: list[int] = []
-        decode_pages: list[list[int]] = []
-        decode_lens: list[int] = []
+        decoding: list[Request] = []
         prefills: list[PrefillSpan] = []
         for r, n in work:
             start = r.num_computed
@@ -291,35 +304,71 @@ class Engine:
             slots.extend(r.pages[p // ps] * ps + p % ps for p in range(start, start + n))
             if start + n == r.num_tokens:
                 logits_rows.append(row + n - 1)
-            used = r.pages[: -(-(start + n) // ps)]
             if n == 1:
-                decode_pages.append(used)
-                decode_lens.append(start + 1)
+                decoding.append(r)
             else:
-                prefills.append(
-                    PrefillSpan(
-                        row,
-                        n,
-                        torch.tensor(used, device=dev),
-                        start + n,
-                        causal_mask(start, n, group, dev),
-                    )
-                )
-        width = max((len(p) for p in decode_pages), default=0)
-        padded = [p + [0] * (width - len(p)) for p in decode_pages]
-        lens = torch.tensor(decode_lens, device=dev)
-        decode_mask = (torch.arange(width * ps, device=dev)[None, :] < lens[:, None])[None, :, None]
+                used = torch.tensor(r.pages[: -(-(start + n) // ps)], device=dev)
+                mask = causal_mask(start, n, group, dev)
+                prefills.append(PrefillSpan(row, n, used, start + n, mask))
         return StepBatch(
             input_ids=torch.tensor(input_ids, device=dev),
             positions=torch.tensor(positions, device=dev),
             slots=torch.tensor(slots, device=dev),
             logits_rows=torch.tensor(logits_rows, device=dev, dtype=torch.long),
-            num_decode=len(decode_pages),
-            decode_pages=torch.tensor(padded, device=dev, dtype=torch.long).view(
-                len(padded), width
-            ),
-            decode_mask=decode_mask,
+            decode=self._decode_batch(decoding) if decoding else None,
             prefills=tuple(prefills),
+        )
+
+    def _decode_batch(self, rows: Sequence[Request]) -> DecodeBatch:
+        """Rows that share their cached prefix pages (GRPO siblings) attend them once."""
+        ps, dev = self.page_size, self.device
+        by_prefix: dict[tuple[int, ...], list[int]] = {}
+        for i, r in enumerate(rows):
+            if r.num_shared_pages:
+                by_prefix.setdefault(tuple(r.pages[: r.num_shared_pages]), []).append(i)
+        groups = [(pages, members) for pages, members in by_prefix.items() if len(members) > 1]
+        saved_tokens = sum((len(m) - 1) * len(pages) * ps for pages, m in groups)
+        if saved_tokens < CASCADE_MIN_SAVED_TOKENS:
+            groups = []  # the split costs ~40 small ops per layer; not worth it for little reuse
+        skip = [0] * len(rows)  # pages each row reads through its group instead
+        for pages, members in groups:
+            for i in members:
+                skip[i] = len(pages)
+        own = [r.pages[skip[i] : -(-(r.num_computed + 1) // ps)] for i, r in enumerate(rows)]
+        own_lens = [r.num_computed + 1 - skip[i] * ps for i, r in enumerate(rows)]
+        width = max(len(p) for p in own)
+        key_mask = (
+            torch.arange(width * ps, device=dev)[None, :]
+            < torch.tensor(own_lens, device=dev)[:, None]
+        )
+        prefixes = None
+        if groups:
+            prefix_width = max(len(pages) for pages, _ in groups)
+            slots_per_group = max(len(members) for _, members in groups)
+            slot_rows = [0] * (len(groups) * slots_per_group)
+            valid_slots, valid_rows = [], []
+            for g, (_, members) in enumerate(groups):
+                for j, i in enumerate(members):
+                    slot_rows[g * slots_per_group + j] = i
+                    valid_slots.append(g * slots_per_group + j)
+                    valid_rows.append(i)
+            lens = torch.tensor([len(pages) * ps for pages, _ in groups], device=dev)
+            keys = torch.arange(prefix_width * ps, device=dev)
+            additive = torch.zeros(len(groups), prefix_width * ps, device=dev)
+            additive.masked_fill_(keys[None, :] >= lens[:, None], float("-inf"))
+            prefixes = SharedPrefixes(
+                pages=_padded([list(pages) for pages, _ in groups], prefix_width, dev),
+                key_mask=additive.to(self.kv.device_kv.dtype)[None, :, None],
+                slot_rows=torch.tensor(slot_rows, device=dev),
+                valid_slots=torch.tensor(valid_slots, device=dev),
+                valid_rows=torch.tensor(valid_rows, device=dev),
+                width=slots_per_group,
+            )
+        return DecodeBatch(
+            num_rows=len(rows),
+            pages=_padded(own, width, dev),
+            key_mask=key_mask[None, :, None],
+            prefixes=prefixes,
         )
 
     def _postprocess(
@@ -493,3 +542,9 @@ class Engine:
         assert not free & set(owners), "a free page is also owned"
         assert 0 not in owners, "the padding page is in use"
         assert len(free) + len(owners) == self.kv.device_pages.capacity, "a page leaked"
+
+
+def _padded(rows: Sequence[Sequence[int]], width: int, device: torch.device) -> torch.Tensor:
+    """Page-id rows padded to `width` with the reserved padding page 0."""
+    data = [list(row) + [0] * (width - len(row)) for row in rows]
+    return torch.tensor(data, dtype=torch.long, device=device).view(len(rows), width)

@@ -1,0 +1,227 @@
+"""Generation throughput on a GRPO-shaped workload: venusrl vs `transformers` vs vLLM (CPU).
+
+One seeded workload (G groups x K requests; the K of a group share one prompt; prompt lengths
+log-normal with median 300, <= 1024; output lengths fixed per request, log-normal with median 100,
+in [8, 512]; greedy; everything submitted at once) runs through three engines side by side on the
+same random-weight Qwen3 model directory:
+
+- venusrl: this repository's engine, in-process;
+- hf: `transformers` `generate` in static padded batches of 16, as RL frameworks without a serving
+  engine sample; only the tokens each request asked for count as useful;
+- vllm: vLLM's CPU build in its own virtualenv (`benchmarks/setup_vllm.sh`), as a subprocess.
+
+Prints one JSON object: tokens/s per engine, `speedup_vs_hf`, `speedup_vs_vllm`, and
+`prefix_hit_ratio` (fraction of prompt tokens our engine served from its cache).
+
+    python benchmarks/engine_throughput.py [--preset tiny|small] [--threads 2] [--skip-vllm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+HF_BATCH = 16
+
+
+def make_workload(seed: int, groups: int, group_size: int, vocab: int) -> list[dict[str, Any]]:
+    rng = np.random.default_rng(seed)
+    requests = []
+    for _ in range(groups):
+        prompt_len = int(np.clip(round(rng.lognormal(np.log(300), 0.5)), 16, 1024))
+        prompt = rng.integers(0, vocab, prompt_len).tolist()
+        for _ in range(group_size):
+            max_tokens = int(np.clip(round(rng.lognormal(np.log(100), 0.6)), 8, 512))
+            requests.append({"prompt_token_ids": prompt, "max_tokens": max_tokens})
+    return requests
+
+
+def run_venusrl(model_dir: Path, requests: list[dict[str, Any]], threads: int) -> dict[str, Any]:
+    from venusrl.config import EngineConfig
+    from venusrl.engine.engine import Engine
+    from venusrl.engine.request import SamplingParams
+
+    engine = Engine.from_model_dir(model_dir, EngineConfig(threads=threads, device_kv_pages=8192))
+    engine.generate([[1, 2, 3, 4] * 8], SamplingParams(max_tokens=8, temperature=0))  # warm-up
+    engine.flush_cache()
+    engine.stats = type(engine.stats)()
+    params = [
+        SamplingParams(max_tokens=r["max_tokens"], temperature=0, ignore_eos=True) for r in requests
+    ]
+    start = time.perf_counter()
+    outs = engine.generate([r["prompt_token_ids"] for r in requests], params)
+    elapsed = time.perf_counter() - start
+    generated = sum(len(o.token_ids) for o in outs)
+    return {
+        "tokens_per_s": generated / elapsed,
+        "elapsed_s": elapsed,
+        "generated_tokens": generated,
+        "prefix_hit_ratio": engine.stats.prefix_hit_ratio,
+        "steps": engine.stats.steps,
+        "preemptions": engine.stats.preemptions,
+        "outputs": [o.token_ids for o in outs],
+    }
+
+
+def run_hf(model_dir: Path, requests: list[dict[str, Any]], threads: int) -> dict[str, Any]:
+    import transformers
+
+    torch.set_num_threads(threads)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    model.generation_config.eos_token_id = None  # like ignore_eos: run every requested token
+    model.generation_config.pad_token_id = 0
+    outputs: list[list[int]] = []
+    useful = 0
+    start = time.perf_counter()
+    for i in range(0, len(requests), HF_BATCH):
+        batch = requests[i : i + HF_BATCH]
+        width = max(len(r["prompt_token_ids"]) for r in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, r in enumerate(batch):  # left padding, as decoder-only generation needs
+            p = r["prompt_token_ids"]
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
+        new = max(r["max_tokens"] for r in batch)
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False
+            )
+        for row, r in enumerate(batch):
+            outputs.append(out[row, width : width + r["max_tokens"]].tolist())
+            useful += r["max_tokens"]
+    elapsed = time.perf_counter() - start
+    return {
+        "tokens_per_s": useful / elapsed,
+        "elapsed_s": elapsed,
+        "generated_tokens": useful,
+        "outputs": outputs,
+    }
+
+
+def run_vllm(
+    model_dir: Path, requests: list[dict[str, Any]], threads: int, python: Path
+) -> dict[str, Any]:
+    if not python.exists():
+        raise SystemExit(f"{python} not found: run benchmarks/setup_vllm.sh or pass --skip-vllm")
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"requests": requests}, f)
+    cmd = [
+        str(python),
+        str(ROOT / "benchmarks" / "vllm_runner.py"),
+        "--model",
+        str(model_dir),
+        "--workload",
+        f.name,
+        "--threads",
+        str(threads),
+    ]
+    # The same allocator tuning our process applies (venusrl/engine/host_malloc.py), so that
+    # vLLM is not slowed by page faults our engine avoids.
+    env = {
+        **os.environ,
+        "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
+        "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
+    }
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=1800, check=False, env=env
+        )
+    finally:
+        os.unlink(f.name)
+    if proc.returncode != 0:
+        raise SystemExit(f"vLLM runner failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def agreement(a: list[list[int]], b: list[list[int]], prefix: int = 16) -> float:
+    """Fraction of requests whose first `prefix` greedy tokens agree (fp32 ties may differ)."""
+    same = sum(x[:prefix] == y[:prefix] for x, y in zip(a, b, strict=True))
+    return same / len(a)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="tiny", help="model shape: tiny or small (~100M)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--engines", default="venusrl,hf,vllm")
+    parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python")
+    parser.add_argument("--model-dir", type=Path, help="default: runs/bench-models/PRESET")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from venusrl.engine.model_dir import init_model_dir, read_model_config
+
+    model_dir = args.model_dir or ROOT / "runs" / "bench-models" / args.preset
+    if not (model_dir / "config.json").exists():
+        init_model_dir(model_dir, args.preset, seed=args.seed)
+    cfg = read_model_config(model_dir)
+    requests = make_workload(args.seed, args.groups, args.group_size, cfg.vocab_size)
+    engines = [e for e in args.engines.split(",") if e and not (args.skip_vllm and e == "vllm")]
+
+    results: dict[str, dict[str, Any]] = {}
+    for name in engines:
+        if name == "venusrl":
+            results[name] = run_venusrl(model_dir, requests, args.threads)
+        elif name == "hf":
+            results[name] = run_hf(model_dir, requests, args.threads)
+        elif name == "vllm":
+            results[name] = run_vllm(model_dir, requests, args.threads, args.vllm_python)
+        else:
+            raise SystemExit(f"unknown engine {name!r}; engines: venusrl, hf, vllm")
+
+    report: dict[str, Any] = {
+        "workload": {
+            "groups": args.groups,
+            "group_size": args.group_size,
+            "seed": args.seed,
+            "prompt_tokens_median": float(
+                np.median([len(r["prompt_token_ids"]) for r in requests])
+            ),
+            "output_tokens_total": sum(r["max_tokens"] for r in requests),
+        },
+        "model": {
+            "preset": args.preset,
+            "params": cfg.num_params,
+            "layers": cfg.num_layers,
+            "hidden": cfg.hidden_size,
+        },
+        "threads": args.threads,
+        "engines": {
+            name: {k: v for k, v in r.items() if k != "outputs"} for name, r in results.items()
+        },
+    }
+    ours = results.get("venusrl")
+    if ours is not None:
+        report["prefix_hit_ratio"] = ours["prefix_hit_ratio"]
+        for other in ("hf", "vllm"):
+            if other in results:
+                report[f"speedup_vs_{other}"] = (
+                    ours["tokens_per_s"] / results[other]["tokens_per_s"]
+                )
+                report[f"greedy_agreement_with_{other}"] = agreement(
+                    ours["outputs"], results[other]["outputs"]
+                )
+    json.dump(report, sys.stdout, indent=2)
+    print()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Model directories: Hugging Face format in (sharded or not), `venusrl model init` out."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import write_hf_model
+from venusrl.config import EngineConfig
+from venusrl.engine.engine import Engine
+from venusrl.engine.model import ModelConfigError
+from venusrl.engine.model_dir import iter_safetensors, load_model
+from venusrl.engine.request import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def test_sharded_checkpoint_loads_like_a_single_file(tmp_path: Path) -> None:
+    import transformers
+
+    single = write_hf_model(tmp_path / "single", "qwen3", seed=2, head_dim=16)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(single, dtype=torch.float32)
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
+    a = Engine.from_model_dir(single, EngineConfig(page_size=4, device_kv_pages=200))
+    b = Engine.from_model_dir(tmp_path / "sharded", EngineConfig(page_size=4, device_kv_pages=200))
+    prompt = list(range(10, 30))
+    assert a.generate([prompt], GREEDY)[0].token_ids == b.generate([prompt], GREEDY)[0].token_ids
+
+
+def test_model_init_writes_a_directory_transformers_can_load(tmp_path: Path) -> None:
+    import transformers
+
+    out = tmp_path / "m"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "venusrl.cli",
+            "model",
+            "init",
+            str(out),
+            "--preset",
+            "tiny",
+            "--set",
+            "num_hidden_layers=2",
+            "--set",
+            "vocab_size=1024",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "qwen3" and config["num_hidden_layers"] == 2
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    text = "hello, wörld"
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    ours = load_model(out)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        ref = hf(ids).logits[0, -1]
+    engine = Engine(ours, EngineConfig(page_size=4, device_kv_pages=1100))
+    out_ids = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=1, temperature=0))[0]
+    assert out_ids.token_ids == [int(ref.argmax())]
+
+
+def test_model_init_rejects_unknown_presets_with_the_list(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "venusrl.cli",
+            "model",
+            "init",
+            str(tmp_path / "m"),
+            "--preset",
+            "huge",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2
+    assert "unknown preset 'huge'" in proc.stderr and "tiny" in proc.stderr
+
+
+def test_missing_or_misshaped_weights_are_named_and_leave_the_model_unchanged(
+    tmp_path: Path,
+) -> None:
+    path = write_hf_model(tmp_path / "m", "qwen3", seed=2, head_dim=16)
+    model = load_model(path)
+    before = {k: v.clone() for k, v in model.hf_state_dict().items()}
+    weights = dict(iter_safetensors(path))
+    weights["model.norm.weight"] = weights["model.norm.weight"] * 3
+    bad_shape = dict(weights)
+    bad_shape["model.layers.0.mlp.down_proj.weight"] = torch.zeros(3, 3)
+    with pytest.raises(ModelConfigError, match=r"down_proj.weight.*shape"):
+        model.load_weights(bad_shape.items())
+    missing = dict(weights)
+    del missing["model.layers.1.self_attn.q_norm.weight"]
+    with pytest.raises(ModelConfigError, match="q_norm.weight"):
+        model.load_weights(missing.items())
+    for name, tensor in model.hf_state_dict().items():
+        assert torch.equal(tensor, before[name]), f"{name} changed by a failed load"
+
+
+def test_unsupported_architectures_are_clear_errors(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
+    with pytest.raises(ModelConfigError, match="mamba"):
+        load_model(tmp_path)
+    with pytest.raises(ModelConfigError, match="does not exist"):
+        load_model(tmp_path / "nowhere")
