@@ -105,7 +105,7 @@ def test_missing_or_misshaped_weights_are_named_and_leave_the_model_unchanged(
         model.load_weights(bad_shape.items())
     missing = dict(weights)
     del missing["model.layers.1.self_attn.q_norm.weight"]
-    with pytest.raises(ModelConfigError, match="q_norm.weight"):
+    with pytest.raises(ModelConfigError, match=r"q_norm\.weight"):
         model.load_weights(missing.items())
     for name, tensor in model.hf_state_dict().items():
         assert torch.equal(tensor, before[name]), f"{name} changed by a failed load"
