@@ -13,7 +13,11 @@ same random-weight Qwen3 model directory:
 Prints one JSON object: tokens/s per engine, `speedup_vs_hf`, `speedup_vs_vllm`, and
 `prefix_hit_ratio` (fraction of prompt tokens our engine served from its cache).
 
-    python benchmarks/engine_throughput.py [--preset tiny|small] [--threads 2] [--skip-vllm]
+    python benchmarks/engine_throughput.py [--preset tiny|small] [--threads 2] [--repeats 3]
+                                           [--skip-vllm]
+
+Each engine runs the workload `--repeats` times from a cold prefix cache; the median run is
+reported with every run's time beside it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,34 +52,39 @@ def make_workload(seed: int, groups: int, group_size: int, vocab: int) -> list[d
     return requests
 
 
-def run_venusrl(model_dir: Path, requests: list[dict[str, Any]], threads: int) -> dict[str, Any]:
+def run_venusrl(model_dir: Path, threads: int) -> Callable[[list[dict[str, Any]]], dict[str, Any]]:
+    """Load our engine once; each call runs the workload from a cold prefix cache."""
     from venusrl.config import EngineConfig
-    from venusrl.engine.engine import Engine
+    from venusrl.engine.engine import Engine, EngineStats
     from venusrl.engine.request import SamplingParams
 
     engine = Engine.from_model_dir(model_dir, EngineConfig(threads=threads, device_kv_pages=8192))
     engine.generate([[1, 2, 3, 4] * 8], SamplingParams(max_tokens=8, temperature=0))  # warm-up
-    engine.flush_cache()
-    engine.stats = type(engine.stats)()
-    params = [
-        SamplingParams(max_tokens=r["max_tokens"], temperature=0, ignore_eos=True) for r in requests
-    ]
-    start = time.perf_counter()
-    outs = engine.generate([r["prompt_token_ids"] for r in requests], params)
-    elapsed = time.perf_counter() - start
-    generated = sum(len(o.token_ids) for o in outs)
-    return {
-        "tokens_per_s": generated / elapsed,
-        "elapsed_s": elapsed,
-        "generated_tokens": generated,
-        "prefix_hit_ratio": engine.stats.prefix_hit_ratio,
-        "steps": engine.stats.steps,
-        "preemptions": engine.stats.preemptions,
-        "outputs": [o.token_ids for o in outs],
-    }
+
+    def run(requests: list[dict[str, Any]]) -> dict[str, Any]:
+        engine.flush_cache()
+        engine.stats = EngineStats()
+        params = [
+            SamplingParams(max_tokens=r["max_tokens"], temperature=0, ignore_eos=True)
+            for r in requests
+        ]
+        start = time.perf_counter()
+        outs = engine.generate([r["prompt_token_ids"] for r in requests], params)
+        elapsed = time.perf_counter() - start
+        return {
+            "elapsed_s": elapsed,
+            "generated_tokens": sum(len(o.token_ids) for o in outs),
+            "prefix_hit_ratio": engine.stats.prefix_hit_ratio,
+            "steps": engine.stats.steps,
+            "preemptions": engine.stats.preemptions,
+            "outputs": [o.token_ids for o in outs],
+        }
+
+    return run
 
 
-def run_hf(model_dir: Path, requests: list[dict[str, Any]], threads: int) -> dict[str, Any]:
+def run_hf(model_dir: Path, threads: int) -> Callable[[list[dict[str, Any]]], dict[str, Any]]:
+    """`transformers` generate in static, left-padded batches of 16 (greedy, no early stop)."""
     import transformers
 
     torch.set_num_threads(threads)
@@ -82,37 +92,40 @@ def run_hf(model_dir: Path, requests: list[dict[str, Any]], threads: int) -> dic
     model.eval()
     model.generation_config.eos_token_id = None  # like ignore_eos: run every requested token
     model.generation_config.pad_token_id = 0
-    outputs: list[list[int]] = []
-    useful = 0
-    start = time.perf_counter()
-    for i in range(0, len(requests), HF_BATCH):
-        batch = requests[i : i + HF_BATCH]
-        width = max(len(r["prompt_token_ids"]) for r in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        mask = torch.zeros(len(batch), width, dtype=torch.long)
-        for row, r in enumerate(batch):  # left padding, as decoder-only generation needs
-            p = r["prompt_token_ids"]
-            ids[row, width - len(p) :] = torch.tensor(p)
-            mask[row, width - len(p) :] = 1
-        new = max(r["max_tokens"] for r in batch)
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False
-            )
-        for row, r in enumerate(batch):
-            outputs.append(out[row, width : width + r["max_tokens"]].tolist())
-            useful += r["max_tokens"]
-    elapsed = time.perf_counter() - start
-    return {
-        "tokens_per_s": useful / elapsed,
-        "elapsed_s": elapsed,
-        "generated_tokens": useful,
-        "outputs": outputs,
-    }
+
+    def run(requests: list[dict[str, Any]]) -> dict[str, Any]:
+        outputs: list[list[int]] = []
+        start = time.perf_counter()
+        for i in range(0, len(requests), HF_BATCH):
+            batch = requests[i : i + HF_BATCH]
+            width = max(len(r["prompt_token_ids"]) for r in batch)
+            ids = torch.zeros(len(batch), width, dtype=torch.long)
+            mask = torch.zeros(len(batch), width, dtype=torch.long)
+            for row, r in enumerate(batch):
+                p = r["prompt_token_ids"]
+                ids[row, width - len(p) :] = torch.tensor(p)
+                mask[row, width - len(p) :] = 1
+            new = max(r["max_tokens"] for r in batch)
+            with torch.no_grad():
+                out = model.generate(
+                    input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False
+                )
+            outputs += [
+                out[row, width : width + r["max_tokens"]].tolist() for row, r in enumerate(batch)
+            ]
+        elapsed = time.perf_counter() - start
+        # Only the tokens each request asked for are useful; padding work is the baseline's cost.
+        return {
+            "elapsed_s": elapsed,
+            "generated_tokens": sum(r["max_tokens"] for r in requests),
+            "outputs": outputs,
+        }
+
+    return run
 
 
 def run_vllm(
-    model_dir: Path, requests: list[dict[str, Any]], threads: int, python: Path
+    model_dir: Path, requests: list[dict[str, Any]], threads: int, python: Path, repeats: int
 ) -> dict[str, Any]:
     if not python.exists():
         raise SystemExit(f"{python} not found: run benchmarks/setup_vllm.sh or pass --skip-vllm")
@@ -127,6 +140,8 @@ def run_vllm(
         f.name,
         "--threads",
         str(threads),
+        "--repeats",
+        str(repeats),
     ]
     # The same allocator tuning our process applies (venusrl/engine/host_malloc.py), so that
     # vLLM is not slowed by page faults our engine avoids.
@@ -147,6 +162,15 @@ def run_vllm(
     return result
 
 
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median time, plus every run's time."""
+    ordered = sorted(runs, key=lambda r: r["elapsed_s"])
+    median = dict(ordered[len(ordered) // 2])
+    median["tokens_per_s"] = median["generated_tokens"] / median["elapsed_s"]
+    median["elapsed_samples_s"] = [r["elapsed_s"] for r in runs]
+    return median
+
+
 def agreement(a: list[list[int]], b: list[list[int]], prefix: int = 16) -> float:
     """Fraction of requests whose first `prefix` greedy tokens agree (fp32 ties may differ)."""
     same = sum(x[:prefix] == y[:prefix] for x, y in zip(a, b, strict=True))
@@ -161,6 +185,7 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--engines", default="venusrl,hf,vllm")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per engine (median)")
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python")
     parser.add_argument("--model-dir", type=Path, help="default: runs/bench-models/PRESET")
@@ -175,18 +200,25 @@ def main() -> None:
     cfg = read_model_config(model_dir)
     requests = make_workload(args.seed, args.groups, args.group_size, cfg.vocab_size)
     engines = [e for e in args.engines.split(",") if e and not (args.skip_vllm and e == "vllm")]
+    unknown = set(engines) - {"venusrl", "hf", "vllm"}
+    if unknown:
+        raise SystemExit(f"unknown engines {sorted(unknown)}; engines: venusrl, hf, vllm")
 
-    results: dict[str, dict[str, Any]] = {}
-    for name in engines:
-        if name == "venusrl":
-            results[name] = run_venusrl(model_dir, requests, args.threads)
-        elif name == "hf":
-            results[name] = run_hf(model_dir, requests, args.threads)
-        elif name == "vllm":
-            results[name] = run_vllm(model_dir, requests, args.threads, args.vllm_python)
-        else:
-            raise SystemExit(f"unknown engine {name!r}; engines: venusrl, hf, vllm")
-
+    # Ours and HF run in this process, interleaved run by run so that a noisy neighbour hits
+    # both alike; vLLM repeats inside its own process (its start-up costs over a minute).
+    runners = {"venusrl": run_venusrl, "hf": run_hf}
+    in_process = {
+        name: runners[name](model_dir, args.threads) for name in engines if name in runners
+    }
+    samples: dict[str, list[dict[str, Any]]] = {name: [] for name in in_process}
+    for _ in range(args.repeats):
+        for name, run in in_process.items():
+            samples[name].append(run(requests))
+    results = {name: _median_run(runs) for name, runs in samples.items()}
+    if "vllm" in engines:
+        results["vllm"] = run_vllm(
+            model_dir, requests, args.threads, args.vllm_python, args.repeats
+        )
     report: dict[str, Any] = {
         "workload": {
             "groups": args.groups,
@@ -196,6 +228,7 @@ def main() -> None:
                 np.median([len(r["prompt_token_ids"]) for r in requests])
             ),
             "output_tokens_total": sum(r["max_tokens"] for r in requests),
+            "repeats": args.repeats,
         },
         "model": {
             "preset": args.preset,

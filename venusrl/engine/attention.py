@@ -27,15 +27,13 @@ import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
-class SharedPrefixes:
-    """Groups of decode rows that share their first pages; attended once per group."""
+class PrefixGroup:
+    """Decode rows that share their first pages; the pages are attended once for all of them."""
 
-    pages: torch.Tensor  # [groups, prefix_pages] shared page ids, padded with page 0
-    key_mask: torch.Tensor  # [1, groups, 1, prefix_pages * page_size] additive (0 or -inf)
-    slot_rows: torch.Tensor  # [groups * width] decode row of each member slot (padding: row 0)
-    valid_slots: torch.Tensor  # indices of slots that hold a real member
-    valid_rows: torch.Tensor  # the decode rows of those slots
-    width: int  # member slots per group
+    rows: torch.Tensor  # decode rows of the members
+    first_page: int  # when the shared pages are contiguous, they are read in place (no copy)
+    num_pages: int
+    pages: torch.Tensor | None  # otherwise, their ids, gathered
 
 
 @dataclass(frozen=True)
@@ -43,7 +41,7 @@ class DecodeBatch:
     num_rows: int
     pages: torch.Tensor  # [rows, pages] each row's own pages after its shared prefix, 0-padded
     key_mask: torch.Tensor  # [1, rows, 1, pages * page_size] bool, True = key is valid
-    prefixes: SharedPrefixes | None
+    prefix_groups: tuple[PrefixGroup, ...]
 
 
 @dataclass(frozen=True)
@@ -114,10 +112,10 @@ def _gather(layer_kv: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
 def _decode(q: torch.Tensor, layer_kv: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
     """q: [kv_heads, rows, group, dim] -> attention output of the same shape."""
     own = _gather(layer_kv, batch.pages)
-    if batch.prefixes is None:
+    if not batch.prefix_groups:
         return F.scaled_dot_product_attention(q, own[0], own[1], attn_mask=batch.key_mask)
     own_out, own_lse = _attend(q, own[0], own[1], batch.key_mask)
-    pre_out, pre_lse = _shared_prefix(q, layer_kv, batch.prefixes)
+    pre_out, pre_lse = _shared_prefixes(q, layer_kv, batch.prefix_groups)
     # Exact merge of two partial softmaxes: weights exp(lse - max) renormalised.
     top = torch.maximum(own_lse, pre_lse)
     w_own, w_pre = (own_lse - top).exp(), (pre_lse - top).exp()
@@ -125,35 +123,34 @@ def _decode(q: torch.Tensor, layer_kv: torch.Tensor, batch: DecodeBatch) -> torc
     return merged / (w_own + w_pre)[..., None]
 
 
-def _shared_prefix(
-    q: torch.Tensor, layer_kv: torch.Tensor, prefixes: SharedPrefixes
+def _shared_prefixes(
+    q: torch.Tensor, layer_kv: torch.Tensor, groups: tuple[PrefixGroup, ...]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each group's members attend its shared pages once. Returns per-row output and
     log-sum-exp ([kv_heads, rows, group, dim], [kv_heads, rows, group]); rows outside every
     group get lse = -inf, so they weigh nothing in the merge."""
-    kv_heads, rows, group, dim = q.shape
-    groups = prefixes.pages.shape[0]
-    members = q.index_select(1, prefixes.slot_rows)  # [kv_heads, groups * width, group, dim]
-    members = members.reshape(kv_heads, groups, prefixes.width * group, dim)
-    shared = _gather(layer_kv, prefixes.pages)
-    out, lse = _attend(members, shared[0], shared[1], prefixes.key_mask, additive=True)
-    out = out.reshape(kv_heads, groups * prefixes.width, group, dim)
-    lse = lse.reshape(kv_heads, groups * prefixes.width, group)
-    row_out = q.new_zeros(kv_heads, rows, group, dim)
-    row_lse = q.new_full((kv_heads, rows, group), -math.inf)
-    row_out.index_copy_(1, prefixes.valid_rows, out.index_select(1, prefixes.valid_slots))
-    row_lse.index_copy_(1, prefixes.valid_rows, lse.index_select(1, prefixes.valid_slots))
+    kv_heads, rows, heads_per_kv, dim = q.shape
+    row_out = q.new_zeros(kv_heads, rows, heads_per_kv, dim)
+    row_lse = q.new_full((kv_heads, rows, heads_per_kv), -math.inf)
+    for g in groups:
+        if g.pages is None:
+            kv = layer_kv[:, :, g.first_page : g.first_page + g.num_pages]
+            kv = kv.reshape(2, kv_heads, -1, dim)  # a view: contiguous pages are read in place
+        else:
+            kv = _gather(layer_kv, g.pages)
+        members = q.index_select(1, g.rows).reshape(kv_heads, -1, dim)
+        out, lse = _attend(members, kv[0], kv[1], None)
+        row_out.index_copy_(1, g.rows, out.view(kv_heads, -1, heads_per_kv, dim))
+        row_lse.index_copy_(1, g.rows, lse.view(kv_heads, -1, heads_per_kv))
     return row_out, row_lse
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, additive: bool = False
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention that also returns the log-sum-exp of the scores (for merging)."""
     scores = torch.matmul(q, k.transpose(-1, -2)).mul_(1.0 / math.sqrt(q.shape[-1]))
-    if additive:
-        scores.add_(mask)
-    else:
+    if mask is not None:
         scores.masked_fill_(~mask, -math.inf)
     lse = torch.logsumexp(scores, dim=-1)
     probs = scores.sub_(lse[..., None]).exp_()

@@ -31,7 +31,7 @@ from venusrl.config import EngineConfig
 from venusrl.engine.attention import (
     DecodeBatch,
     PrefillSpan,
-    SharedPrefixes,
+    PrefixGroup,
     StepBatch,
     causal_mask,
 )
@@ -341,34 +341,22 @@ class Engine:
             torch.arange(width * ps, device=dev)[None, :]
             < torch.tensor(own_lens, device=dev)[:, None]
         )
-        prefixes = None
-        if groups:
-            prefix_width = max(len(pages) for pages, _ in groups)
-            slots_per_group = max(len(members) for _, members in groups)
-            slot_rows = [0] * (len(groups) * slots_per_group)
-            valid_slots, valid_rows = [], []
-            for g, (_, members) in enumerate(groups):
-                for j, i in enumerate(members):
-                    slot_rows[g * slots_per_group + j] = i
-                    valid_slots.append(g * slots_per_group + j)
-                    valid_rows.append(i)
-            lens = torch.tensor([len(pages) * ps for pages, _ in groups], device=dev)
-            keys = torch.arange(prefix_width * ps, device=dev)
-            additive = torch.zeros(len(groups), prefix_width * ps, device=dev)
-            additive.masked_fill_(keys[None, :] >= lens[:, None], float("-inf"))
-            prefixes = SharedPrefixes(
-                pages=_padded([list(pages) for pages, _ in groups], prefix_width, dev),
-                key_mask=additive.to(self.kv.device_kv.dtype)[None, :, None],
-                slot_rows=torch.tensor(slot_rows, device=dev),
-                valid_slots=torch.tensor(valid_slots, device=dev),
-                valid_rows=torch.tensor(valid_rows, device=dev),
-                width=slots_per_group,
+        prefix_groups = []
+        for pages, members in groups:
+            contiguous = list(pages) == list(range(pages[0], pages[0] + len(pages)))
+            prefix_groups.append(
+                PrefixGroup(
+                    rows=torch.tensor(members, device=dev),
+                    first_page=pages[0],
+                    num_pages=len(pages),
+                    pages=None if contiguous else torch.tensor(pages, device=dev),
+                )
             )
         return DecodeBatch(
             num_rows=len(rows),
             pages=_padded(own, width, dev),
             key_mask=key_mask[None, :, None],
-            prefixes=prefixes,
+            prefix_groups=tuple(prefix_groups),
         )
 
     def _postprocess(
@@ -385,9 +373,7 @@ class Engine:
         )
         finished = []
         for r, token, logprob in zip(sampling, tokens, logprobs, strict=True):
-            r.output_ids.append(token)
-            r.output_logprobs.append(logprob)
-            r.output_versions.append(self.weight_version)
+            r.append_token(token, logprob, self.weight_version)
             self.stats.generated_tokens += 1
             reason = self._stop_reason(r, token)
             if reason is not None:

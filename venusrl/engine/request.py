@@ -81,13 +81,20 @@ class Request:
     num_computed: int = 0  # tokens of all_ids whose KV sits in pages
     generator: torch.Generator | None = None
 
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    all_ids: list[int] = field(init=False, default_factory=list)  # prompt + output
+
+    def __post_init__(self) -> None:
+        self.all_ids = self.prompt_ids + self.output_ids
+
+    def append_token(self, token: int, logprob: float, version: int) -> None:
+        self.output_ids.append(token)
+        self.output_logprobs.append(logprob)
+        self.output_versions.append(version)
+        self.all_ids.append(token)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.all_ids)
 
     @property
     def tokens_to_compute(self) -> int:
