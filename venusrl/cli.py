@@ -73,16 +73,15 @@ def _serve(args: argparse.Namespace) -> int:
     from venusrl.engine.engine import Engine
     from venusrl.engine.server import create_app
 
-    overrides = list(args.overrides)
-    for flag, key in (
-        (args.model, "model"),
-        (args.host, "server.host"),
-        (args.port, "server.port"),
-        (args.api_key, "server.api_key"),
-    ):
-        if flag is not None:
-            overrides.append(f"{key}={flag}")
-    cfg = load_config(args.config, overrides)
+    flags = {
+        "model": args.model,
+        "server.host": args.host,
+        "server.port": args.port,
+        "server.api_key": args.api_key,
+    }
+    cfg = load_config(
+        args.config, args.overrides, {k: v for k, v in flags.items() if v is not None}
+    )
     if cfg.model is None:
         raise ConfigError("no model: pass --model DIR or set `model` in the config")
     engine = Engine.from_model_dir(cfg.model, cfg.engine)

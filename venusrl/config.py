@@ -67,8 +67,13 @@ class Config(_Section):
     server: ServerConfig = Field(default_factory=ServerConfig)
 
 
-def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> Config:
-    """Read a YAML file (optional), apply `a.b.c=value` overrides, validate the whole tree."""
+def load_config(
+    path: str | Path | None = None,
+    overrides: Iterable[str] = (),
+    values: Mapping[str, Any] | None = None,
+) -> Config:
+    """Read a YAML file (optional), apply `a.b.c=value` overrides, then `values` (dotted keys
+    whose values are taken as they are, for command-line flags), and validate the whole tree."""
     data: dict[str, Any] = {}
     if path is not None:
         try:
@@ -84,6 +89,8 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
         data = loaded or {}
     for item in overrides:
         apply_override(data, item)
+    for key, value in (values or {}).items():
+        _set_dotted(data, key, value, key)
     return validate_config(data)
 
 
@@ -97,12 +104,18 @@ def apply_override(data: dict[str, Any], item: str) -> None:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError:
         value = raw
+    _set_dotted(data, key, value, item)
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any, source: str) -> None:
     node = data
     parts = key.split(".")
     for i, part in enumerate(parts[:-1]):
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"{'.'.join(parts[: i + 1])} is a value, not a section (in {item!r})")
+            raise ConfigError(
+                f"{'.'.join(parts[: i + 1])} is a value, not a section (in {source!r})"
+            )
         node = child
     node[parts[-1]] = value
 

@@ -201,6 +201,12 @@ def test_bad_sampling_params_name_the_field(kwargs: dict, words: str) -> None:
         SamplingParams(**kwargs)
 
 
+def test_stop_strings_without_a_tokenizer_are_refused(tiny_qwen3: Path) -> None:
+    params = SamplingParams(max_tokens=4, stop=("x",))
+    with pytest.raises(RequestError, match="tokenizer"):
+        engine_for(tiny_qwen3).add_request([1, 2, 3], params)
+
+
 def test_engine_refuses_a_cache_smaller_than_one_full_context(tiny_qwen3: Path) -> None:
     with pytest.raises(ValueError, match="device_kv_pages"):
         engine_for(tiny_qwen3, device_kv_pages=8)

@@ -35,8 +35,9 @@ def test_tree_and_allocator_invariants_hold_after_every_operation(ops: list) -> 
             if n > alloc.num_free:
                 continue
             own = alloc.allocate(n)
-            kept = tree.insert(arg, own, namespace)
+            kept = tree.insert(arg, own, namespace).pages
             alloc.free([p for p, k in zip(own, kept, strict=True) if p != k])
+            assert tree.cached_pages(arg, namespace) == len(kept)
             assert tree.match(arg, namespace).pages == kept
         elif op == "lock":
             m = tree.match(arg, namespace)
@@ -61,8 +62,11 @@ def test_tree_and_allocator_invariants_hold_after_every_operation(ops: list) -> 
 def test_match_is_page_granular_and_splits_nodes() -> None:
     tree = RadixTree(page_size=4)
     tree.insert(list(range(12)), [1, 2, 3])
-    m: PrefixMatch = tree.match([0, 1, 2, 3, 4, 5, 6, 7, 99, 9, 10, 11])
-    assert m.pages == [1, 2] and m.num_tokens(4) == 8
+    probe = [0, 1, 2, 3, 4, 5, 6, 7, 99, 9, 10, 11]
+    assert tree.cached_pages(probe) == 2
+    assert len(tree.nodes()) == 1  # counting is read-only: no split yet
+    m: PrefixMatch = tree.match(probe)
+    assert m.pages == [1, 2] and len(tree.nodes()) == 2
     assert tree.match([0, 1, 2]).pages == []  # less than a page never matches
     tree.check()
 

@@ -211,6 +211,12 @@ def test_native_generate_returns_tokens_logprobs_and_versions(server: str) -> No
         ),
         ("/generate", {"input_ids": [], "sampling_params": {}}, 400, "input_ids"),
         ("/update_weights", {"path": "/nonexistent"}, 400, "not a directory"),
+        ("/update_weights", {"path": "/etc"}, 400, "no *.safetensors"),
+        ("/generate", {"input_ids": [1, 2], "sampling_params": {"top_k": 1.5}}, 400, "top_k"),
+        ("/generate", {"input_ids": [1], "sampling_params": {"stop": ["a", 5]}}, 400, "stop"),
+        ("/v1/completions", {"prompt": [1], "seed": 2**64}, 400, "seed"),
+        ("/v1/completions", {"prompt": [1], "top_p": 0}, 400, "top_p"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "content"),
     ],
 )
 def test_bad_requests_get_a_4xx_that_says_what_is_wrong(
@@ -227,6 +233,18 @@ def test_bad_requests_get_a_4xx_that_says_what_is_wrong(
         timeout=60,
     )
     assert ok.status_code == 200
+
+
+def test_a_vanishing_temperature_samples_greedily_instead_of_failing(server: str) -> None:
+    body = {"prompt": list(range(300, 330)), "max_tokens": 8}
+    greedy = httpx.post(
+        f"{server}/v1/completions", json={**body, "temperature": 0}, headers=auth(), timeout=60
+    )
+    tiny = httpx.post(
+        f"{server}/v1/completions", json={**body, "temperature": 1e-40}, headers=auth(), timeout=60
+    )
+    assert tiny.status_code == 200, tiny.text
+    assert tiny.json()["choices"][0]["token_ids"] == greedy.json()["choices"][0]["token_ids"]
 
 
 def test_malformed_json_is_a_400(server: str) -> None:

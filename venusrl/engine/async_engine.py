@@ -12,6 +12,7 @@ import asyncio
 import logging
 import queue
 import threading
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -50,6 +51,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopped = False
+        self._lock = threading.Lock()
         self._listeners: dict[str, _Listener] = {}
         self._thread = threading.Thread(target=self._run, name="venusrl-engine", daemon=True)
 
@@ -58,7 +60,8 @@ class AsyncEngine:
         return self
 
     def stop(self) -> None:
-        self._stopped = True
+        with self._lock:
+            self._stopped = True
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=30)
@@ -87,15 +90,17 @@ class AsyncEngine:
         """Yield tokens as they are produced; the last delta carries the whole output."""
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[TokenDelta | BaseException] = asyncio.Queue()
+        # Named here, so that a caller cancelled even before the engine saw the request can
+        # still abort it.
+        request_id = metadata.pop("request_id", None) or f"req-{uuid.uuid4().hex}"
 
-        def add(engine: Engine) -> str:
-            r = engine.add_request(prompt_ids, params, **metadata)
+        def add(engine: Engine) -> None:
+            r = engine.add_request(prompt_ids, params, request_id=request_id, **metadata)
             self._listeners[r.request_id] = _Listener(loop, deltas, r)
-            return r.request_id
 
-        request_id = await self.call(add)
         done = False
         try:
+            await self.call(add)
             while True:
                 item = await deltas.get()
                 if isinstance(item, BaseException):
@@ -105,7 +110,7 @@ class AsyncEngine:
                 if done:
                     return
         finally:
-            if not done:  # the caller went away (client disconnect): stop wasting compute
+            if not done and not self._stopped:  # the caller went away: stop wasting compute
                 self._submit(lambda: self._abort(request_id))
 
     async def generate(
@@ -119,9 +124,10 @@ class AsyncEngine:
     # -- engine thread ------------------------------------------------------------------------
 
     def _submit(self, command: Callable[[], None]) -> None:
-        if self._stopped:
-            raise EngineClosed("the engine is stopped")
-        self._commands.put(command)
+        with self._lock:  # so that no command slips in after the thread's final drain
+            if self._stopped:
+                raise EngineClosed("the engine is stopped")
+            self._commands.put(command)
         self._wake.set()
 
     def _abort(self, request_id: str) -> None:
@@ -129,17 +135,22 @@ class AsyncEngine:
         if self.engine.abort(request_id):
             self.engine.pop_finished(request_id)
 
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command()
+
     def _run(self) -> None:
         while not self._stopped:
-            while True:
-                try:
-                    self._commands.get_nowait()()
-                except queue.Empty:
-                    break
+            self._run_commands()
             if not self.engine.has_work():
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
+            steps = self.engine.stats.steps
             try:
                 finished = self.engine.step()
             except Exception as e:  # an engine bug must not hang every client
@@ -147,6 +158,10 @@ class AsyncEngine:
                 self._fail_all(e)
                 continue
             self._publish({r.request_id for r in finished})
+            if self.engine.stats.steps == steps:  # nothing could run: do not spin
+                self._wake.wait(timeout=0.005)
+                self._wake.clear()
+        self._run_commands()  # callers waiting on a command get an answer, not a hang
         self._fail_all(EngineClosed("the engine stopped"))
 
     def _publish(self, finished: set[str]) -> None:

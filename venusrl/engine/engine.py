@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,11 +44,20 @@ from venusrl.engine.radix_tree import RadixTree
 from venusrl.engine.request import GenerationOutput, Request, SamplingParams, Status
 from venusrl.engine.sampler import sample
 from venusrl.engine.tokenizer import Tokenizer
-from venusrl.policy.engine_schedule import EngineSnapshot, PriorityScheduler, RequestView
+from venusrl.policy.engine_schedule import (
+    EngineSnapshot,
+    PriorityScheduler,
+    RequestView,
+    pages_for,
+)
 
 # Decode rows sharing a prefix attend it once (cascade attention) when that saves reading at
 # least this many KV tokens per layer; below it one fused SDPA call over all pages is cheaper.
 CASCADE_MIN_SAVED_TOKENS = 2048
+
+# Tokens decoded beyond the longest stop string when looking for it (a multi-byte character
+# can span tokens).
+STOP_WINDOW_EXTRA_TOKENS = 8
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -119,7 +129,6 @@ class Engine:
         self.running: list[Request] = []
         self.stats = EngineStats()
         self._arrivals = itertools.count()
-        self._ids = itertools.count()
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: EngineConfig | None = None) -> Engine:
@@ -152,7 +161,11 @@ class Engine:
                 f"prompt has {len(prompt)} tokens; the context limit is {self.max_context} "
                 "and at least one token must be generated"
             )
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if params.stop and self.tokenizer is None:
+            raise RequestError(
+                "stop strings need a tokenizer; this model has none (use stop_token_ids)"
+            )
+        request_id = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         arrival = next(self._arrivals)
@@ -215,11 +228,18 @@ class Engine:
         work: list[tuple[Request, int]] = []
         for rid, n in plan.run:
             r = self.requests[rid]
-            if r.status is Status.WAITING:
+            admitting = r.status is Status.WAITING
+            if admitting:
                 self._admit(r)
             n = min(n, r.tokens_to_compute)
             if n > 0 and self._reserve_pages(r, n):
                 work.append((r, n))
+            elif admitting:
+                # The plan counted pages that earlier admissions took: wait for the next step
+                # rather than hold a running slot with nothing to compute.
+                self.running.remove(r)
+                self._release_kv(r)
+                self._enqueue(r)
         if not work:
             return []
         work.sort(key=lambda item: item[1] > 1)
@@ -240,7 +260,7 @@ class Engine:
                     r.num_computed,
                     r.tokens_to_compute,
                     pages_held=len(r.pages),
-                    pages_releasable=len(r.pages) - r.num_shared_pages,
+                    pages_releasable=self._releasable_pages(r),
                 )
             )
         prefilling = [r for r in self.running if r.tokens_to_compute > 1]
@@ -279,12 +299,21 @@ class Engine:
             max_running=self.cfg.max_running,
         )
 
+    def _releasable_pages(self, r: Request) -> int:
+        """Pages that preempting `r` frees or makes evictable: its own, plus the cached prefix
+        nodes that no other request holds (lock_ref 1)."""
+        pages = len(r.pages) - r.num_shared_pages
+        node = r.tree_node
+        while node is not None and node.parent is not None and node.lock_ref == 1:
+            pages += len(node.pages)
+            node = node.parent
+        return pages
+
     def _cached_prefix_len(self, r: Request) -> int:
         if not self.cfg.prefix_cache:
             return 0
         # At least the last token is computed, to produce the logits of the next one.
-        match = self.tree.match(r.all_ids[: r.num_tokens - 1], r.namespace)
-        return len(match.pages) * self.page_size
+        return self.tree.cached_pages(r.all_ids[: r.num_tokens - 1], r.namespace) * self.page_size
 
     def _build_batch(self, work: Sequence[tuple[Request, int]]) -> StepBatch:
         """Pack the step's tokens; `work` lists decode (single-token) entries first."""
@@ -307,7 +336,7 @@ class Engine:
             if n == 1:
                 decoding.append(r)
             else:
-                used = torch.tensor(r.pages[: -(-(start + n) // ps)], device=dev)
+                used = torch.tensor(r.pages[: pages_for(start + n, ps)], device=dev)
                 mask = causal_mask(start, n, group, dev)
                 prefills.append(PrefillSpan(row, n, used, start + n, mask))
         return StepBatch(
@@ -334,7 +363,7 @@ class Engine:
         for pages, members in groups:
             for i in members:
                 skip[i] = len(pages)
-        own = [r.pages[skip[i] : -(-(r.num_computed + 1) // ps)] for i, r in enumerate(rows)]
+        own = [r.pages[skip[i] : pages_for(r.num_computed + 1, ps)] for i, r in enumerate(rows)]
         own_lens = [r.num_computed + 1 - skip[i] * ps for i, r in enumerate(rows)]
         width = max(len(p) for p in own)
         key_mask = (
@@ -390,7 +419,9 @@ class Engine:
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             return "stop"
         if p.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(r.output_ids)
+            # Only the tail can hold a new match; a token decodes to at least one character.
+            window = max(len(s) for s in p.stop) + STOP_WINDOW_EXTRA_TOKENS
+            text = self.tokenizer.decode(r.output_ids[-window:])
             if any(s in text for s in p.stop):
                 return "stop"
         if len(r.output_ids) >= p.max_tokens or r.num_tokens >= self.max_context:
@@ -422,7 +453,7 @@ class Engine:
         self.running.append(r)
 
     def _reserve_pages(self, r: Request, n: int) -> bool:
-        need = -(-(r.num_computed + n) // self.page_size) - len(r.pages)
+        need = pages_for(r.num_computed + n, self.page_size) - len(r.pages)
         if need <= 0:
             return True
         alloc = self.kv.device_pages
@@ -439,7 +470,8 @@ class Engine:
         if full <= r.num_shared_pages:
             return
         tokens = r.all_ids[: full * self.page_size]
-        tree_pages = self.tree.insert(tokens, r.pages[:full], r.namespace)
+        match = self.tree.insert(tokens, r.pages[:full], r.namespace)
+        tree_pages = match.pages
         duplicates = [
             own
             for own, cached in zip(
@@ -449,7 +481,6 @@ class Engine:
         ]
         self.kv.device_pages.free(duplicates)
         r.pages[:full] = tree_pages
-        match = self.tree.match(tokens, r.namespace)
         self.tree.lock(match.node)
         if r.tree_node is not None:
             self.tree.unlock(r.tree_node)

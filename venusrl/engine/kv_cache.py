@@ -135,10 +135,6 @@ class KVCache:
         self.host_pages.free(host_pages)
         return device
 
-    def copy_page(self, src: int, dst: int) -> None:
-        """Device-tier page copy (copy-on-write of a shared, partially filled page)."""
-        self.device_kv[:, :, :, dst].copy_(self.device_kv[:, :, :, src])
-
     def check(self) -> None:
         self.device_pages.check()
         self.host_pages.check()

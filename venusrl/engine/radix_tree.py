@@ -49,9 +49,6 @@ class PrefixMatch:
     node: RadixNode  # deepest node of the match; lock it while the pages are in use
     pages: list[int]
 
-    def num_tokens(self, page_size: int) -> int:
-        return len(self.pages) * page_size
-
 
 class RadixTree:
     def __init__(self, page_size: int, eviction_key: EvictionKey = lru_key) -> None:
@@ -93,6 +90,21 @@ class RadixTree:
             node = child
         return PrefixMatch(node, pages)
 
+    def cached_pages(self, tokens: Sequence[int], namespace: Hashable = None) -> int:
+        """How many whole pages of `tokens` are cached; read-only (no split, no LRU touch)."""
+        ps = self.page_size
+        tokens = tuple(tokens[: len(tokens) - len(tokens) % ps])
+        node = self._roots.get(namespace)
+        offset = 0
+        while node is not None and offset < len(tokens):
+            child = node.children.get(tokens[offset : offset + ps])
+            if child is None:
+                break
+            n = self._common_pages(child.key, tokens, offset)
+            offset += n * ps
+            node = child if n * ps == len(child.key) else None
+        return offset // ps
+
     def _common_pages(self, key: tuple[int, ...], tokens: tuple[int, ...], offset: int) -> int:
         ps = self.page_size
         if tokens[offset : offset + len(key)] == key:
@@ -127,12 +139,12 @@ class RadixTree:
 
     def insert(
         self, tokens: Sequence[int], pages: Sequence[int], namespace: Hashable = None
-    ) -> list[int]:
+    ) -> PrefixMatch:
         """Cache the whole pages of `tokens`, whose KV sits in `pages`.
 
-        Returns the tree's page ids for that span after the insert. Where the tree already had a
-        prefix, its own pages are kept: every index where the result differs from `pages` is a
-        duplicate that the caller still owns and must free (or keep using privately).
+        Returns the node that ends the span and the tree's page ids for it. Where the tree already
+        had a prefix, its own pages are kept: every index where the result differs from `pages`
+        is a duplicate that the caller still owns and must free (or keep using privately).
         """
         ps = self.page_size
         n_pages = min(len(tokens) // ps, len(pages))
@@ -150,6 +162,7 @@ class RadixTree:
                 node.children[first] = child
                 self._count(child, +1)
                 result.extend(new_pages)
+                node = child
                 break
             n = self._common_pages(child.key, tokens, offset)
             if n * ps < len(child.key):
@@ -158,7 +171,7 @@ class RadixTree:
             result.extend(child.pages)
             offset += len(child.key)
             node = child
-        return result
+        return PrefixMatch(node, result)
 
     # -- locking ------------------------------------------------------------------------------
 

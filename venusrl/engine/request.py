@@ -29,7 +29,9 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        problems = []
+        problems = _type_problems(self)
+        if problems:  # comparing values of the wrong type would only raise confusing errors
+            raise ValueError("; ".join(problems))
         if self.max_tokens < 1:
             problems.append(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -40,12 +42,41 @@ class SamplingParams:
             problems.append(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if any(not s for s in self.stop):
             problems.append("stop strings must not be empty")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            problems.append(f"seed must be in [0, 2**63), got {self.seed}")
         if problems:
             raise ValueError("; ".join(problems))
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Below ~1e-5, logits / temperature overflows fp32; such temperatures mean greedy.
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
+def _type_problems(p: SamplingParams) -> list[str]:
+    def is_int(v: object) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    problems = []
+    for name in ("max_tokens", "top_k"):
+        if not is_int(getattr(p, name)):
+            problems.append(f"{name} must be an integer, got {getattr(p, name)!r}")
+    for name in ("temperature", "top_p"):
+        value = getattr(p, name)
+        if not (isinstance(value, int | float) and not isinstance(value, bool)):
+            problems.append(f"{name} must be a number, got {value!r}")
+    if p.seed is not None and not is_int(p.seed):
+        problems.append(f"seed must be an integer, got {p.seed!r}")
+    if not isinstance(p.ignore_eos, bool):
+        problems.append(f"ignore_eos must be true or false, got {p.ignore_eos!r}")
+    if not isinstance(p.stop, tuple) or not all(isinstance(s, str) for s in p.stop):
+        problems.append(f"stop must be a tuple of strings, got {p.stop!r}")
+    if not isinstance(p.stop_token_ids, tuple) or not all(is_int(t) for t in p.stop_token_ids):
+        problems.append(f"stop_token_ids must be a tuple of integers, got {p.stop_token_ids!r}")
+    return problems
 
 
 class Status(enum.Enum):

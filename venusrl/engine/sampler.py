@@ -16,7 +16,7 @@ def sample(
     generators: Sequence[torch.Generator | None],
 ) -> tuple[list[int], list[float]]:
     """logits: [rows, vocab] fp32. Returns the sampled token ids and their logprobs."""
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])
+    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params])
     logprobs = torch.log_softmax(logits / temps.to(logits.device)[:, None], dim=-1)
     tokens = logits.argmax(dim=-1)
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):

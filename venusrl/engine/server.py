@@ -14,7 +14,9 @@ that says what is wrong; one bad request never disturbs the others.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -25,12 +27,15 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
 
-from venusrl.engine.async_engine import AsyncEngine, TokenDelta
+from venusrl.engine.async_engine import AsyncEngine, EngineClosed, TokenDelta
 from venusrl.engine.engine import Engine, RequestError
 from venusrl.engine.model import ModelConfigError
 from venusrl.engine.request import GenerationOutput, SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
@@ -61,7 +66,7 @@ class _Sampling(_Body):
     temperature: float = Field(1.0, ge=0, le=100)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=2**62)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -89,9 +94,32 @@ class ChatBody(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=0)
 
 
+class GenerateSampling(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0, le=100)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+
+    def params(self) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        return SamplingParams(
+            **{
+                **self.model_dump(),
+                "stop": tuple(stop),
+                "stop_token_ids": tuple(self.stop_token_ids),
+            }
+        )
+
+
 class GenerateBody(_Body):
     input_ids: list[int] = Field(min_length=1)
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    sampling_params: GenerateSampling = Field(default_factory=GenerateSampling)
     request_id: str | None = None
     trajectory_id: str | None = None
     group_id: str | None = None
@@ -122,7 +150,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next: Callable[..., Any]) -> Any:
-        authorized = request.headers.get("authorization") == f"Bearer {api_key}"
+        given = request.headers.get("authorization", "")
+        authorized = hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode())
         if api_key and request.url.path != "/health" and not authorized:
             return _error(401, "missing or wrong API key (Authorization: Bearer ...)")
         return await call_next(request)
@@ -139,6 +168,15 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         return _error(exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(EngineClosed)
+    async def engine_closed(request: Request, exc: EngineClosed) -> JSONResponse:
+        return _error(503, f"the engine is not running: {exc}")
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("request %s failed", request.url.path)
+        return _error(500, f"internal error ({type(exc).__name__}); see the server log")
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
@@ -282,7 +320,12 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         check_model(body.model)
         if tok is None or tok.chat_template is None:
             raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
-        text = tok.apply_chat_template([m.model_dump() for m in body.messages])
+        try:
+            text = tok.apply_chat_template([m.model_dump() for m in body.messages])
+        except TemplateError as e:
+            raise ApiError(
+                400, f"the chat template rejected the messages: {e}", "messages"
+            ) from None
         ids = tok.encode(text)
         max_tokens = body.max_completion_tokens or body.max_tokens
         jobs = [(ids, sampling(body, len(ids), max_tokens, j)) for j in range(body.n)]
@@ -320,22 +363,9 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
 
     @app.post("/generate")
     async def generate(body: GenerateBody) -> dict[str, Any]:
-        allowed = set(SamplingParams.__dataclass_fields__)
-        unknown = sorted(set(body.sampling_params) - allowed)
-        if unknown:
-            raise ApiError(
-                400,
-                f"unknown sampling_params {unknown}; known: {sorted(allowed)}",
-                "sampling_params",
-            )
-        sp_args = dict(body.sampling_params)
-        for key in ("stop", "stop_token_ids"):
-            if key in sp_args:
-                value = sp_args[key]
-                sp_args[key] = tuple([value] if isinstance(value, str) else value or ())
         try:
-            params = SamplingParams(**sp_args)
-        except (TypeError, ValueError) as e:
+            params = body.sampling_params.params()
+        except ValueError as e:
             raise ApiError(400, f"sampling_params: {e}", "sampling_params") from None
         out = await run(
             body.input_ids,
@@ -365,6 +395,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             )
         except ModelConfigError as e:
             raise ApiError(400, str(e), "path") from None
+        except Exception as e:  # unreadable or corrupt files: nothing was loaded
+            raise ApiError(400, f"cannot load weights from {body.path!r}: {e}", "path") from None
         return {"weight_version": version}
 
     return app
@@ -383,6 +415,12 @@ def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
                 yield f"data: {json.dumps(chunk)}\n\n"
         except RequestError as e:
             error = {"error": {"message": str(e), "type": "invalid_request_error"}}
+            yield f"data: {json.dumps(error)}\n\n"
+        except Exception as e:  # the stream has started: report in-band, then end it cleanly
+            log.exception("streamed request failed")
+            error = {
+                "error": {"message": f"internal error ({type(e).__name__})", "type": "server_error"}
+            }
             yield f"data: {json.dumps(error)}\n\n"
         yield "data: [DONE]\n\n"
 

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
@@ -31,11 +32,13 @@ class Tokenizer:
         tokenizer: HFTokenizer,
         *,
         chat_template: str | None = None,
+        bos_token: str | None = None,
         eos_token: str | None = None,
     ) -> None:
         self._tok = tokenizer
         self.chat_template = chat_template
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.bos_token, self.eos_token = bos_token, eos_token
         eos_id = tokenizer.token_to_id(eos_token) if eos_token else None
         self.eos_token_ids: tuple[int, ...] = () if eos_id is None else (eos_id,)
         self._template = (
@@ -55,13 +58,11 @@ class Tokenizer:
         config: dict[str, Any] = {}
         if (path / "tokenizer_config.json").exists():
             config = json.loads((path / "tokenizer_config.json").read_text())
-        eos = config.get("eos_token")
-        if isinstance(eos, dict):  # older files store AddedToken dicts
-            eos = eos.get("content")
         return cls(
             HFTokenizer.from_file(str(path / "tokenizer.json")),
             chat_template=config.get("chat_template"),
-            eos_token=eos,
+            bos_token=_token_text(config.get("bos_token")),
+            eos_token=_token_text(config.get("eos_token")),
         )
 
     def encode(self, text: str) -> list[int]:
@@ -78,8 +79,22 @@ class Tokenizer:
         if self._template is None:
             raise ValueError("this model's tokenizer has no chat template")
         return self._template.render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            raise_exception=_raise_template_error,
         )
+
+
+def _token_text(token: object) -> str | None:
+    if isinstance(token, dict):  # older files store AddedToken dicts
+        token = token.get("content")
+    return token if isinstance(token, str) else None
+
+
+def _raise_template_error(message: str) -> None:
+    raise TemplateError(message)
 
 
 def build_byte_level_tokenizer() -> HFTokenizer:

@@ -53,9 +53,13 @@ class StepPlan:
     preempt: tuple[str, ...]
 
 
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages that hold `num_tokens` tokens."""
+    return -(-num_tokens // page_size)
+
+
 def pages_needed(view: RequestView, num_tokens: int, page_size: int) -> int:
-    total = -(-(view.num_computed + num_tokens) // page_size)
-    return max(0, total - view.pages_held)
+    return max(0, pages_for(view.num_computed + num_tokens, page_size) - view.pages_held)
 
 
 class PriorityScheduler:
@@ -75,22 +79,29 @@ class PriorityScheduler:
             strictly lower priority; a running one any request behind it in queue order, so
             equal-priority requests cannot deadlock on a full cache."""
             nonlocal free, budget
-            while need > free and victims:
-                victim = victims[-1]
+            chosen: list[RequestView] = []
+            gain = 0
+            for victim in reversed(victims):
+                if need <= free + gain:
+                    break
                 if victim is view or (
                     victim.priority >= view.priority
                     if waiting
                     else self.queue_order(victim) <= self.queue_order(view)
                 ):
                     break
-                victims.pop()
-                if victim.request_id in planned:
-                    tokens = planned.pop(victim.request_id)
-                    budget += tokens
-                    free += pages_needed(victim, tokens, snap.page_size)
+                chosen.append(victim)
+                gain += victim.pages_releasable
+                tokens = planned.get(victim.request_id, 0)
+                gain += pages_needed(victim, tokens, snap.page_size) if tokens else 0
+            if need > free + gain:
+                return False  # preempting would not make enough room: preempt nobody
+            for victim in chosen:
+                victims.remove(victim)
+                budget += planned.pop(victim.request_id, 0)
                 preempted.append(victim.request_id)
-                free += victim.pages_releasable
-            return need <= free
+            free += gain
+            return True
 
         def plan(view: RequestView, waiting: bool) -> bool:
             nonlocal free, budget
