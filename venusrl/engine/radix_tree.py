@@ -71,7 +71,15 @@ class RadixTree:
     def match(self, tokens: Sequence[int], namespace: Hashable = None) -> PrefixMatch:
         """Longest cached prefix of `tokens`, whole pages only. Splits a node if needed."""
         ps = self.page_size
-        tokens = tuple(tokens[: len(tokens) - len(tokens) % ps])
+        node, pages, _ = self._walk(tuple(tokens[: len(tokens) - len(tokens) % ps]), namespace)
+        return PrefixMatch(node, pages)
+
+    def _walk(
+        self, tokens: tuple[int, ...], namespace: Hashable
+    ) -> tuple[RadixNode, list[int], int]:
+        """Follow `tokens` down the tree, splitting where the match ends inside a node.
+        Returns the deepest node reached, its path's pages and the tokens they cover."""
+        ps = self.page_size
         node = self.root(namespace)
         pages: list[int] = []
         offset = 0
@@ -88,7 +96,7 @@ class RadixTree:
             pages.extend(child.pages)
             offset += len(child.key)
             node = child
-        return PrefixMatch(node, pages)
+        return node, pages, offset
 
     def cached_pages(self, tokens: Sequence[int], namespace: Hashable = None) -> int:
         """How many whole pages of `tokens` are cached; read-only (no split, no LRU touch)."""
@@ -148,30 +156,17 @@ class RadixTree:
         """
         ps = self.page_size
         n_pages = min(len(tokens) // ps, len(pages))
-        tokens = tuple(tokens[: n_pages * ps])
-        node = self.root(namespace)
-        result: list[int] = []
-        offset = 0
-        tick = next(self._tick)
-        while offset < len(tokens):
-            first = tokens[offset : offset + ps]
-            child = node.children.get(first)
-            if child is None:
-                new_pages = list(pages[offset // ps : n_pages])
-                child = RadixNode(tokens[offset:], new_pages, node, namespace, last_access=tick)
-                node.children[first] = child
-                self._count(child, +1)
-                result.extend(new_pages)
-                node = child
-                break
-            n = self._common_pages(child.key, tokens, offset)
-            if n * ps < len(child.key):
-                child = self._split(child, n)
-            child.last_access = tick
-            result.extend(child.pages)
-            offset += len(child.key)
-            node = child
-        return PrefixMatch(node, result)
+        span = tuple(tokens[: n_pages * ps])
+        node, cached, offset = self._walk(span, namespace)
+        if offset < len(span):
+            new_pages = list(pages[offset // ps : n_pages])
+            child = RadixNode(
+                span[offset:], new_pages, node, namespace, last_access=node.last_access
+            )
+            node.children[span[offset : offset + ps]] = child
+            self._count(child, +1)
+            node, cached = child, cached + new_pages
+        return PrefixMatch(node, cached)
 
     # -- locking ------------------------------------------------------------------------------
 
