@@ -128,7 +128,10 @@ def run_vllm(
     model_dir: Path, requests: list[dict[str, Any]], threads: int, python: Path, repeats: int
 ) -> dict[str, Any]:
     if not python.exists():
-        raise SystemExit(f"{python} not found: run benchmarks/setup_vllm.sh or pass --skip-vllm")
+        print("vLLM's environment is missing; running benchmarks/setup_vllm.sh", file=sys.stderr)
+        setup = subprocess.run(["bash", str(ROOT / "benchmarks" / "setup_vllm.sh")], check=False)
+        if setup.returncode != 0 or not python.exists():
+            raise SystemExit("could not set up vLLM (see above); pass --skip-vllm to go without")
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"requests": requests}, f)
     cmd = [

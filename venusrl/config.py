@@ -38,7 +38,9 @@ class EngineConfig(_Section):
     device_kv_pages: int = Field(
         4096, ge=2, description="pages in the device tier (page 0 is reserved as padding)"
     )
-    host_kv_pages: int = Field(0, ge=0, description="pages in the host tier (offload target)")
+    host_kv_pages: int = Field(
+        0, ge=0, description="pages in the host tier, the target of KVCache.offload"
+    )
     max_running: int = Field(256, ge=1, description="most requests decoded in one batch")
     token_budget: int = Field(
         2048, ge=1, description="most tokens (decode + prefill chunks) in one forward pass"
@@ -51,7 +53,7 @@ class EngineConfig(_Section):
         False, description="key cached prefixes by weight version, so stale KV is never reused"
     )
     threads: int | None = Field(None, ge=1, description="torch CPU threads; None leaves torch's")
-    seed: int = Field(0, description="seed of requests that give none")
+    seed: int = Field(0, ge=0, description="seed of requests that give none")
 
 
 class ServerConfig(_Section):

@@ -88,3 +88,10 @@ def test_admission_respects_max_running() -> None:
     waiting = [view(f"w{i}", arrival=i, todo=4) for i in range(5)]
     plan = PriorityScheduler().schedule(snap([], waiting, free=100, max_running=3))
     assert [rid for rid, _ in plan.run] == ["w0", "w1", "w2"]
+
+
+def test_never_more_running_requests_than_decode_tokens_per_step() -> None:
+    running = [view(f"r{i}", arrival=i, computed=8, held=2) for i in range(3)]
+    waiting = [view(f"w{i}", arrival=10 + i, todo=1) for i in range(5)]
+    plan = PriorityScheduler().schedule(snap(running, waiting, free=100, budget=4))
+    assert [rid for rid, _ in plan.run] == ["r0", "r1", "r2", "w0"]

@@ -40,7 +40,7 @@ class PrefixGroup:
 class DecodeBatch:
     num_rows: int
     pages: torch.Tensor  # [rows, pages] each row's own pages after its shared prefix, 0-padded
-    key_mask: torch.Tensor  # [1, rows, 1, pages * page_size] bool, True = key is valid
+    key_mask: torch.Tensor  # [1, rows, 1, pages * page_size] additive: 0 valid, -inf padding
     prefix_groups: tuple[PrefixGroup, ...]
 
 
@@ -88,6 +88,9 @@ def paged_attention(
     flat[0].index_copy_(1, batch.slots, k.transpose(0, 1))
     flat[1].index_copy_(1, batch.slots, v.transpose(0, 1))
 
+    if batch.decode is not None and not batch.prefills:  # a pure decode step: no extra copy
+        qd = q.view(tokens, kv_heads, group, dim).transpose(0, 1)
+        return _decode(qd, layer_kv, batch.decode).transpose(0, 1).reshape(tokens, heads * dim)
     out = q.new_empty(tokens, heads, dim)
     if batch.decode is not None:
         d = batch.decode.num_rows
@@ -151,7 +154,7 @@ def _attend(
     """Softmax attention that also returns the log-sum-exp of the scores (for merging)."""
     scores = torch.matmul(q, k.transpose(-1, -2)).mul_(1.0 / math.sqrt(q.shape[-1]))
     if mask is not None:
-        scores.masked_fill_(~mask, -math.inf)
+        scores.add_(mask)
     lse = torch.logsumexp(scores, dim=-1)
     probs = scores.sub_(lse[..., None]).exp_()
     return torch.matmul(probs, v), lse

@@ -366,10 +366,13 @@ class Engine:
         own = [r.pages[skip[i] : pages_for(r.num_computed + 1, ps)] for i, r in enumerate(rows)]
         own_lens = [r.num_computed + 1 - skip[i] * ps for i, r in enumerate(rows)]
         width = max(len(p) for p in own)
-        key_mask = (
+        beyond = (
             torch.arange(width * ps, device=dev)[None, :]
-            < torch.tensor(own_lens, device=dev)[:, None]
+            >= torch.tensor(own_lens, device=dev)[:, None]
         )
+        # Additive (0 / -inf) once per step, rather than converted from bool in every layer.
+        key_mask = torch.zeros(beyond.shape, dtype=self.kv.device_kv.dtype, device=dev)
+        key_mask.masked_fill_(beyond, float("-inf"))
         prefix_groups = []
         for pages, members in groups:
             contiguous = list(pages) == list(range(pages[0], pages[0] + len(pages)))

@@ -16,6 +16,10 @@ def sample(
     generators: Sequence[torch.Generator | None],
 ) -> tuple[list[int], list[float]]:
     """logits: [rows, vocab] fp32. Returns the sampled token ids and their logprobs."""
+    if all(p.greedy for p in params):  # the common RL-eval case: no [rows, vocab] softmax
+        tokens = logits.argmax(dim=-1)
+        chosen = logits.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+        return tokens.tolist(), chosen.tolist()
     temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params])
     logprobs = torch.log_softmax(logits / temps.to(logits.device)[:, None], dim=-1)
     tokens = logits.argmax(dim=-1)

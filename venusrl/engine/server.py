@@ -197,7 +197,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         return tok.encode(prompt)
 
     def sampling(
-        body: _Sampling, prompt_len: int, max_tokens: int | None, index: int
+        body: _Sampling, prompt_len: int, max_tokens: int | None, index: int, default: int = 16
     ) -> SamplingParams:
         limit = engine.max_context - prompt_len
         if limit < 1:
@@ -218,7 +218,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             raise ApiError(400, "stop strings need a tokenizer; use stop_token_ids", "stop")
         try:
             return SamplingParams(
-                max_tokens=max_tokens if max_tokens is not None else min(16, limit),
+                max_tokens=max_tokens if max_tokens is not None else min(default, limit),
                 temperature=body.temperature,
                 top_p=body.top_p,
                 top_k=body.top_k,
@@ -245,8 +245,9 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         except RequestError as e:
             raise ApiError(400, str(e)) from None
 
-    def usage(outs: list[GenerationOutput]) -> dict[str, int]:
-        prompt = sum(len(o.prompt_ids) for o in outs)
+    def usage(outs: list[GenerationOutput], n: int) -> dict[str, int]:
+        prompt = sum(len(o.prompt_ids) for o in outs) // n  # each prompt counts once, as OpenAI
+
         completion = sum(len(o.token_ids) for o in outs)
         return {
             "prompt_tokens": prompt,
@@ -312,7 +313,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             "created": created,
             "model": model_name,
             "choices": choices,
-            "usage": usage(outs),
+            "usage": usage(outs, body.n),
         }
 
     @app.post("/v1/chat/completions", response_model=None)
@@ -328,7 +329,9 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             ) from None
         ids = tok.encode(text)
         max_tokens = body.max_completion_tokens or body.max_tokens
-        jobs = [(ids, sampling(body, len(ids), max_tokens, j)) for j in range(body.n)]
+        # As OpenAI's chat API: without max_tokens, generate up to the context limit.
+        limit = engine.max_context
+        jobs = [(ids, sampling(body, len(ids), max_tokens, j, limit)) for j in range(body.n)]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             return _sse(_stream_chat(runner, jobs, rid, created, model_name, text_of))
@@ -358,7 +361,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             "created": created,
             "model": model_name,
             "choices": choices,
-            "usage": usage(outs),
+            "usage": usage(outs, body.n),
         }
 
     @app.post("/generate")

@@ -24,7 +24,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # built for every request on every step: keep it cheap
 class RequestView:
     request_id: str
     priority: int
@@ -121,8 +121,10 @@ class PriorityScheduler:
 
         prefixes_in_flight = set()
         active = len(snap.running) - len(preempted)
+        # Never more running requests than decode tokens per step, or some would never decode.
+        most_running = min(snap.max_running, snap.token_budget)
         for view in snap.waiting:
-            if budget <= 0 or active >= snap.max_running:
+            if budget <= 0 or active >= most_running:
                 break
             if view.prefix_in_flight or (
                 view.prefix_key is not None and view.prefix_key in prefixes_in_flight
