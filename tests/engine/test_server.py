@@ -163,6 +163,27 @@ def test_streamed_completion_yields_the_same_tokens(client: openai.OpenAI) -> No
     assert finish == "length"
 
 
+def test_streamed_text_equals_the_whole_response_with_a_stop_string(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = dict(
+        model="tiny",
+        prompt="The sky",
+        max_tokens=40,
+        temperature=1.0,
+        seed=5,
+        extra_body={"ignore_eos": True},
+    )
+    free = client.completions.create(**kwargs).choices[0].text
+    assert len(free) > 6, "the model produced too little text to test with"
+    stop = free[3:5]
+    whole = client.completions.create(**kwargs, stop=[stop]).choices[0]
+    streamed = "".join(
+        c.choices[0].text for c in client.completions.create(**kwargs, stop=[stop], stream=True)
+    )
+    assert whole.text == free[: free.find(stop)]
+    assert streamed == whole.text
+    assert whole.finish_reason == "stop"
+
+
 def test_seeded_sampling_is_reproducible_and_n_gives_distinct_samples(
     client: openai.OpenAI,
 ) -> None:

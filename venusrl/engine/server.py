@@ -21,6 +21,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,6 +35,7 @@ from venusrl.engine.async_engine import AsyncEngine, EngineClosed, TokenDelta
 from venusrl.engine.engine import Engine, RequestError
 from venusrl.engine.model import ModelConfigError
 from venusrl.engine.request import GenerationOutput, SamplingParams
+from venusrl.engine.tokenizer import IncrementalDecoder, Tokenizer, cut_at_stop
 
 log = logging.getLogger(__name__)
 
@@ -230,14 +232,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         except ValueError as e:
             raise ApiError(400, str(e)) from None
 
-    def text_of(out: GenerationOutput | list[int], stop: tuple[str, ...]) -> str:
-        ids = out.token_ids if isinstance(out, GenerationOutput) else out
-        text = tok.decode(ids) if tok is not None else ""
-        for s in stop:  # OpenAI semantics: the text ends before the first stop string
-            cut = text.find(s)
-            if cut >= 0:
-                text = text[:cut]
-        return text
+    def text_of(out: GenerationOutput, stop: tuple[str, ...]) -> str:
+        return cut_at_stop(tok.decode(out.token_ids), stop)[0] if tok is not None else ""
 
     async def run(prompt: list[int], params: SamplingParams, **meta: Any) -> GenerationOutput:
         try:
@@ -286,7 +282,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         ]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            return _sse(_stream_completion(runner, jobs, rid, created, model_name, text_of))
+            return _sse(_stream_completion(_Stream(runner, jobs, rid, created, model_name, tok)))
         outs = await _gather(run, jobs)
         choices = []
         for index, ((_, sp), out) in enumerate(zip(jobs, outs, strict=True)):
@@ -334,7 +330,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         jobs = [(ids, sampling(body, len(ids), max_tokens, j, limit)) for j in range(body.n)]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            return _sse(_stream_chat(runner, jobs, rid, created, model_name, text_of))
+            return _sse(_stream_chat(_Stream(runner, jobs, rid, created, model_name, tok)))
         outs = await _gather(run, jobs)
         choices = []
         for index, ((_, sp), out) in enumerate(zip(jobs, outs, strict=True)):
@@ -461,52 +457,41 @@ async def _deltas(
             t.cancel()
 
 
-async def _stream_completion(
-    runner: AsyncEngine,
-    jobs: list[tuple[list[int], SamplingParams]],
-    rid: str,
-    created: int,
-    model: str,
-    text_of: Callable[..., str],
-) -> AsyncIterator[dict[str, Any]]:
-    tokens: dict[int, list[int]] = {i: [] for i in range(len(jobs))}
-    unsent: dict[int, int] = dict.fromkeys(range(len(jobs)), 0)  # tokens not yet in a chunk
-    text_sent: dict[int, str] = dict.fromkeys(range(len(jobs)), "")
-    async for index, delta in _deltas(runner, jobs):
-        tokens[index] += delta.token_ids
-        unsent[index] += len(delta.token_ids)
-        text = text_of(tokens[index], jobs[index][1].stop)
-        if text.endswith("\ufffd") and delta.output is None:
-            continue  # half of a multi-byte character: wait for the rest
-        piece, text_sent[index] = text[len(text_sent[index]) :], text
-        new_ids = tokens[index][len(tokens[index]) - unsent[index] :]
-        unsent[index] = 0
+@dataclass(frozen=True)
+class _Stream:
+    runner: AsyncEngine
+    jobs: list[tuple[list[int], SamplingParams]]
+    rid: str
+    created: int
+    model: str
+    tok: Tokenizer | None
+
+
+async def _stream_completion(s: _Stream) -> AsyncIterator[dict[str, Any]]:
+    decoders = [IncrementalDecoder(s.tok, sp.stop) if s.tok else None for _, sp in s.jobs]
+    async for index, delta in _deltas(s.runner, s.jobs):
+        decoder = decoders[index]
+        final = delta.output is not None
+        piece = decoder.push(delta.token_ids, final) if decoder else ""
         yield {
-            "id": rid,
+            "id": s.rid,
             "object": "text_completion",
-            "created": created,
-            "model": model,
+            "created": s.created,
+            "model": s.model,
             "choices": [
                 {
                     "index": index,
                     "text": piece,
-                    "token_ids": new_ids,
+                    "token_ids": delta.token_ids,
                     "finish_reason": delta.output.finish_reason if delta.output else None,
                 }
             ],
         }
 
 
-async def _stream_chat(
-    runner: AsyncEngine,
-    jobs: list[tuple[list[int], SamplingParams]],
-    rid: str,
-    created: int,
-    model: str,
-    text_of: Callable[..., str],
-) -> AsyncIterator[dict[str, Any]]:
-    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-    for index in range(len(jobs)):
+async def _stream_chat(s: _Stream) -> AsyncIterator[dict[str, Any]]:
+    base = {"id": s.rid, "object": "chat.completion.chunk", "created": s.created, "model": s.model}
+    for index in range(len(s.jobs)):
         yield {
             **base,
             "choices": [
@@ -517,7 +502,7 @@ async def _stream_chat(
                 }
             ],
         }
-    async for chunk in _stream_completion(runner, jobs, rid, created, model, text_of):
+    async for chunk in _stream_completion(s):
         choice = chunk["choices"][0]
         yield {
             **base,

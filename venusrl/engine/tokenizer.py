@@ -87,6 +87,48 @@ class Tokenizer:
         )
 
 
+def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+    """OpenAI semantics: the text ends before the first stop string. Returns (text, stopped)."""
+    cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return (text[: min(cuts)], True) if cuts else (text, False)
+
+
+class IncrementalDecoder:
+    """Text of a growing token sequence, piece by piece, for streaming.
+
+    Each push decodes only the tokens since the last complete piece plus the tokens before them
+    (the prefix/read offsets of Hugging Face's and vLLM's streamers), so streaming costs O(n), not
+    O(n^2). Text that could still turn into a stop string is held back, and a stop string is never
+    emitted: the streamed pieces add up to what the non-streamed response returns.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
+        self._tok, self._stop = tokenizer, tuple(stop)
+        self._ids: list[int] = []
+        self._prefix = self._read = 0  # token offsets: context start, end of decoded text
+        self._text = ""  # all text decoded so far
+        self._emitted = 0
+        self.stopped = False
+
+    def push(self, ids: Sequence[int], final: bool = False) -> str:
+        if self.stopped:
+            return ""
+        self._ids += ids
+        before = self._tok.decode(self._ids[self._prefix : self._read])
+        now = self._tok.decode(self._ids[self._prefix :])
+        if len(now) > len(before) and (final or not now.endswith("\ufffd")):
+            self._text += now[len(before) :]  # a half multi-byte character waits for the rest
+            self._prefix, self._read = self._read, len(self._ids)
+        longest = max((len(s) for s in self._stop), default=1)
+        start = max(0, self._emitted - longest)
+        tail, self.stopped = cut_at_stop(self._text[start:], self._stop)
+        self._text = self._text[:start] + tail
+        hold = 0 if final or self.stopped else longest - 1
+        end = max(self._emitted, len(self._text) - hold)
+        piece, self._emitted = self._text[self._emitted : end], end
+        return piece
+
+
 def _token_text(token: object) -> str | None:
     if isinstance(token, dict):  # older files store AddedToken dicts
         token = token.get("content")
