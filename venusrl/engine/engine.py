@@ -242,7 +242,7 @@ class Engine:
                 self._enqueue(r)
         if not work:
             return []
-        work.sort(key=lambda item: item[1] > 1)
+        work.sort(key=lambda item: item[1] > 1)  # the packed batch puts decode rows first
         batch = self._build_batch(work)
         logits = self.model(batch, self.kv)
         self.stats.steps += 1

@@ -105,11 +105,6 @@ class KVCache:
         self.device_pages = PageAllocator(device_pages, reserved=1)
         self.host_pages = PageAllocator(host_pages)
 
-    @property
-    def bytes_per_page(self) -> int:
-        per_page = self.device_kv[:, :, :, 0].numel()
-        return per_page * self.device_kv.element_size()
-
     def layer(self, layer: int) -> torch.Tensor:
         """K and V of one layer on the device tier: `[2, kv_heads, pages, page_size, head_dim]`."""
         return self.device_kv[layer]

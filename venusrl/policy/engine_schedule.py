@@ -49,7 +49,7 @@ class EngineSnapshot:
 
 @dataclass(frozen=True)
 class StepPlan:
-    run: tuple[tuple[str, int], ...]  # (request_id, tokens this step), decode tokens first
+    run: tuple[tuple[str, int], ...]  # (request_id, tokens this step), in planning order
     preempt: tuple[str, ...]
 
 
@@ -136,5 +136,4 @@ class PriorityScheduler:
             if view.prefix_key is not None:
                 prefixes_in_flight.add(view.prefix_key)
 
-        run = sorted(planned.items(), key=lambda item: item[1] > 1)
-        return StepPlan(run=tuple(run), preempt=tuple(preempted))
+        return StepPlan(run=tuple(planned.items()), preempt=tuple(preempted))
