@@ -1,0 +1,34 @@
+"""The environment service: sandboxes forked from warm templates, admitted by real footprint."""
+
+from venusrl.envs.pool import PoolStats, SandboxGroup, SandboxPool, SandboxRecord
+from venusrl.envs.sandbox import Sandbox
+from venusrl.envs.types import (
+    AdmissionTimeout,
+    ExecResult,
+    InfraFailure,
+    SandboxCrashed,
+    SandboxError,
+    SandboxExpired,
+    SandboxPreempted,
+    SandboxStartError,
+    SandboxUsage,
+    TemplateSpec,
+)
+
+__all__ = [
+    "AdmissionTimeout",
+    "ExecResult",
+    "InfraFailure",
+    "PoolStats",
+    "Sandbox",
+    "SandboxCrashed",
+    "SandboxError",
+    "SandboxExpired",
+    "SandboxGroup",
+    "SandboxPool",
+    "SandboxPreempted",
+    "SandboxRecord",
+    "SandboxStartError",
+    "SandboxUsage",
+    "TemplateSpec",
+]

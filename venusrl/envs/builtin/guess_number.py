@@ -1,0 +1,124 @@
+"""Guess the number: a small, genuinely multi-turn tool task that a tiny model can learn on a CPU.
+
+The sandbox holds a secret integer in [1, N] (set by the task's setup; the prompt never shows it).
+The model calls `guess(n)` and reads "higher", "lower" or "correct"; it has MAX_GUESSES guesses.
+Binary search needs at most ceil(log2(N + 1)) = 7 guesses for N = 100 and at least 3 for all but
+three secrets, so success means reading and using the observations; a policy that ignores them
+wins with probability MAX_GUESSES / N = 8 %. Reward: 1 when a guess was correct, else 0.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+
+from venusrl.envs.environment import Environment, Task, Tool
+from venusrl.envs.tool_calls import CALL_CLOSE, CALL_OPEN, RESPONSE_OPEN
+from venusrl.envs.types import MiB, TemplateSpec
+
+N = 100
+MAX_GUESSES = 8
+
+# Runs in the sandbox's interpreter. The model has no code tool here, so it cannot read `secret`.
+_SETUP = f"""
+N = {N}
+MAX_GUESSES = {MAX_GUESSES}
+secret = None  # the task's setup sets it
+guesses = 0
+solved = False
+
+
+def guess(n):
+    global guesses, solved
+    if not 1 <= n <= N:
+        raise ValueError(f"n must be between 1 and {{N}}, got {{n}}")
+    if guesses >= MAX_GUESSES:
+        raise ValueError(f"out of guesses: all {{MAX_GUESSES}} are used")
+    guesses += 1
+    if n < secret:
+        return f"higher: the number is greater than {{n}}"
+    if n > secret:
+        return f"lower: the number is less than {{n}}"
+    solved = True
+    return f"correct: the number is {{n}}"
+"""
+
+_PROMPT = (
+    f"I am thinking of an integer between 1 and {N}. Find it with the guess tool, which answers"
+    f" higher, lower or correct. You have {MAX_GUESSES} guesses. Once a guess is correct, reply"
+    " with the number and no tool call."
+)
+
+
+class GuessNumber(Environment):
+    name = "guess_number"
+    template = TemplateSpec(name="guess-number", setup=_SETUP, declared_memory_bytes=256 * MiB)
+    instructions = "You are a helpful assistant that solves tasks by calling tools."
+    tools = (
+        Tool(
+            "guess",
+            f"Guess the secret integer. Answers higher, lower or correct. {MAX_GUESSES} guesses.",
+            {
+                "type": "object",
+                "properties": {"n": {"type": "integer", "description": f"from 1 to {N}"}},
+                "required": ["n"],
+            },
+        ),
+    )
+    max_turns = MAX_GUESSES + 2  # every guess in its own turn, the answer, slack
+
+    @classmethod
+    def tasks(cls, seed: int) -> Iterator[Task]:
+        rng = random.Random(seed)
+        index = 0
+        while True:
+            secret = rng.randint(1, N)
+            yield Task(id=f"guess-{seed}-{index}", prompt=_PROMPT, setup=f"secret = {secret}")
+            index += 1
+
+    async def reward(self) -> float:
+        r = await self.sandbox.run_python("print(solved)", timeout_s=self.tool_timeout_s)
+        if not r.ok:
+            raise RuntimeError(f"{self.name}: reading the sandbox's state failed: {r.text()}")
+        return 1.0 if r.stdout.strip() == b"True" else 0.0
+
+
+def _guess_call(n: int) -> str:
+    return f"{CALL_OPEN}\n{json.dumps({'name': 'guess', 'arguments': {'n': n}})}\n{CALL_CLOSE}"
+
+
+class BinarySearchExpert:
+    """A scripted policy that wins by reading each observation: call it with the prompt, then with
+    each observation; it returns the next turn's text."""
+
+    def __init__(self) -> None:
+        self.low, self.high = 1, N
+        self.last_guess: int | None = None
+
+    def __call__(self, observation: str) -> str:
+        if self.last_guess is not None:
+            reply = observation.removeprefix(f"{RESPONSE_OPEN}\n")
+            if reply.startswith("correct"):
+                return f"The number is {self.last_guess}."
+            if reply.startswith("higher"):
+                self.low = self.last_guess + 1
+            elif reply.startswith("lower"):
+                self.high = self.last_guess - 1
+            else:
+                raise ValueError(f"unexpected observation: {observation!r}")
+            if self.low > self.high:
+                raise ValueError("the observations contradict each other")
+        self.last_guess = (self.low + self.high) // 2
+        return _guess_call(self.last_guess)
+
+
+class RandomGuesser:
+    """A policy that ignores the observations: MAX_GUESSES distinct random guesses, then an answer.
+    It plays the way an untrained model does and wins only by luck."""
+
+    def __init__(self, seed: int) -> None:
+        self.guesses = random.Random(seed).sample(range(1, N + 1), MAX_GUESSES)
+
+    def __call__(self, observation: str) -> str:
+        return _guess_call(self.guesses.pop()) if self.guesses else "I give up."

@@ -1,0 +1,240 @@
+"""The environment API task authors write against: tools, tasks and a gym-like episode.
+
+An environment class is a task family: a warm `template` its sandboxes start from, the `tools` the
+model may call, and `tasks(seed)`, an endless stream of tasks whose per-task `setup` and `files` go
+to `pool.create_group`. An instance is one episode, one task in one sandbox:
+
+    env = GuessNumber(task, sandbox)
+    messages = await env.reset()          # [system (instructions + tools), user (task prompt)]
+    while True:
+        result = await env.step(model_turn_text)
+        if result.done:
+            break
+        # the agent loop appends {"role": "user", "content": result.observation}
+    score = await env.reward()
+
+What happens to each kind of trouble, so that one bad turn never kills a rollout:
+- a malformed `<tool_call>`, an unknown tool, arguments that do not fit the tool's parameters, a
+  tool that raises or times out, a bad path: an observation that starts with
+  "error:" and says so; the episode goes on.
+- an `InfraFailure` (the sandbox crashed, was preempted, expired): raised out of `step` and
+  `reward`. It is the platform's fault, not the model's; the caller retries the trajectory in a
+  replacement sandbox rather than training on a turn the platform spoiled.
+- a turn without any tool call is the model's answer: the episode ends.
+- the `max_turns`-th turn runs its tools, then ends the episode with info["truncated"] True.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+from venusrl.envs.tool_calls import (
+    ToolCall,
+    ToolCallError,
+    format_tool_response,
+    json_type,
+    parse_tool_calls,
+    render_tool_prompt,
+)
+from venusrl.envs.types import ExecResult, InfraFailure, TemplateSpec
+
+
+class SandboxVerbs(Protocol):
+    """The sandbox verbs that tools and rewards use; `venusrl.envs` sandboxes provide them."""
+
+    async def exec(
+        self, command: str | Sequence[str], /, *, timeout_s: float, max_output_bytes: int
+    ) -> ExecResult: ...
+
+    async def run_python(self, source: str, /, *, timeout_s: float) -> ExecResult: ...
+
+    async def read_file(self, path: str, /) -> bytes: ...
+
+    async def write_file(self, path: str, data: bytes, /) -> None: ...
+
+
+# run(sandbox, arguments, timeout_s) -> observation text. It must bound its own waits by timeout_s.
+ToolRunner = Callable[[SandboxVerbs, dict[str, Any], float], Awaitable[str]]
+
+_JSON_TYPE_CHECKS: dict[str, Callable[[object], bool]] = {
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "array": lambda v: isinstance(v, list),
+    "object": lambda v: isinstance(v, dict),
+}
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call.
+
+    With `run` left None the tool is the Python function `name` that the template's setup defines:
+    it runs in the sandbox's persistent interpreter as `name(**arguments)` and its return value is
+    the observation (a str as it is, anything else as JSON). That keeps tool state (a secret, a
+    counter) inside the sandbox, where the model cannot read it and where the reward can. Tools that
+    work through processes and files (bash, read_file) give an async `run` instead.
+
+    `parameters` is the JSON schema of the arguments object, shown to the model in the system
+    prompt. Before a call runs, the arguments are checked against its top level (unknown and missing
+    keys, the JSON type of each property), so the model gets a plain message instead of a traceback;
+    anything finer is the tool's own job.
+    """
+
+    name: str
+    description: str
+    parameters: Mapping[str, Any] = field(
+        default_factory=lambda: {"type": "object", "properties": {}}
+    )
+    run: ToolRunner | None = None
+
+    def schema(self) -> dict[str, Any]:
+        return {"name": self.name, "description": self.description, "parameters": self.parameters}
+
+    def argument_problem(self, arguments: Mapping[str, Any]) -> str | None:
+        """What is wrong with `arguments` for this tool, or None when they fit."""
+        properties: Mapping[str, Any] = self.parameters.get("properties", {})
+        for key, value in arguments.items():
+            if key not in properties:
+                return f"unknown argument {key!r}; {self.name} takes {sorted(properties)}"
+            expected = properties[key].get("type")
+            check = _JSON_TYPE_CHECKS.get(expected) if isinstance(expected, str) else None
+            if check is not None and not check(value):
+                return f"argument {key!r} must be {expected}, got {json_type(value)}"
+        missing = [k for k in self.parameters.get("required", ()) if k not in arguments]
+        return f"missing required argument {missing[0]!r}" if missing else None
+
+
+@dataclass(frozen=True)
+class Task:
+    """One prompt of a task family; every sibling of its group gets the same `setup` and `files`.
+
+    `setup` is Python source run after the template's setup, in the same globals (a secret, the
+    task's data); `files` are workspace files laid over the template's. `reference` is ground truth
+    for scripted policies and reward code, never rendered into the prompt.
+    """
+
+    id: str
+    prompt: str
+    setup: str = ""
+    files: Mapping[str, bytes] = field(default_factory=dict)
+    reference: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """`observation` is the next user turn (None once done).
+
+    `info` always has "tool_calls" (blocks in the turn), "tool_errors" (of them, answered with an
+    error) and "truncated" (the turn cap ended the episode).
+    """
+
+    observation: str | None
+    done: bool
+    info: dict[str, Any]
+
+
+Message = dict[str, str]  # {"role": ..., "content": ...}, what a chat template takes
+
+
+class Environment(ABC):
+    """One episode of a task family: a task, the sandbox it runs in, and the turns so far."""
+
+    name: ClassVar[str]
+    template: ClassVar[TemplateSpec]
+    instructions: ClassVar[str]  # the system prompt, before the tool section
+    tools: ClassVar[tuple[Tool, ...]]
+    max_turns: ClassVar[int] = 8
+    max_tool_calls_per_turn: ClassVar[int] = 4  # bounds the tool time one turn can spend
+    tool_timeout_s: ClassVar[float] = 10.0
+    max_observation_chars: ClassVar[int] = 4096  # per tool response
+
+    def __init__(self, task: Task, sandbox: SandboxVerbs) -> None:
+        self.task = task
+        self.sandbox = sandbox
+        self.turns = 0
+        self.done = False
+
+    @classmethod
+    @abstractmethod
+    def tasks(cls, seed: int) -> Iterator[Task]:
+        """An endless stream of tasks; the same seed gives the same stream."""
+
+    @abstractmethod
+    async def reward(self) -> float:
+        """The episode's score, read from the sandbox's state; 0 for a failed episode."""
+
+    async def reset(self) -> list[Message]:
+        """The opening messages: the instructions with the tools announced, then the task."""
+        system = f"{self.instructions}\n\n{render_tool_prompt([t.schema() for t in self.tools])}"
+        return [
+            {"role": "system", "content": system},
+            {"role": "user", "content": self.task.prompt},
+        ]
+
+    async def step(self, action_text: str) -> StepResult:
+        """Run the tool calls of one model turn and return what the model sees next."""
+        if self.done:
+            raise RuntimeError(f"{self.name}: step() after the episode ended")
+        self.turns += 1
+        calls = parse_tool_calls(action_text)
+        if not calls:
+            self.done = True
+            return StepResult(None, True, {"tool_calls": 0, "tool_errors": 0, "truncated": False})
+        responses = []
+        errors = 0
+        for number, call in enumerate(calls, 1):
+            if number > self.max_tool_calls_per_turn:
+                text, failed = (
+                    f"error: only {self.max_tool_calls_per_turn} tool calls run per turn;"
+                    f" call #{number} was skipped",
+                    True,
+                )
+            else:
+                text, failed = await self._answer(call)
+            errors += failed
+            responses.append(format_tool_response(text, self.max_observation_chars))
+        truncated = self.turns >= self.max_turns
+        self.done = truncated
+        info = {"tool_calls": len(calls), "tool_errors": errors, "truncated": truncated}
+        return StepResult(None if truncated else "\n".join(responses), truncated, info)
+
+    async def _answer(self, call: ToolCall | ToolCallError) -> tuple[str, bool]:
+        """(response text, whether it is an error) for one call; only InfraFailure escapes."""
+        if isinstance(call, ToolCallError):
+            return f"error: {call.message}", True
+        tool = next((t for t in self.tools if t.name == call.name), None)
+        if tool is None:
+            known = ", ".join(t.name for t in self.tools)
+            return f"error: unknown tool {call.name!r}; the tools are: {known}", True
+        problem = tool.argument_problem(call.arguments)
+        if problem is not None:
+            return f"error: {tool.name}: {problem}", True
+        try:
+            if tool.run is not None:
+                return await tool.run(self.sandbox, call.arguments, self.tool_timeout_s), False
+            return await self._run_python_tool(tool.name, call.arguments)
+        except InfraFailure:
+            raise
+        except Exception as e:  # the tool's own failure (a bad path, a bug): the model sees it
+            return f"error: {tool.name} failed: {type(e).__name__}: {e}", True
+
+    async def _run_python_tool(self, name: str, arguments: dict[str, Any]) -> tuple[str, bool]:
+        # One expression, so the call leaves no names behind in the sandbox's globals.
+        source = (
+            "print((lambda r: r if isinstance(r, str) else __import__('json').dumps(r))"
+            f"({name}(**__import__('json').loads({json.dumps(arguments)!r}))))"
+        )
+        r = await self.sandbox.run_python(source, timeout_s=self.tool_timeout_s)
+        if r.timed_out:
+            return f"error: {name} timed out after {self.tool_timeout_s:g} s", True
+        if r.exit_code != 0:
+            # The traceback's last line ("ValueError: n must be ...") is what the model can act on.
+            lines = r.stderr.decode(errors="replace").strip().splitlines()
+            return f"error: {name} raised {lines[-1] if lines else f'exit {r.exit_code}'}", True
+        return r.text().removesuffix("\n"), False
