@@ -93,6 +93,10 @@ class Tool:
     )
     run: ToolRunner | None = None
 
+    def __post_init__(self) -> None:
+        if self.run is None and not self.name.isidentifier():
+            raise ValueError(f"a Python tool's name must be a Python identifier, got {self.name!r}")
+
     def schema(self) -> dict[str, Any]:
         return {"name": self.name, "description": self.description, "parameters": self.parameters}
 

@@ -389,6 +389,7 @@ def sandbox_env(extra: Mapping[str, str]) -> dict[str, str]:
         "LANG": "C.UTF-8",
         "TMPDIR": "/tmp",
         "PYTHONUNBUFFERED": "1",
+        "PYTHONDONTWRITEBYTECODE": "1",  # same-size edits within a second would run stale .pyc
         **extra,
     }
 

@@ -191,10 +191,12 @@ def _run_leader(req: dict[str, Any], stdin: bytes) -> bytes:
             if done:
                 status, exited_at = st, time.monotonic()
     if timed_out:
-        _kill_tree(os.getpid())
-    if status is None:
-        _, status = os.waitpid(pid, 0)
-    code = os.waitstatus_to_exitcode(status)
+        _kill_tree(os.getpid())  # reaps the command too
+        code = -signal.SIGKILL
+    else:
+        if status is None:
+            _, status = os.waitpid(pid, 0)
+        code = os.waitstatus_to_exitcode(status)
     return wire.encode(
         {
             "id": req["id"],
@@ -315,7 +317,7 @@ def serve(sock: socket.socket, env: dict[str, Any]) -> None:
     baseline = {name: id(value) for name, value in env.items()}
     sel = selectors.DefaultSelector()
     sel.register(sock, selectors.EVENT_READ)
-    leaders: dict[int, bytearray] = {}  # result pipe -> bytes so far
+    leaders: dict[int, tuple[int, bytearray]] = {}  # result pipe -> (leader pid, bytes so far)
     while True:
         for key, _ in sel.select(timeout=1.0):
             if key.fileobj is sock:
@@ -325,7 +327,8 @@ def serve(sock: socket.socket, env: dict[str, Any]) -> None:
                     os._exit(0)  # the pool is gone: the sandbox goes with it
                 if req.get("op") == "exec":
                     r, w = os.pipe()
-                    if os.fork() == 0:
+                    leader = os.fork()
+                    if leader == 0:
                         sock.close()
                         os.close(r)
                         try:
@@ -337,7 +340,7 @@ def serve(sock: socket.socket, env: dict[str, Any]) -> None:
                         os._exit(0)
                     os.close(w)
                     os.set_blocking(r, False)
-                    leaders[r] = bytearray()
+                    leaders[r] = (leader, bytearray())
                     sel.register(r, selectors.EVENT_READ)
                 else:
                     header, out = _handle(req, blobs, env, baseline)
@@ -346,11 +349,13 @@ def serve(sock: socket.socket, env: dict[str, Any]) -> None:
                 fd = key.fd
                 chunk = os.read(fd, 1 << 20)
                 if chunk:
-                    leaders[fd] += chunk
+                    leaders[fd][1].extend(chunk)
                     continue
                 sel.unregister(fd)
                 os.close(fd)
-                result = leaders.pop(fd)
+                leader, result = leaders.pop(fd)
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(leader, 0)  # it is exiting: no trace of it once it has answered
                 if result:
                     sock.sendall(result)
         with contextlib.suppress(ChildProcessError):  # reap leaders and adopted orphans

@@ -54,6 +54,8 @@ ZYGOTE_PRIORITY = 1 << 30  # zygotes are never preemption victims while a sandbo
 PYTHON_TEMPLATE = TemplateSpec(
     name="python",
     setup="import json, math, os, re, sys\nimport numpy\nimport numpy as np\n",
+    declared_memory_bytes=512 << 20,
+    expected_memory_bytes=64 << 20,
 )
 _pool_ids = itertools.count()
 
@@ -480,6 +482,14 @@ class SandboxPool:
     async def _admit(self, entry: _Entry, priority: int) -> None:
         """Wait until the policy admits this entry (bounded by `admission_timeout_s`)."""
         self._check_open()
+        need = self._peaks().get(entry.key, entry.declared_bytes)
+        limit = self.budget_bytes * getattr(self.policy, "safety_fraction", 1.0)
+        if need > limit:
+            raise SandboxError(
+                f"a {entry.key} sandbox reserves {need / GiB:.2f} GiB, more than this pool can "
+                f"ever admit ({limit / GiB:.2f} GiB); lower the template's declared memory or "
+                "raise the budget"
+            )
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         pending = _Pending(
             entry.record.sandbox_id, entry.key, priority, entry.seq, entry.declared_bytes, fut
@@ -541,6 +551,8 @@ class SandboxPool:
     def _decide(self) -> Any:
         running = []
         for entry in self._running.values():
+            if entry.is_zygote and self.admission == "quota":
+                continue  # the baseline counts sandboxes by their declarations, nothing else
             key, declared = entry.key, entry.declared_bytes
             if entry.settled:  # reserve what it measures, no growth
                 key, declared = f"settled:{entry.record.sandbox_id}", entry.footprint
@@ -558,8 +570,17 @@ class SandboxPool:
             PendingSandbox(p.request_id, p.key, p.priority, p.arrival, p.declared_bytes)
             for p in self._pending
         ]
-        snap = PoolSnapshot(running, pending, self.budget_bytes, self.estimator.predictions())
+        snap = PoolSnapshot(running, pending, self.budget_bytes, self._peaks())
         return self.policy.decide(snap)
+
+    def _peaks(self) -> dict[str, int]:
+        """Predicted peak per template key: learned online, else the template's prior."""
+        priors = {
+            f"{t.spec.name}:member": t.spec.expected_memory_bytes
+            for t in self._templates.values()
+            if t.spec.expected_memory_bytes is not None
+        }
+        return {**priors, **self.estimator.predictions()}
 
     async def _apply(self, decision: Any) -> None:
         for sid in decision.preempt:
@@ -586,12 +607,12 @@ class SandboxPool:
 
     async def _kill(self, sb: Sandbox, error: InfraFailure, outcome: str = "crashed") -> None:
         """Take a sandbox down now (preemption, TTL, unresponsive); its caller sees `error`."""
-        sb._fail(error)
         entry = self._running.get(sb.id)
+        if entry is not None:
+            entry.record.outcome = "expired" if isinstance(error, SandboxExpired) else outcome
+        sb._fail(error)
         if entry is None:
             return
-        if isinstance(error, SandboxExpired):
-            outcome = "expired"
         await asyncio.to_thread(entry.cgroup.kill)
         self._finish(entry, outcome)
 

@@ -27,13 +27,16 @@ class TemplateSpec:
 
     `declared_memory_bytes` is what the sandbox says it may use: quota admission reserves exactly
     that, and it is also the sandbox's hard memory limit (its own cgroup). Footprint admission
-    reserves the measured footprint plus a learned growth estimate instead.
+    reserves the measured footprint plus a learned growth estimate instead. Until it has learned
+    one, it reserves `expected_memory_bytes` for a sandbox forked from the warm template (what the
+    sandbox adds to the template's pages), or the declared memory when that is not given.
     """
 
     name: str
     setup: str = ""
     files: Mapping[str, bytes] = field(default_factory=dict)
     declared_memory_bytes: int = 1 * GiB
+    expected_memory_bytes: int | None = None
     max_pids: int = 256
     cpus: float = 1.0
     workspace_bytes: int = 256 * MiB
@@ -51,6 +54,12 @@ class TemplateSpec:
         ):
             if getattr(self, key) < low:
                 raise ValueError(f"TemplateSpec.{key} must be >= {low}, got {getattr(self, key)}")
+        expected = self.expected_memory_bytes
+        if expected is not None and not 0 < expected <= self.declared_memory_bytes:
+            raise ValueError(
+                "TemplateSpec.expected_memory_bytes must be in (0, declared_memory_bytes], "
+                f"got {expected}"
+            )
         if self.max_pids < 4:
             raise ValueError(f"TemplateSpec.max_pids must be >= 4, got {self.max_pids}")
         if not 0 < self.cpus <= 64:

@@ -20,7 +20,7 @@ from typing import Any
 
 from venusrl.envs.environment import Environment, SandboxVerbs, Task, Tool
 from venusrl.envs.tool_calls import CALL_CLOSE, CALL_OPEN, RESPONSE_CLOSE, RESPONSE_OPEN
-from venusrl.envs.types import MiB, TemplateSpec
+from venusrl.envs.types import InfraFailure, MiB, SandboxError, TemplateSpec
 
 _REPO: dict[str, str] = {
     "mini/__init__.py": '"""A tiny utility library."""\n',
@@ -234,8 +234,13 @@ class SweMini(Environment):
             index += 1
 
     async def reward(self) -> float:
-        for path, text in _TEST_FILES.items():
-            await self.sandbox.write_file(path, text.encode())
+        try:
+            for path, text in _TEST_FILES.items():
+                await self.sandbox.write_file(path, text.encode())
+        except InfraFailure:
+            raise
+        except SandboxError:  # the model put a directory or a symlink where a test file goes
+            return 0.0
         r = await self.sandbox.exec(
             ["python", "-P", "-m", "unittest"], timeout_s=60, max_output_bytes=_MAX_OUTPUT_BYTES
         )

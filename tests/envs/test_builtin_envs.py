@@ -1,0 +1,231 @@
+"""The built-in environments, played end to end by scripted policies in real sandboxes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Awaitable, Callable, Iterator
+from itertools import islice
+from typing import Any, TypeVar
+
+import pytest
+
+from venusrl.envs import SandboxPool
+from venusrl.envs.builtin import BUILTIN
+from venusrl.envs.builtin.guess_number import BinarySearchExpert, GuessNumber, RandomGuesser
+from venusrl.envs.builtin.swe_mini import CheatByDeletingTests, ScriptedFixer, SweMini
+from venusrl.envs.environment import Environment, StepResult, Task, Tool
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0, reason="sandboxes need root for namespaces and cgroups"
+)
+
+T = TypeVar("T")
+Episode = tuple[float, list[StepResult]]  # (reward, steps)
+
+
+def with_pool(env: type[Environment], body: Callable[[SandboxPool], Awaitable[T]]) -> T:
+    async def main() -> T:
+        async with SandboxPool(memory_budget_bytes=2 << 30) as pool:
+            await pool.prepare_template(env.template)
+            return await body(pool)
+
+    return asyncio.run(main())
+
+
+async def play(env: Environment, policy: Callable[[str], str]) -> Episode:
+    """Feed the policy the prompt, then each observation, until the episode ends; then score."""
+    observation = (await env.reset())[-1]["content"]
+    steps: list[StepResult] = []
+    while True:
+        result = await env.step(policy(observation))
+        steps.append(result)
+        if result.done:
+            return await env.reward(), steps
+        assert result.observation is not None
+        observation = result.observation
+
+
+def call(name: str, **arguments: Any) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def secret_of(task: Task) -> int:
+    return int(task.setup.removeprefix("secret = "))
+
+
+def test_builtin_registry_names_each_environment_once():
+    assert {"guess_number": GuessNumber, "swe_mini": SweMini} == BUILTIN
+
+
+@pytest.mark.parametrize("env", [GuessNumber, SweMini])
+def test_same_seed_same_tasks(env: type[Environment]):
+    def contents(seed: int) -> list[tuple[str, dict[str, bytes]]]:
+        return [(t.setup, dict(t.files)) for t in islice(env.tasks(seed), 5)]
+
+    assert list(islice(env.tasks(3), 5)) == list(islice(env.tasks(3), 5))
+    assert contents(3) != contents(4)
+
+
+# --- guess_number ------------------------------------------------------------------------------
+
+
+def test_guess_number_secret_is_in_the_sandbox_not_in_the_prompt():
+    for task in islice(GuessNumber.tasks(0), 20):
+        assert str(secret_of(task)) not in task.prompt
+
+
+def test_guess_number_expert_wins_with_several_calls_and_random_sibling_loses():
+    task = next(GuessNumber.tasks(1))
+    guesser = RandomGuesser(seed=2)
+    assert secret_of(task) not in guesser.guesses  # else it would win by luck
+    assert secret_of(task) not in (50, 25, 75)  # else binary search needs fewer than 3 calls
+
+    async def body(pool: SandboxPool) -> tuple[Episode, Episode]:
+        group = await pool.create_group(GuessNumber.template.name, 2, setup=task.setup)
+        try:
+            # Siblings share the task's setup but not their state: each has its own guesses.
+            return await asyncio.gather(
+                play(GuessNumber(task, group[0]), BinarySearchExpert()),
+                play(GuessNumber(task, group[1]), guesser),
+            )
+        finally:
+            await group.close()
+
+    (expert_reward, expert_steps), (random_reward, random_steps) = with_pool(GuessNumber, body)
+    assert expert_reward == 1.0
+    assert sum(s.info["tool_calls"] for s in expert_steps) >= 3
+    assert not expert_steps[-1].info["truncated"]
+    assert random_reward == 0.0
+    assert sum(s.info["tool_calls"] for s in random_steps) == 8
+
+
+class NappingGuessNumber(GuessNumber):
+    """GuessNumber plus a tool that sleeps past a short timeout."""
+
+    tools = (*GuessNumber.tools, Tool("nap", "Sleeps for a long time."))
+    tool_timeout_s = 1.0
+
+
+def test_guess_number_bad_calls_become_observations_and_the_episode_goes_on():
+    task = next(GuessNumber.tasks(0))
+    task = Task(
+        task.id, task.prompt, task.setup + "\nimport time\ndef nap():\n    time.sleep(30)\n"
+    )
+
+    async def body(pool: SandboxPool) -> tuple[list[str], Episode]:
+        sandbox = await pool.create(GuessNumber.template.name, setup=task.setup)
+        try:
+            env = NappingGuessNumber(task, sandbox)
+            await env.reset()
+            observations = []
+            for action in (
+                call("shout", n=5),
+                '<tool_call>{"name": "guess", "arguments": {"n": 5}</tool_call>',
+                call("guess", n=1000),
+                call("guess", m=5),
+                call("nap"),
+            ):
+                result = await env.step(action)
+                assert not result.done and result.observation is not None
+                observations.append(result.observation)
+            return observations, await play(env, BinarySearchExpert())
+        finally:
+            await sandbox.close()
+
+    observations, (reward, steps) = with_pool(GuessNumber, body)
+    assert "error: unknown tool 'shout'; the tools are: guess, nap" in observations[0]
+    assert "error: tool call #1: invalid JSON at line 1" in observations[1]
+    assert (
+        "error: guess raised ValueError: n must be between 1 and 100, got 1000" in observations[2]
+    )
+    assert "error: guess: unknown argument 'm'; guess takes ['n']" in observations[3]
+    assert "error: nap timed out after 1 s" in observations[4]
+    assert reward == 1.0  # none of the bad calls used up a guess, and the interpreter survived
+    assert steps[-1].done
+
+
+# --- swe_mini ----------------------------------------------------------------------------------
+
+
+def every_swe_variant() -> Iterator[Task]:
+    seen = set()
+    for task in SweMini.tasks(0):
+        key = (task.reference["path"], task.reference["buggy"])
+        if key not in seen:
+            seen.add(key)
+            yield task
+        if len(seen) == 6:
+            return
+
+
+def test_swe_mini_expert_fixes_every_variant_through_the_tools():
+    tasks = list(every_swe_variant())
+
+    async def episode(pool: SandboxPool, task: Task) -> Episode:
+        sandbox = await pool.create(SweMini.template.name, files=task.files)
+        try:
+            return await play(SweMini(task, sandbox), ScriptedFixer(task))
+        finally:
+            await sandbox.close()
+
+    async def body(pool: SandboxPool) -> list[Episode]:
+        return await asyncio.gather(*(episode(pool, task) for task in tasks))
+
+    for task, (reward, steps) in zip(tasks, with_pool(SweMini, body), strict=True):
+        first_run, last_run = steps[0].observation, steps[3].observation
+        assert first_run is not None and "FAILED" in first_run, task.reference
+        assert last_run is not None and "\nOK\n" in last_run, (task.reference, last_run)
+        assert reward == 1.0, task.reference
+
+
+class QuickSweMini(SweMini):
+    tool_timeout_s = 1.0
+
+
+def test_swe_mini_deleting_tests_earns_nothing_and_tool_failures_are_observations():
+    task = next(SweMini.tasks(0))
+
+    async def body(pool: SandboxPool) -> tuple[list[str], Episode]:
+        sandbox = await pool.create(SweMini.template.name, files=task.files)
+        try:
+            env = QuickSweMini(task, sandbox)
+            await env.reset()
+            observations = []
+            for action in (
+                call("bash", command="sleep 10"),
+                call("read_file", path="../etc/passwd"),
+                call("read_file", path="missing.py"),
+                call("bash", command="exit 3"),
+            ):
+                result = await env.step(action)
+                assert not result.done and result.observation is not None
+                observations.append(result.observation)
+            return observations, await play(env, CheatByDeletingTests())
+        finally:
+            await sandbox.close()
+
+    observations, (reward, steps) = with_pool(SweMini, body)
+    assert "[timed out]" in observations[0]
+    assert "error: read_file failed: SandboxError: path must stay inside" in observations[1]
+    assert "error: read_file failed: SandboxError" in observations[2]
+    assert "[exit code 3]" in observations[3]
+    cheat = steps[0].observation
+    assert cheat is not None and "Ran 0 tests" in cheat  # the cheat made `unittest` pass...
+    assert reward == 0.0  # ...but the reward runs the original tests
+
+
+def test_swe_mini_tests_that_cannot_be_restored_score_zero():
+    task = next(SweMini.tasks(0))
+
+    async def body(pool: SandboxPool) -> float:
+        sandbox = await pool.create(SweMini.template.name, files=task.files)
+        try:
+            env = SweMini(task, sandbox)
+            await env.step(call("bash", command="rm test_stats.py && mkdir test_stats.py"))
+            return await env.reward()
+        finally:
+            await sandbox.close()
+
+    assert with_pool(SweMini, body) == 0.0

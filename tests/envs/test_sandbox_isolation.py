@@ -1,0 +1,250 @@
+"""What sandboxed code can and cannot reach, and what abuse does to the host (nothing)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+import venusrl
+from venusrl.envs import Sandbox, SandboxError, SandboxPool, TemplateSpec
+from venusrl.envs.isolation import seccomp_available
+
+from .conftest import host_process_count, requires_root
+
+pytestmark = requires_root
+MiB = 1 << 20
+PROJECT = Path(venusrl.__file__).resolve().parents[1]
+
+
+def in_sandbox(
+    scenario: Callable[[Sandbox], Awaitable[None]], spec: TemplateSpec | None = None
+) -> None:
+    async def main() -> None:
+        async with SandboxPool(memory_budget_bytes=4 << 30) as pool:
+            name = "python"
+            if spec is not None:
+                await pool.prepare_template(spec)
+                name = spec.name
+            sb = await pool.create(name)
+            await scenario(sb)
+            await sb.close()
+
+    asyncio.run(main())
+
+
+# --- isolation -----------------------------------------------------------------------------------
+
+
+def test_sandbox_sees_no_host_secrets_or_project_files() -> None:
+    async def check(sb: Sandbox) -> None:
+        for secret in ("/etc/shadow", "/etc/ssh", "/home", "/root/.bash_history", "/root/.ssh"):
+            assert (await sb.exec(["test", "-e", secret])).exit_code == 1, secret
+        assert (await sb.exec(["ls", "-A", "/root"])).stdout.split() <= [b".pyenv"]
+        listing = await sb.exec(["ls", "-a", str(PROJECT)])
+        assert set(listing.stdout.decode().split()) <= {".", "..", ".venv"}
+        assert (await sb.exec(["test", "-e", str(PROJECT / "pyproject.toml")])).exit_code == 1
+        r = await sb.exec("cat /etc/hostname; ls /etc")
+        assert r.stdout.split()[0] == b"sandbox"
+        assert b"shadow" not in r.stdout and b"ssh" not in r.stdout
+
+    in_sandbox(check)
+
+
+def test_proc_shows_only_the_sandbox_processes() -> None:
+    async def check(sb: Sandbox) -> None:
+        r = await sb.exec("ls /proc | grep -E '^[0-9]+$'")
+        pids = {int(p) for p in r.stdout.split()}
+        assert 1 in pids  # the sandbox's own init
+        assert len(pids) <= 5  # init, the exec leader, sh, ls, grep
+        assert (await sb.exec(["test", "-e", f"/proc/{__import__('os').getpid()}"])).exit_code
+
+    in_sandbox(check)
+
+
+def test_no_network_not_even_the_host_loopback() -> None:
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    code = (
+        "import socket\n"
+        f"for addr in [('127.0.0.1', {port}), ('1.1.1.1', 53)]:\n"
+        "    try:\n"
+        "        socket.create_connection(addr, timeout=2)\n"
+        "        print('connected', addr)\n"
+        "    except OSError as e:\n"
+        "        print('refused', e.errno)\n"
+    )
+
+    async def check(sb: Sandbox) -> None:
+        r = await sb.exec(["python", "-c", code], timeout_s=10)
+        assert r.exit_code == 0, r.stderr
+        assert b"connected" not in r.stdout
+        assert r.stdout.count(b"refused") == 2
+        r = await sb.run_python(code)
+        assert b"connected" not in r.stdout
+
+    try:
+        in_sandbox(check)
+    finally:
+        server.close()
+
+
+def test_sandbox_code_runs_unprivileged_with_no_capabilities() -> None:
+    async def check(sb: Sandbox) -> None:
+        r = await sb.exec("id -u; grep -E '^(Cap[A-Za-z]+|NoNewPrivs|Seccomp):' /proc/self/status")
+        lines = r.stdout.decode().split("\n")
+        assert lines[0] == "1000"
+        status = dict(line.split(":\t") for line in lines[1:] if line)
+        for cap in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+            assert int(status[cap], 16) == 0, (cap, status[cap])
+        assert status["NoNewPrivs"] == "1"
+        if seccomp_available():
+            assert status["Seccomp"] == "2"
+            r = await sb.exec(["unshare", "-U", "true"])
+            assert r.exit_code != 0
+        r = await sb.run_python("import os; print(os.getuid(), os.geteuid())")
+        assert r.stdout == b"1000 1000\n"
+
+    in_sandbox(check)
+
+
+def test_writes_stay_in_the_sandbox_own_workspace_and_tmp() -> None:
+    async def check(sb: Sandbox) -> None:
+        for path in ("/usr/x", "/x", "/etc/x", "/proc/x"):
+            assert (await sb.exec(["touch", path])).exit_code != 0, path
+        r = await sb.exec("echo a > /workspace/a && echo b > /tmp/b && cat a /tmp/b")
+        assert r.stdout == b"a\nb\n"
+
+    in_sandbox(check)
+
+
+def test_file_api_refuses_paths_that_leave_the_workspace() -> None:
+    async def check(sb: Sandbox) -> None:
+        for bad in ("../x", "/etc/passwd", "a/../../x", "", "a\0b"):
+            with pytest.raises(SandboxError):
+                await sb.read_file(bad)
+            with pytest.raises(SandboxError):
+                await sb.write_file(bad, b"x")
+        await sb.exec("ln -s / root && mkdir d && ln -s /etc d/etc && ln -s /etc/hostname h")
+        for through_link in ("root/etc/hostname", "d/etc/hostname", "h", "root/tmp/x"):
+            with pytest.raises(SandboxError):
+                await sb.read_file(through_link)
+            with pytest.raises(SandboxError):
+                await sb.write_file(through_link, b"x")
+        await sb.write_file("notes/a.txt", b"kept")
+        assert await sb.read_file("notes/a.txt") == b"kept"
+        assert (await sb.exec("cat notes/a.txt")).stdout == b"kept"
+
+    in_sandbox(check)
+
+
+# --- abuse ---------------------------------------------------------------------------------------
+
+HOG = TemplateSpec(name="hog", setup="import os\n", declared_memory_bytes=128 * MiB)
+
+
+def test_memory_hog_is_oom_killed_and_reported_while_its_siblings_live() -> None:
+    async def main() -> None:
+        async with SandboxPool(memory_budget_bytes=2 << 30) as pool:
+            await pool.prepare_template(HOG)
+            hog, sibling = await pool.create_group("hog", k=2)
+            r = await hog.exec(["python", "-c", "x = bytearray(512 << 20); print(len(x))"])
+            assert r.oom_killed and r.exit_code == 137 and r.stdout == b""
+            assert "out of memory" in r.text()
+            assert (await hog.exec("echo alive")).stdout == b"alive\n"  # the sandbox lives on
+            assert (await sibling.exec("echo alive")).stdout == b"alive\n"
+            assert pool.stats().oom_kills >= 1
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    "bomb",
+    [
+        ["/bin/sh", "-c", "f() { f | f & }; f; sleep 30"],
+        ["python", "-c", "import os\nwhile True:\n    try: os.fork()\n    except OSError: pass"],
+    ],
+    ids=["shell", "python"],
+)
+def test_fork_bomb_is_stopped_and_the_host_pid_count_recovers(bomb: list[str]) -> None:
+    spec = TemplateSpec(name="bomb", declared_memory_bytes=512 * MiB, max_pids=64)
+    before = host_process_count()
+
+    async def check(sb: Sandbox) -> None:
+        r = await sb.exec(bomb, timeout_s=3)
+        assert r.timed_out
+        assert sb.usage().pids <= 64
+        assert (await sb.exec("echo ok")).stdout == b"ok\n"  # the timeout cleaned up after it
+
+    in_sandbox(check, spec)
+    deadline = time.monotonic() + 10
+    while host_process_count() > before + 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert host_process_count() <= before + 2
+
+
+def test_output_flood_is_truncated() -> None:
+    async def check(sb: Sandbox) -> None:
+        r = await sb.exec(["python", "-c", "print('x' * 50_000_000)"], max_output_bytes=1000)
+        assert r.truncated and r.exit_code == 0
+        assert r.stdout == b"x" * 1000
+        r = await sb.run_python("print('y' * 10_000_000)", max_output_bytes=1000)
+        assert r.truncated and r.stdout == b"y" * 1000
+
+    in_sandbox(check)
+
+
+def test_timeout_kills_background_setsid_and_double_forked_children() -> None:
+    list_procs = "import os; print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))"
+
+    async def check(sb: Sandbox) -> None:
+        t0 = time.monotonic()
+        r = await sb.exec(
+            "sleep 300 & setsid sleep 301 & (sleep 302 &) ; nohup sleep 303 >/dev/null & sleep 304",
+            timeout_s=1,
+        )
+        assert r.timed_out and time.monotonic() - t0 < 5
+        r = await sb.run_python(list_procs)
+        assert r.stdout == b"[1]\n"  # only the sandbox's init is left
+
+    in_sandbox(check)
+
+
+def test_background_process_of_a_finished_command_keeps_running() -> None:
+    async def check(sb: Sandbox) -> None:
+        r = await sb.exec("sleep 30 >/dev/null 2>&1 & echo started", timeout_s=5)
+        assert r.ok and r.stdout == b"started\n"
+        r = await sb.exec("ls /proc | grep -cE '^[0-9]+$'")
+        assert int(r.stdout) >= 4  # init, sleep, leader, sh (+ ls, grep)
+
+    in_sandbox(check)
+
+
+def test_run_python_timeout_interrupts_the_code_and_the_interpreter_survives() -> None:
+    async def check(sb: Sandbox) -> None:
+        r = await sb.run_python("x = 1\nwhile True:\n    try: pass\n    except Exception: pass", 1)
+        assert r.timed_out and r.exit_code == 124
+        assert (await sb.run_python("print(x)")).stdout == b"1\n"
+        r = await sb.run_python("raise ValueError('boom')")
+        assert r.exit_code == 1 and b"ValueError: boom" in r.stderr
+
+    in_sandbox(check)
+
+
+def test_disk_fill_ends_in_a_clear_error() -> None:
+    spec = TemplateSpec(name="small", workspace_bytes=8 * MiB, tmp_bytes=4 * MiB)
+
+    async def check(sb: Sandbox) -> None:
+        r = await sb.exec("head -c 20000000 /dev/zero > big")
+        assert r.exit_code != 0 and b"No space left on device" in r.stderr
+        r = await sb.exec("head -c 20000000 /dev/zero > /tmp/big")
+        assert r.exit_code != 0 and b"No space left on device" in r.stderr
+        await sb.exec("rm big")
+        with pytest.raises(SandboxError, match="No space left"):
+            await sb.write_file("big", b"\0" * (12 * MiB))
+
+    in_sandbox(check, spec)

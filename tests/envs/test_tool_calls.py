@@ -1,0 +1,342 @@
+"""The tool-call format, and how an environment answers each call, good or bad.
+
+The environment tests here run against an in-process stand-in for a sandbox (no root needed); the
+built-in environments are played against the real pool in test_builtin_envs.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+import traceback
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from venusrl.envs.environment import Environment, SandboxVerbs, Task, Tool
+from venusrl.envs.tool_calls import (
+    ToolCall,
+    ToolCallError,
+    format_tool_response,
+    parse_tool_calls,
+    render_tool_prompt,
+)
+from venusrl.envs.types import ExecResult, SandboxCrashed, SandboxError, TemplateSpec
+
+
+def call(name: str, **arguments: Any) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def only_error(text: str) -> str:
+    [parsed] = parse_tool_calls(text)
+    assert isinstance(parsed, ToolCallError), parsed
+    return parsed.message
+
+
+# --- parsing ---------------------------------------------------------------------------------
+
+
+def test_one_call_with_arguments_is_parsed():
+    assert parse_tool_calls(f"Let me try 50.\n{call('guess', n=50)}") == [
+        ToolCall("guess", {"n": 50})
+    ]
+
+
+def test_several_calls_in_one_turn_keep_their_order():
+    text = f"{call('write_file', path='a', content='x')} then {call('bash', command='cat a')}"
+    assert parse_tool_calls(text) == [
+        ToolCall("write_file", {"path": "a", "content": "x"}),
+        ToolCall("bash", {"command": "cat a"}),
+    ]
+
+
+def test_missing_arguments_mean_none():
+    assert parse_tool_calls('<tool_call>{"name": "status"}</tool_call>') == [ToolCall("status")]
+
+
+def test_text_without_tool_call_tags_has_no_calls():
+    assert parse_tool_calls('The answer is 42. {"name": "guess", "arguments": {}}') == []
+
+
+def test_unclosed_tag_is_an_error_that_says_so():
+    assert "not closed" in only_error('<tool_call>{"name": "guess", "arguments": {"n": 5}}')
+
+
+def test_a_tag_left_open_before_the_next_call_does_not_swallow_it():
+    parsed = parse_tool_calls(f'<tool_call>{{"name": "guess"\n{call("guess", n=7)}')
+    assert isinstance(parsed[0], ToolCallError) and "before the next <tool_call>" in (
+        parsed[0].message
+    )
+    assert parsed[1:] == [ToolCall("guess", {"n": 7})]
+
+
+def test_closing_tag_without_opening_is_an_error():
+    assert "has no <tool_call> before it" in only_error('{"name": "guess"}</tool_call>')
+
+
+def test_invalid_json_error_gives_the_position():
+    # Lines count from the one holding <tool_call>, as the model wrote them.
+    message = only_error('<tool_call>\n{"name": "guess" "arguments": {"n": 5}}\n</tool_call>')
+    assert message == "tool call #1: invalid JSON at line 2 column 18: Expecting ',' delimiter"
+
+
+def test_body_that_is_not_an_object_is_an_error():
+    assert "got an array" in only_error("<tool_call>[1, 2]</tool_call>")
+
+
+@pytest.mark.parametrize("body", ['{"arguments": {}}', '{"name": ""}', '{"name": 3}'])
+def test_missing_or_bad_name_is_an_error(body: str):
+    assert '"name" must be a non-empty string' in only_error(f"<tool_call>{body}</tool_call>")
+
+
+def test_arguments_that_are_not_an_object_are_an_error():
+    message = only_error('<tool_call>{"name": "guess", "arguments": "{\\"n\\": 5}"}</tool_call>')
+    assert '"arguments" must be a JSON object, got a string' in message
+
+
+def test_unexpected_keys_are_an_error():
+    message = only_error('<tool_call>{"name": "guess", "arguments": {}, "id": 1}</tool_call>')
+    assert "unexpected keys ['id']" in message
+
+
+@pytest.mark.parametrize("body", ["[" * 100_000, "1" * 5_000])
+def test_pathological_json_is_an_error_not_an_exception(body: str):
+    assert "invalid JSON" in only_error(f"<tool_call>{body}</tool_call>")
+
+
+def test_errors_are_numbered_and_keep_the_offending_text():
+    parsed = parse_tool_calls(f"{call('guess', n=1)}<tool_call>nope</tool_call>")
+    assert isinstance(parsed[1], ToolCallError)
+    assert parsed[1].message.startswith("tool call #2:")
+    assert parsed[1].text == "<tool_call>nope</tool_call>"
+
+
+_TAGGY_TEXT = st.lists(
+    st.sampled_from(["<tool_call>", "</tool_call>", '{"name": "f", "arguments": {}}', "{", "}"])
+    | st.text(max_size=20)
+).map("".join)
+
+
+@given(_TAGGY_TEXT)
+def test_any_text_parses_without_raising(text: str):
+    for parsed in parse_tool_calls(text):
+        assert isinstance(parsed, ToolCall | ToolCallError)
+
+
+@given(st.text(max_size=300), st.integers(min_value=10, max_value=200))
+def test_a_response_is_capped_and_keeps_both_ends(content: str, max_chars: int):
+    response = format_tool_response(content, max_chars)
+    assert response.startswith("<tool_response>\n") and response.endswith("\n</tool_response>")
+    if len(content) <= max_chars:
+        assert response == f"<tool_response>\n{content}\n</tool_response>"
+    else:
+        assert f"[... {len(content) - max_chars} characters cut ...]" in response
+        assert content[: max_chars // 2] in response and content[-(max_chars // 2) :] in response
+
+
+def test_tool_prompt_lists_each_function_and_the_call_format():
+    prompt = render_tool_prompt([{"name": "guess", "description": "d", "parameters": {}}])
+    assert '{"type": "function", "function": {"name": "guess"' in prompt
+    assert '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}' in prompt
+
+
+# --- how an environment answers calls (in-process stand-in for a sandbox) ----------------------
+
+
+class InProcessSandbox:
+    """Runs `run_python` with exec() in this process; what a sandbox promises, without isolation."""
+
+    def __init__(self, setup: str) -> None:
+        self.globals: dict[str, Any] = {}
+        exec(setup, self.globals)
+
+    def _run(self, source: str) -> ExecResult:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out):
+            try:
+                exec(source, self.globals)
+                code = 0
+            except Exception:
+                err.write(traceback.format_exc())
+                code = 1
+        return ExecResult(code, out.getvalue().encode(), err.getvalue().encode())
+
+    async def run_python(self, source: str, /, *, timeout_s: float) -> ExecResult:
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(self._run, source), timeout_s)
+        except TimeoutError:
+            return ExecResult(124, b"", b"", timed_out=True)
+
+    async def exec(
+        self, command: str | Sequence[str], /, *, timeout_s: float, max_output_bytes: int
+    ) -> ExecResult:
+        raise NotImplementedError
+
+    async def read_file(self, path: str, /) -> bytes:
+        raise SandboxError(f"path must stay inside the workspace, got {path!r}")
+
+    async def write_file(self, path: str, data: bytes, /) -> None:
+        raise NotImplementedError
+
+
+_SETUP = """
+import time
+
+def echo(text, times=1):
+    return text * times
+
+def stats(xs):
+    return {"n": len(xs), "sum": sum(xs)}
+
+def boom():
+    raise ValueError("the tool broke")
+
+def nap():
+    time.sleep(0.5)
+"""
+
+
+async def _read(sandbox: SandboxVerbs, arguments: dict[str, Any], timeout_s: float) -> str:
+    return (await sandbox.read_file(arguments["path"])).decode()
+
+
+async def _crash(sandbox: SandboxVerbs, arguments: dict[str, Any], timeout_s: float) -> str:
+    raise SandboxCrashed("sandbox 7 crashed")
+
+
+class Toolbox(Environment):
+    name = "toolbox"
+    template = TemplateSpec(name="toolbox", setup=_SETUP)
+    instructions = "Use the tools."
+    tools = (
+        Tool(
+            "echo",
+            "Repeat text.",
+            {
+                "type": "object",
+                "properties": {"text": {"type": "string"}, "times": {"type": "integer"}},
+                "required": ["text"],
+            },
+        ),
+        Tool("stats", "Count and sum.", {"type": "object", "properties": {"xs": {}}}),
+        Tool("boom", "Always fails."),
+        Tool("nap", "Sleeps past the timeout."),
+        Tool("read", "Read a file.", {"type": "object", "properties": {"path": {}}}, _read),
+        Tool("crash", "The platform fails.", run=_crash),
+    )
+    max_turns = 3
+    max_tool_calls_per_turn = 3
+    tool_timeout_s = 0.05
+    max_observation_chars = 200
+
+    @classmethod
+    def tasks(cls, seed: int) -> Iterator[Task]:
+        yield Task(id="only", prompt="Go.")
+
+    async def reward(self) -> float:
+        return 0.0
+
+
+def toolbox() -> Toolbox:
+    return Toolbox(Task(id="t", prompt="Go."), InProcessSandbox(_SETUP))
+
+
+def test_reset_gives_system_prompt_with_every_tool_then_the_task():
+    system, user = asyncio.run(toolbox().reset())
+    assert system["role"] == "system" and system["content"].startswith("Use the tools.")
+    for tool in Toolbox.tools:
+        assert f'"name": "{tool.name}"' in system["content"]
+    assert user == {"role": "user", "content": "Go."}
+
+
+def test_python_tool_results_come_back_as_text_or_json_in_call_order():
+    result = asyncio.run(
+        toolbox().step(call("echo", text="ab", times=2) + call("stats", xs=[1, 2]))
+    )
+    assert result.observation == (
+        '<tool_response>\nabab\n</tool_response>\n<tool_response>\n{"n": 2, "sum": 3}\n'
+        "</tool_response>"
+    )
+    assert not result.done
+    assert result.info == {"tool_calls": 2, "tool_errors": 0, "truncated": False}
+
+
+@pytest.mark.parametrize(
+    ("action", "says"),
+    [
+        ("<tool_call>{oops</tool_call>", "error: tool call #1: invalid JSON at line 1 column 2"),
+        (call("shout"), "error: unknown tool 'shout'; the tools are: echo, stats, boom"),
+        (
+            call("echo", txt="a"),
+            "error: echo: unknown argument 'txt'; echo takes ['text', 'times']",
+        ),
+        (call("echo"), "error: echo: missing required argument 'text'"),
+        (call("echo", text=3), "error: echo: argument 'text' must be string, got a number"),
+        (call("boom"), "error: boom raised ValueError: the tool broke"),
+        (call("nap"), "error: nap timed out after 0.05 s"),
+        (call("read", path="../x"), "error: read failed: SandboxError: path must stay inside"),
+    ],
+)
+def test_each_kind_of_bad_call_is_an_error_observation_and_the_episode_goes_on(
+    action: str, says: str
+):
+    env = toolbox()
+    result = asyncio.run(env.step(action))
+    assert result.observation is not None and result.observation.startswith(
+        f"<tool_response>\n{says}"
+    )
+    assert not result.done and result.info["tool_errors"] == 1
+    after = asyncio.run(env.step(call("echo", text="still here")))
+    assert after.observation == "<tool_response>\nstill here\n</tool_response>"
+
+
+def test_infra_failure_is_raised_for_the_caller_to_retry():
+    with pytest.raises(SandboxCrashed):
+        asyncio.run(toolbox().step(call("crash")))
+
+
+def test_calls_past_the_per_turn_cap_are_skipped_with_a_message():
+    result = asyncio.run(toolbox().step(call("echo", text="x") * 4))
+    assert result.observation is not None
+    assert result.observation.count("<tool_response>\nx\n") == 3
+    assert "error: only 3 tool calls run per turn; call #4 was skipped" in result.observation
+    assert result.info == {"tool_calls": 4, "tool_errors": 1, "truncated": False}
+
+
+def test_long_tool_output_is_capped():
+    result = asyncio.run(toolbox().step(call("echo", text="y", times=1000)))
+    assert result.observation is not None
+    assert "[... 800 characters cut ...]" in result.observation
+    assert len(result.observation) < 300
+
+
+def test_a_turn_without_tool_calls_ends_the_episode():
+    env = toolbox()
+    result = asyncio.run(env.step("I am done."))
+    assert result.done and result.observation is None and not result.info["truncated"]
+    with pytest.raises(RuntimeError, match="after the episode ended"):
+        asyncio.run(env.step(call("echo", text="x")))
+
+
+def test_the_turn_cap_runs_the_last_turn_then_ends_truncated():
+    env = toolbox()
+    for _ in range(Toolbox.max_turns - 1):
+        assert not asyncio.run(env.step(call("echo", text="x"))).done
+    last = asyncio.run(env.step(call("echo", text="x")))
+    assert last.done and last.observation is None
+    assert last.info == {"tool_calls": 1, "tool_errors": 0, "truncated": True}
+
+
+def test_python_tool_calls_leave_no_names_in_the_sandbox_globals():
+    env = toolbox()
+    sandbox = env.sandbox
+    assert isinstance(sandbox, InProcessSandbox)
+    before = set(sandbox.globals)
+    asyncio.run(env.step(call("echo", text="x")))
+    assert set(sandbox.globals) == before
