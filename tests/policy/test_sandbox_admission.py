@@ -131,3 +131,26 @@ def test_peak_estimator_predicts_only_after_enough_finished_sandboxes() -> None:
     assert est.predictions() == {}
     est.observe_finished("py", 200 * MiB)
     assert est.predictions() == {"py": 250 * MiB}
+
+
+def test_peak_estimator_quantile_leaves_rare_spikes_to_the_headroom() -> None:
+    est = PeakEstimator(min_samples=3, margin=0.0, quantile=0.9)
+    for _ in range(19):
+        est.observe_finished("py", 100 * MiB)
+    est.observe_finished("py", 900 * MiB)  # one spike in twenty
+    assert est.predictions() == {"py": 100 * MiB}
+    assert PeakEstimator(margin=0.0).predictions() == {}
+    est_max = PeakEstimator(margin=0.0)
+    for p in (100, 100, 900):
+        est_max.observe_finished("py", p * MiB)
+    assert est_max.predictions() == {"py": 900 * MiB}
+
+
+def test_peak_estimator_forgets_beyond_its_window() -> None:
+    est = PeakEstimator(min_samples=1, margin=0.0, window=4)
+    est.observe_finished("py", 900 * MiB)
+    for _ in range(4):
+        est.observe_finished("py", 100 * MiB)
+    assert est.predictions() == {"py": 100 * MiB}
+    with pytest.raises(ValueError, match="quantile"):
+        PeakEstimator(quantile=0.0)

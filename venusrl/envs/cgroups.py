@@ -116,7 +116,7 @@ class Cgroup:
     def pids(self) -> list[int]:
         try:
             text = self._file("pids", "cgroup.procs").read_text()
-        except FileNotFoundError:
+        except OSError:
             return []
         return [int(p) for p in text.split()]
 
@@ -126,7 +126,7 @@ class Cgroup:
         out: list[int] = []
         for root, _dirs, files in os.walk(base):
             if "cgroup.procs" in files:
-                with contextlib.suppress(FileNotFoundError):
+                with contextlib.suppress(OSError):  # removed meanwhile (ENOENT or ENODEV)
                     out += [int(p) for p in Path(root, "cgroup.procs").read_text().split()]
         return out
 

@@ -127,6 +127,8 @@ class _Group:
     members: int = 0
     zygote: Zygote | None = None
     cgroup: Cgroup | None = None
+    release_when_empty: bool = False  # set once no member will be added any more
+    released: bool = False
 
 
 @dataclass
@@ -158,10 +160,29 @@ class _Pending:
 
 
 class SandboxGroup(list[Sandbox]):
-    """The K sandboxes of one group, sharing one warm zygote."""
+    """The sandboxes of one group (one task), forked from one warm zygote that ran the task's
+    setup. Members can be added one at a time, as admission allows (`add`); the zygote lives until
+    the group is closed, or, for `create_group`, until its last member is closed."""
+
+    def __init__(self, pool: SandboxPool, state: _Group) -> None:
+        super().__init__()
+        self._pool = pool
+        self._state = state
+
+    async def add(self) -> Sandbox:
+        """One more member (a replacement, or the next one admission lets in)."""
+        if self._state.released:
+            raise SandboxError(f"group {self._state.group_id} is closed")
+        t = self._pool._template(self._state.template)
+        sb = await self._pool._create_member(t, self._state, self._state.priority)
+        self.append(sb)
+        return sb
 
     async def close(self) -> None:
+        self._state.release_when_empty = True
         await asyncio.gather(*(sb.close() for sb in self))
+        if self._state.members == 0:
+            self._pool._release_group(self._state)
 
 
 class SandboxPool:
@@ -201,7 +222,10 @@ class SandboxPool:
             if admission == "footprint"
             else QuotaAdmission()
         )
-        self.estimator = estimator or PeakEstimator()
+        # Reserve for the typical sandbox (p90 of recent peaks + 20 %) from the first finished
+        # one on; rare spikes go to the headroom above `safety_fraction`, and to high-water
+        # preemption when several coincide or the first estimate was low.
+        self.estimator = estimator or PeakEstimator(min_samples=1, quantile=0.9)
         self.admission_timeout_s = admission_timeout_s
         self.start_timeout_s = start_timeout_s
         self.poll_interval_s = poll_interval_s
@@ -214,6 +238,7 @@ class SandboxPool:
         self._running: dict[str, _Entry] = {}
         self._pending: list[_Pending] = []
         self._pending_entries: dict[str, _Entry] = {}
+        self._groups: dict[str, _Group] = {}
         self._expired: list[Sandbox] = []
         self._seq = itertools.count()
         self._ids = itertools.count()
@@ -264,12 +289,15 @@ class SandboxPool:
         for p in self._pending:
             if not p.admitted.done():
                 p.admitted.set_exception(SandboxError("the pool was closed"))
+                p.admitted.exception()  # its waiter may be gone already: nothing to log
         self._pending.clear()
         self._tick()  # final accounting
         for entry in list(self._running.values()):
             if entry.sandbox is not None:
                 entry.sandbox._shutdown_channel()
             self._finish(entry, "closed")
+        for group in list(self._groups.values()):
+            self._release_group(group)
         for t in self._templates.values():
             if t.zygote is not None:
                 t.zygote.close()
@@ -341,29 +369,33 @@ class SandboxPool:
         and the K members fork from it. If a member cannot start, the others are closed."""
         if not isinstance(k, int) or k < 1:
             raise SandboxError(f"k must be a positive integer, got {k!r}")
+        group = await self.open_group(template, priority, setup, files)
+        results = await asyncio.gather(*(group.add() for _ in range(k)), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await group.close()
+            raise errors[0]
+        group._state.release_when_empty = True
+        return group
+
+    async def open_group(
+        self,
+        template: str,
+        priority: int = 0,
+        setup: str | None = None,
+        files: Mapping[str, bytes] | None = None,
+    ) -> SandboxGroup:
+        """A group with no member yet: runs the task's setup once (in the group's zygote, with
+        page sharing); members come with `SandboxGroup.add`."""
         await self._ensure_template(template)
         t = self._template(template)
         gid = f"g{next(self._ids)}"
-        group = _Group(
-            gid,
-            template,
-            setup or "",
-            self._write_files(self._runtime / "groups" / gid, files or {}),
-            priority,
-        )
+        files_dir = self._write_files(self._runtime / "groups" / gid, files or {})
+        group = _Group(gid, template, setup or "", files_dir, priority)
+        self._groups[gid] = group
         if self.share_pages:
             await self._start_group_zygote(t, group)
-        results = await asyncio.gather(
-            *(self._create_member(t, group, priority) for _ in range(k)), return_exceptions=True
-        )
-        members = SandboxGroup(r for r in results if isinstance(r, Sandbox))
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            await members.close()
-            if not members and group.members == 0:
-                self._release_group(group)
-            raise errors[0]
-        return members
+        return SandboxGroup(self, group)
 
     async def _ensure_template(self, name: str) -> None:
         if name == PYTHON_TEMPLATE.name and name not in self._templates:
@@ -643,10 +675,14 @@ class SandboxPool:
         group = entry.group
         if group is not None and not entry.is_zygote:
             group.members -= 1
-            if group.members == 0:
+            if group.members == 0 and group.release_when_empty:
                 self._release_group(group)
 
     def _release_group(self, group: _Group) -> None:
+        if group.released:
+            return
+        group.released = True
+        self._groups.pop(group.group_id, None)
         if group.zygote is not None:
             group.zygote.close()
             group.zygote = None

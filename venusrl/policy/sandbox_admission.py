@@ -22,6 +22,7 @@ Quota admission is the baseline every RL framework uses: admit while the declare
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -129,20 +130,36 @@ class PeakEstimator:
     """Per-template peak footprint learned online from finished sandboxes.
 
     Until `min_samples` sandboxes of a template have finished, it predicts nothing (admission then
-    uses the declared memory); afterwards, the largest peak seen times `1 + margin`. Pure state: the
-    pool feeds it observations; it reads nothing itself.
+    uses the template's prior or its declared memory); afterwards, the `quantile` of the last
+    `window` peaks times `1 + margin`. `quantile=1.0` (the largest peak) never under-reserves a
+    workload it has seen; a lower quantile reserves for the typical sandbox and leaves rare spikes
+    to the headroom above `safety_fraction` and to high-water preemption, which is what lets a node
+    multiplex many sandboxes that rarely spike at the same time. Pure state: the pool feeds it
+    observations; it reads nothing itself.
     """
 
     min_samples: int = 3
     margin: float = 0.2
+    quantile: float = 1.0
+    window: int = 256
     _peaks: dict[str, list[int]] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if not 0 < self.quantile <= 1:
+            raise ValueError(f"quantile must be in (0, 1], got {self.quantile}")
+        if self.min_samples < 1 or self.window < self.min_samples or self.margin < 0:
+            raise ValueError("need min_samples >= 1, window >= min_samples and margin >= 0")
+
     def observe_finished(self, template: str, peak_bytes: int) -> None:
-        self._peaks.setdefault(template, []).append(peak_bytes)
+        peaks = self._peaks.setdefault(template, [])
+        peaks.append(peak_bytes)
+        del peaks[: -self.window]
 
     def predictions(self) -> dict[str, int]:
-        return {
-            t: int(max(peaks) * (1 + self.margin))
-            for t, peaks in self._peaks.items()
-            if len(peaks) >= self.min_samples
-        }
+        out = {}
+        for t, peaks in self._peaks.items():
+            if len(peaks) >= self.min_samples:
+                ranked = sorted(peaks)
+                at = ranked[max(0, math.ceil(self.quantile * len(ranked)) - 1)]  # nearest rank
+                out[t] = int(at * (1 + self.margin))
+        return out
