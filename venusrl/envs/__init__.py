@@ -1,5 +1,6 @@
 """The environment service: sandboxes forked from warm templates, admitted by real footprint."""
 
+from venusrl.envs.environment import Environment, StepResult, Task, Tool
 from venusrl.envs.pool import PoolStats, SandboxGroup, SandboxPool, SandboxRecord
 from venusrl.envs.sandbox import Sandbox
 from venusrl.envs.types import (
@@ -17,6 +18,7 @@ from venusrl.envs.types import (
 
 __all__ = [
     "AdmissionTimeout",
+    "Environment",
     "ExecResult",
     "InfraFailure",
     "PoolStats",
@@ -30,5 +32,8 @@ __all__ = [
     "SandboxRecord",
     "SandboxStartError",
     "SandboxUsage",
+    "StepResult",
+    "Task",
     "TemplateSpec",
+    "Tool",
 ]
