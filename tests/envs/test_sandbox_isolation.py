@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import venusrl
-from venusrl.envs import Sandbox, SandboxError, SandboxPool, TemplateSpec
+from venusrl.envs import Sandbox, SandboxCrashed, SandboxError, SandboxPool, TemplateSpec
 from venusrl.envs.isolation import seccomp_available
 
 from .conftest import host_process_count, requires_root
@@ -61,7 +62,7 @@ def test_proc_shows_only_the_sandbox_processes() -> None:
         pids = {int(p) for p in r.stdout.split()}
         assert 1 in pids  # the sandbox's own init
         assert len(pids) <= 5  # init, the exec leader, sh, ls, grep
-        assert (await sb.exec(["test", "-e", f"/proc/{__import__('os').getpid()}"])).exit_code
+        assert (await sb.exec(["test", "-e", f"/proc/{os.getpid()}"])).exit_code
 
     in_sandbox(check)
 
@@ -248,3 +249,77 @@ def test_disk_fill_ends_in_a_clear_error() -> None:
             await sb.write_file("big", b"\0" * (12 * MiB))
 
     in_sandbox(check, spec)
+
+
+# --- a hostile sandbox against the pool ----------------------------------------------------------
+
+FIND_SOCKET = (
+    "import os, struct\n"
+    "fd = next(int(f) for f in os.listdir('/proc/self/fd')\n"
+    "          if os.readlink(f'/proc/self/fd/{f}').startswith('socket:'))\n"
+)
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        "struct.pack('>I', 200000) + b'[' * 200000",  # nesting deep enough to break a parser
+        "struct.pack('>I', 2) + b'[]'",  # not an object
+        "struct.pack('>I', 24) + b'{\"id\": 0, \"blobs\": [1]}' + b'x'",  # blobs for a finished id
+        "struct.pack('>I', 30) + b'{\"id\": 5, \"blobs\": [99999999]}'",  # unasked-for blobs
+    ],
+    ids=["deep", "not-object", "stale-id", "huge"],
+)
+def test_forged_replies_end_the_sandbox_as_crashed_not_the_pool(frame: str) -> None:
+    async def main() -> None:
+        async with SandboxPool(memory_budget_bytes=2 << 30) as pool:
+            sb = await pool.create("python")
+            assert (await sb.exec("true")).ok  # request id 0 is answered and done
+            t0 = time.monotonic()
+            with pytest.raises(SandboxCrashed):
+                await sb.run_python(
+                    FIND_SOCKET + f"os.write(fd, {frame})\nimport time\ntime.sleep(3)", timeout_s=30
+                )
+            assert time.monotonic() - t0 < 10
+            assert not sb.alive
+            other = await pool.create("python")  # the pool goes on
+            assert (await other.exec("echo ok")).stdout == b"ok\n"
+
+    asyncio.run(main())
+
+
+def test_sandboxed_code_cannot_read_the_init_nor_the_pool_environment() -> None:
+    os.environ["VENUSRL_TEST_SECRET"] = "hunter2"
+    try:
+
+        async def check(sb: Sandbox) -> None:
+            r = await sb.exec("cat /proc/1/environ /proc/1/mem; env")
+            assert b"hunter2" not in r.stdout + r.stderr
+            assert b"Permission denied" in r.stderr
+            r = await sb.run_python("import os; print(dict(os.environ))")
+            assert b"hunter2" not in r.stdout
+
+        in_sandbox(check)
+    finally:
+        del os.environ["VENUSRL_TEST_SECRET"]
+
+
+def test_a_fifo_in_the_workspace_does_not_hang_the_file_api() -> None:
+    async def check(sb: Sandbox) -> None:
+        await sb.exec("mkfifo pipe")
+        for call in (sb.read_file("pipe"), sb.write_file("pipe", b"x")):
+            with pytest.raises(SandboxError):
+                await asyncio.wait_for(call, 5)
+        assert (await sb.exec("echo alive")).stdout == b"alive\n"
+
+    in_sandbox(check)
+
+
+def test_a_command_sent_during_a_long_python_call_waits_instead_of_killing_the_sandbox() -> None:
+    async def check(sb: Sandbox) -> None:
+        slow = sb.run_python("import time; time.sleep(4); print('slow')", timeout_s=10)
+        fast = sb.exec("echo fast", timeout_s=1)
+        r_slow, r_fast = await asyncio.gather(slow, fast)
+        assert r_slow.stdout == b"slow\n" and r_fast.stdout == b"fast\n"
+
+    in_sandbox(check)

@@ -12,6 +12,7 @@ directory per controller (memory, pids, cpu, freezer); on v2 one directory in th
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import time
@@ -23,6 +24,7 @@ V1_CONTROLLERS = ("memory", "pids", "cpu", "freezer")
 CPU_PERIOD_US = 100_000
 
 
+@functools.cache
 def _v2_root() -> Path | None:
     for line in Path("/proc/self/mounts").read_text().splitlines():
         _dev, mountpoint, fstype, *_ = line.split()
@@ -175,7 +177,7 @@ class Cgroup:
         name = "memory.usage_in_bytes" if self.version == 1 else "memory.current"
         try:
             return int(self._file("memory", name).read_text())
-        except FileNotFoundError:
+        except OSError:  # removed meanwhile
             return 0
 
     def peak_memory_bytes(self) -> int:
@@ -186,11 +188,12 @@ class Cgroup:
             return self.memory_bytes()
 
     def oom_kills(self) -> int:
+        """OOM kills caused by this node's own limit (not by its children's)."""
         try:
             if self.version == 1:
                 return _read_key(self._file("memory", "memory.oom_control"), "oom_kill")
-            return _read_key(self._file("memory", "memory.events"), "oom_kill")
-        except FileNotFoundError:
+            return _read_key(self._file("memory", "memory.events.local"), "oom_kill")
+        except OSError:
             return 0
 
 

@@ -377,6 +377,9 @@ def _drop_privileges(host_uid: int) -> None:
     # A new user namespace hands out a full set again (over nothing the host owns): drop it.
     drop_bounding_set(cap_last)
     clear_capabilities()
+    # Non-dumpable: sandboxed processes (same uid) cannot read or write the init's memory or
+    # environment through /proc/1, so they cannot tamper with what it reports to the pool.
+    prctl(PR_SET_DUMPABLE, 0)
     prctl(PR_SET_NO_NEW_PRIVS, 1)
 
 
@@ -413,6 +416,8 @@ def enter(cfg: IsolationConfig, keep_fds: Sequence[int]) -> None:
 
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     prctl(PR_SET_PDEATHSIG, 0)
+    # Zygotes are shielded from the OOM killer; the sandbox must be a fair victim again.
+    Path("/proc/self/oom_score_adj").write_text("0")
     _build_root(cfg)
     socket.sethostname("sandbox")
     keep = set(keep_fds)

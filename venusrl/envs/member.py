@@ -18,6 +18,7 @@ import pickle
 import selectors
 import signal
 import socket
+import stat
 import sys
 import tarfile
 import time
@@ -65,8 +66,15 @@ def _open_beneath(path: str, flags: int, create_dirs: bool = False) -> int:
         os.close(dir_fd)
 
 
+def _regular(fd: int, path: str) -> None:
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"{path} is not a regular file")
+
+
 def _read_file(path: str, max_bytes: int) -> bytes:
-    fd = _open_beneath(path, os.O_RDONLY)
+    fd = _open_beneath(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the member
+    _regular(fd, path)
     with os.fdopen(fd, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size > max_bytes:
@@ -75,7 +83,10 @@ def _read_file(path: str, max_bytes: int) -> bytes:
 
 
 def _write_file(path: str, data: bytes) -> None:
-    fd = _open_beneath(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, create_dirs=True)
+    fd = _open_beneath(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK, create_dirs=True)
+    _regular(fd, path)
+    os.set_blocking(fd, True)
+    os.ftruncate(fd, 0)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
 
@@ -254,6 +265,7 @@ def _run_python(req: dict[str, Any], env: dict[str, Any]) -> tuple[dict[str, Any
         traceback.print_exc(file=err)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, signal.SIG_IGN)  # a stray `kill -ALRM 1` stays harmless
         sys.stdout, sys.stderr = saved
         if os.getpid() != me:  # the code forked; its children must not serve the pool
             os._exit(code)
@@ -269,7 +281,9 @@ def _run_python(req: dict[str, Any], env: dict[str, Any]) -> tuple[dict[str, Any
 # --- fork support: export the workspace and the interpreter state, import them elsewhere ------
 
 
-def _export(env: dict[str, Any], baseline: dict[str, int]) -> tuple[dict[str, Any], tuple]:
+def _export(
+    env: dict[str, Any], baseline: dict[str, int], max_bytes: int
+) -> tuple[dict[str, Any], tuple]:
     tar_buf = io.BytesIO()
     paths = []
     with tarfile.open(fileobj=tar_buf, mode="w") as tar:
@@ -290,7 +304,11 @@ def _export(env: dict[str, Any], baseline: dict[str, int]) -> tuple[dict[str, An
         except Exception:
             dropped.append(name)
     header = {"paths": paths, "dropped": sorted(dropped)}
-    return header, (tar_buf.getvalue(), pickle.dumps(state))
+    blobs = (tar_buf.getvalue(), pickle.dumps(state))
+    size = sum(len(b) for b in blobs)
+    if size > max_bytes:
+        raise ValueError(f"the sandbox's files and state are {size} bytes, over {max_bytes}")
+    return header, blobs
 
 
 def _import(header: dict[str, Any], blobs: list[bytes], env: dict[str, Any]) -> None:
@@ -304,7 +322,9 @@ def _import(header: dict[str, Any], blobs: list[bytes], env: dict[str, Any]) -> 
                 else:
                     os.unlink(full)
     with tarfile.open(fileobj=io.BytesIO(blobs[0]), mode="r") as tar:
-        tar.extractall(WORKSPACE, filter="data")
+        # "tar" rather than "data": symlinks to absolute paths (venvs have them) are fine here,
+        # they resolve inside this sandbox.
+        tar.extractall(WORKSPACE, filter="tar")
     # Unpickling runs inside this sandbox only: the data came from a sibling sandbox.
     for name, raw in pickle.loads(blobs[1]).items():
         env[name] = pickle.loads(raw)
@@ -314,6 +334,7 @@ def _import(header: dict[str, Any], blobs: list[bytes], env: dict[str, Any]) -> 
 
 
 def serve(sock: socket.socket, env: dict[str, Any]) -> None:
+    signal.signal(signal.SIGALRM, signal.SIG_IGN)
     baseline = {name: id(value) for name, value in env.items()}
     sel = selectors.DefaultSelector()
     sel.register(sock, selectors.EVENT_READ)
@@ -382,7 +403,7 @@ def _handle(
             _write_file(str(req["path"]), blobs[0])
             return {}, ()
         if op == "export":
-            return _export(env, baseline)
+            return _export(env, baseline, int(req["max_bytes"]))
         if op == "import":
             _import(req, blobs, env)
             return {}, ()

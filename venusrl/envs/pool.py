@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
+import logging
 import os
 import shutil
+import stat
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -48,7 +51,9 @@ from venusrl.policy.sandbox_admission import (
     RunningSandbox,
 )
 
+log = logging.getLogger(__name__)
 CGROUP_BASE = "venusrl"
+FORK_STATE_BYTES = 64 << 20  # interpreter state a fork carries over, pickled
 RUNTIME_BASE = Path("/tmp/venusrl-sandboxes")
 ZYGOTE_PRIORITY = 1 << 30  # zygotes are never preemption victims while a sandbox is left
 PYTHON_TEMPLATE = TemplateSpec(
@@ -232,6 +237,11 @@ class SandboxPool:
         self.ttl_s = ttl_s
         self.sandbox_uid = sandbox_uid
         self.seccomp = isolation.seccomp_available() if seccomp is None else seccomp
+        if not self.seccomp:
+            log.warning(
+                "sandboxes run without a seccomp filter (%s): install libseccomp2 for it",
+                "disabled" if seccomp is False else "libseccomp not found",
+            )
         self.name = f"pool-{os.getpid()}-{next(_pool_ids)}"
         self.records: list[SandboxRecord] = []
         self._templates: dict[str, _Template] = {}
@@ -239,6 +249,7 @@ class SandboxPool:
         self._pending: list[_Pending] = []
         self._pending_entries: dict[str, _Entry] = {}
         self._groups: dict[str, _Group] = {}
+        self._cleanups: set[asyncio.Future[object]] = set()
         self._expired: list[Sandbox] = []
         self._seq = itertools.count()
         self._ids = itertools.count()
@@ -272,8 +283,10 @@ class SandboxPool:
         self._cgroup = Cgroup(f"{CGROUP_BASE}/{self.name}", version)
         self._cgroup.create()
         self._cgroup.limit(self.budget_bytes, None, None)
+        _private_dir(RUNTIME_BASE)
+        self._runtime.mkdir(mode=0o700)  # never reuse a directory someone else made
         for sub in ("templates", "groups", "sandboxes"):
-            (self._runtime / sub).mkdir(parents=True, exist_ok=True)
+            (self._runtime / sub).mkdir()
         self._started = self._last_tick = time.monotonic()
         self._loop_task = asyncio.create_task(self._admission_loop())
 
@@ -284,7 +297,7 @@ class SandboxPool:
         self._closed = True
         if self._loop_task is not None:
             self._loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._loop_task
         for p in self._pending:
             if not p.admitted.done():
@@ -301,6 +314,7 @@ class SandboxPool:
         for t in self._templates.values():
             if t.zygote is not None:
                 t.zygote.close()
+        await asyncio.gather(*self._cleanups, return_exceptions=True)
         if self._cgroup is not None:
             await asyncio.to_thread(self._cgroup.remove)
         shutil.rmtree(self._runtime, ignore_errors=True)
@@ -332,6 +346,9 @@ class SandboxPool:
             self._finish(entry, "failed")
             if template.zygote is not None:
                 template.zygote.close()
+            await asyncio.to_thread(cgroup.remove)
+            if files_dir:
+                shutil.rmtree(files_dir, ignore_errors=True)
             raise SandboxStartError(f"template {spec.name!r}: setup failed:\n{e}") from None
         self._settle(entry)
 
@@ -434,13 +451,20 @@ class SandboxPool:
             group.members += 1
             entry.group = group
         try:
+            if group is not None and group.released:
+                raise SandboxError(f"group {group.group_id} was closed")
             cgroup.create()
             cgroup.limit(t.spec.declared_memory_bytes, t.spec.max_pids, t.spec.cpus)
             sb = await asyncio.wait_for(self._spawn(t, group, entry), self.start_timeout_s)
-        except (TimeoutError, ZygoteError, OSError, InfraFailure) as e:
-            self._finish(entry, "failed")
+        except BaseException as e:  # cancelled included: nothing of it may stay reserved
+            preempted = entry.record.outcome == "preempted"
+            self._finish(entry, "preempted" if preempted else "failed")
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(cgroup.remove)
+            if preempted:
+                raise SandboxPreempted(f"sandbox {sid} was preempted while starting") from None
+            if isinstance(e, SandboxError | asyncio.CancelledError) or not isinstance(e, Exception):
+                raise
             raise SandboxStartError(f"sandbox {sid} ({t.spec.name}) did not start: {e}") from None
         entry.sandbox = sb
         entry.record.ready_at = time.monotonic()
@@ -482,8 +506,8 @@ class SandboxPool:
         entry = self._running.get(parent.id)
         if entry is None or not parent.alive:
             raise SandboxError(f"sandbox {parent.id} is not running")
-        header, blobs = await parent.export_state()
         t = self._template(parent.template)
+        header, blobs = await parent.export_state(2 * t.spec.workspace_bytes + FORK_STATE_BYTES)
         child = await self._create_member(t, entry.group, parent.priority)
         try:
             await child.import_state(header, blobs)
@@ -530,11 +554,14 @@ class SandboxPool:
         self._pending_entries[pending.request_id] = entry
         try:
             await asyncio.wait_for(asyncio.shield(fut), self.admission_timeout_s)
-        except TimeoutError:
-            self._pending.remove(pending)
-            self._pending_entries.pop(pending.request_id, None)
-            if fut.done() and fut.exception() is None:  # admitted at the last moment
-                return
+        except BaseException as e:  # timed out, or the caller gave up
+            if pending in self._pending:
+                self._pending.remove(pending)
+                self._pending_entries.pop(pending.request_id, None)
+            elif fut.done() and not fut.cancelled() and fut.exception() is None:
+                self._finish(entry, "failed")  # admitted meanwhile, but nobody will use it
+            if not isinstance(e, TimeoutError):
+                raise
             entry.record.outcome = "failed"
             raise AdmissionTimeout(
                 f"no room for a {entry.key} sandbox within {self.admission_timeout_s} s "
@@ -551,11 +578,14 @@ class SandboxPool:
 
     async def _admission_loop(self) -> None:
         while True:
-            self._tick()
-            for sb in self._expired:
-                await self._kill(sb, SandboxExpired(f"sandbox {sb.id} outlived its TTL"))
-            self._expired.clear()
-            await self._apply(self._decide())
+            try:
+                self._tick()
+                expired, self._expired = self._expired, []
+                for sb in expired:
+                    await self._kill(sb, SandboxExpired(f"sandbox {sb.id} outlived its TTL"))
+                await self._apply(self._decide())
+            except Exception:  # one bad round (a cgroup that would not die) must not stop admission
+                log.exception("sandbox pool %s: admission round failed", self.name)
             await asyncio.sleep(self.poll_interval_s)
 
     def _tick(self) -> None:
@@ -617,9 +647,13 @@ class SandboxPool:
     async def _apply(self, decision: Any) -> None:
         for sid in decision.preempt:
             entry = self._running.get(sid)
-            if entry is None or entry.is_zygote or entry.sandbox is None:
+            if entry is None or entry.is_zygote:
                 continue
             self._preemptions += 1
+            if entry.sandbox is None:  # still starting: its creator sees SandboxPreempted
+                entry.record.outcome = "preempted"
+                await asyncio.to_thread(entry.cgroup.kill)
+                continue
             await self._kill(
                 entry.sandbox,
                 SandboxPreempted(f"sandbox {sid} was preempted: the pool's memory ran high"),
@@ -647,6 +681,7 @@ class SandboxPool:
             return
         await asyncio.to_thread(entry.cgroup.kill)
         self._finish(entry, outcome)
+        sb._shutdown_channel()  # the owner may never call close(): release what we can now
 
     async def _release(self, sb: Sandbox) -> None:
         sb._shutdown_channel()
@@ -667,7 +702,8 @@ class SandboxPool:
         rec.outcome = outcome if rec.outcome not in ("preempted", "expired") else rec.outcome
         rec.peak_bytes = max(rec.peak_bytes, entry.cgroup.peak_memory_bytes())
         rec.oom_kills = entry.cgroup.oom_kills()
-        if not entry.is_zygote and outcome == "closed":
+        if not entry.is_zygote and rec.ready_at is not None:
+            # Preempted and crashed sandboxes teach too: their peak is at least what they reached.
             self.estimator.observe_finished(entry.key, rec.peak_bytes)
         if entry.private_zygote is not None:
             entry.private_zygote.close()
@@ -690,10 +726,15 @@ class SandboxPool:
             zygote_entry = self._running.get(group.cgroup.rel.rsplit("/", 1)[-1])
             if zygote_entry is not None:
                 self._finish(zygote_entry, "closed")
-            with contextlib.suppress(Exception):
-                group.cgroup.remove()
+            self._in_background(group.cgroup.remove)
         if group.files_dir:
-            shutil.rmtree(group.files_dir, ignore_errors=True)
+            self._in_background(functools.partial(shutil.rmtree, group.files_dir, True))
+
+    def _in_background(self, cleanup: Callable[[], object]) -> None:
+        """Blocking cleanup (killing, rmdir retries) off the event loop; `close` waits for it."""
+        task = asyncio.ensure_future(asyncio.to_thread(cleanup))
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
 
     # --- helpers ------------------------------------------------------------------------------
 
@@ -716,7 +757,7 @@ class SandboxPool:
             target.write_bytes(data)
         for root, dirs, names in os.walk(where):
             for name in dirs + names + [""]:
-                os.chown(os.path.join(root, name), self.sandbox_uid, self.sandbox_uid)
+                os.lchown(os.path.join(root, name), self.sandbox_uid, self.sandbox_uid)
         return str(where)
 
     def stats(self) -> PoolStats:
@@ -746,6 +787,17 @@ class SandboxPool:
             preemptions=self._preemptions,
             oom_kills=ooms,
             seccomp=self.seccomp,
+        )
+
+
+def _private_dir(path: Path) -> None:
+    """Root's own directory, not a symlink, writable by nobody else: the pool creates, chowns
+    and removes files under it as root, so nobody else may plant anything there."""
+    path.mkdir(mode=0o700, exist_ok=True)
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+        raise PermissionError(
+            f"{path} must be a directory owned by root and writable only by it; remove it"
         )
 
 

@@ -27,6 +27,7 @@ from venusrl.envs.types import (
 if TYPE_CHECKING:
     from venusrl.envs.pool import SandboxPool
 
+Reply = tuple[dict[str, Any], list[bytes]]
 _REPLY_GRACE_S = 5.0
 _FILE_TIMEOUT_S = 60.0
 MAX_FILE_BYTES = 64 << 20
@@ -62,12 +63,16 @@ class Sandbox:
         self._pool = pool
         self._sock = sock
         self._ids = itertools.count()
-        self._waiting: dict[int, asyncio.Future[tuple[dict[str, Any], list[bytes]]]] = {}
+        # request id -> (reply future, the most reply bytes that request can legitimately get)
+        self._waiting: dict[int, tuple[asyncio.Future[Reply], int]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._dead: InfraFailure | None = None
         self._closed = False
-        self._max_reply_bytes = 2 * MAX_FILE_BYTES
+        # run_python and the file verbs run in the member's serving loop, so a command sent while
+        # one runs would only be read after it: commands wait for them here, and their deadlines
+        # start when the member can actually see them.
+        self._member_busy = asyncio.Lock()
 
     async def _connect(self, timeout_s: float) -> None:
         reader, self._writer = await asyncio.open_unix_connection(sock=self._sock, limit=1 << 20)
@@ -76,41 +81,55 @@ class Sandbox:
             raise SandboxCrashed(str(hello.get("error", hello)))
         self._reader = asyncio.create_task(self._read_replies(reader))
 
+    def _reply_limit(self, header: dict[str, Any]) -> int:
+        waiting = self._waiting.get(header.get("id", -1)) if _is_id(header.get("id")) else None
+        return 0 if waiting is None else waiting[1]
+
     async def _read_replies(self, reader: asyncio.StreamReader) -> None:
+        """Everything the member sends is untrusted: a malformed or oversized frame, or blobs for a
+        request nobody made, end the sandbox as crashed instead of hanging or flooding the pool."""
         try:
             while True:
-                header, blobs = await wire.read(reader, self._max_reply_bytes)
-                fut = self._waiting.pop(header.get("id", -1), None)
-                if fut is not None and not fut.done():
-                    fut.set_result((header, blobs))
-        except (asyncio.IncompleteReadError, ConnectionError, wire.WireError) as e:
-            self._fail(SandboxCrashed(f"sandbox {self.id} stopped answering: {e!r}"))
+                header, blobs = await wire.read(reader, self._reply_limit)
+                rid = header.get("id")
+                waiting = self._waiting.pop(rid, None) if isinstance(rid, int) else None
+                if waiting is not None and not waiting[0].done():
+                    waiting[0].set_result((header, blobs))
+        except Exception as e:
+            self._fail(SandboxCrashed(f"sandbox {self.id} stopped answering properly: {e!r}"))
 
     def _fail(self, error: InfraFailure) -> None:
         if self._dead is None:
             self._dead = error
-        for fut in self._waiting.values():
+        for fut, _ in self._waiting.values():
             if not fut.done():
                 fut.set_exception(self._dead)
         self._waiting.clear()
 
     async def _request(
-        self, header: dict[str, Any], blobs: Sequence[bytes], timeout_s: float
-    ) -> tuple[dict[str, Any], list[bytes]]:
+        self,
+        header: dict[str, Any],
+        blobs: Sequence[bytes],
+        timeout_s: float,
+        max_reply_bytes: int,
+    ) -> Reply:
         if self._closed:
             raise SandboxError(f"sandbox {self.id} is closed")
         if self._dead is not None:
             raise self._dead
         assert self._writer is not None
         rid = next(self._ids)
-        fut: asyncio.Future[tuple[dict[str, Any], list[bytes]]] = (
-            asyncio.get_running_loop().create_future()
-        )
-        self._waiting[rid] = fut
-        self._writer.write(wire.encode({**header, "id": rid}, tuple(blobs)))
+        fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        self._waiting[rid] = (fut, max_reply_bytes)
+        writer = self._writer
+
+        async def send_and_wait() -> Reply:
+            writer.write(wire.encode({**header, "id": rid}, tuple(blobs)))
+            await writer.drain()
+            return await fut
+
         try:
-            await self._writer.drain()
-            reply, out = await asyncio.wait_for(fut, timeout_s)
+            reply, out = await asyncio.wait_for(send_and_wait(), timeout_s)
         except TimeoutError:
             self._waiting.pop(rid, None)
             await self._pool._kill(self, SandboxCrashed(f"sandbox {self.id} did not answer"))
@@ -119,8 +138,14 @@ class Sandbox:
             self._fail(SandboxCrashed(f"sandbox {self.id} connection lost: {e!r}"))
             raise self._dead from None  # type: ignore[misc]
         if "error" in reply:
-            raise SandboxError(f"sandbox {self.id}: {reply['error']}")
+            raise SandboxError(f"sandbox {self.id}: {str(reply['error'])[:2000]}")
         return reply, out
+
+    async def _blocking_request(
+        self, header: dict[str, Any], blobs: Sequence[bytes], timeout_s: float, max_reply: int
+    ) -> Reply:
+        async with self._member_busy:
+            return await self._request(header, blobs, timeout_s, max_reply)
 
     # --- the verbs -------------------------------------------------------------------------------
 
@@ -149,12 +174,12 @@ class Sandbox:
             "cwd": f"/workspace/{check_path(cwd)}" if cwd else None,
             "env": dict(env or {}),
         }
-        ooms = self.cgroup.oom_kills()
-        reply, (out, err) = await self._request(
-            header, (stdin,), timeout_s + _REPLY_GRACE_S + len(stdin) / 1e8
+        async with self._member_busy:  # wait until the member reads requests again
+            ooms = self.cgroup.oom_kills()
+        reply = await self._request(
+            header, (stdin,), timeout_s + _REPLY_GRACE_S + len(stdin) / 1e8, 2 * max_output_bytes
         )
-        oom = reply["exit_code"] == SIGKILL_EXIT and self.cgroup.oom_kills() > ooms
-        return _result(reply, out, err, oom)
+        return self._result(reply, ooms)
 
     async def run_python(
         self, code: str, timeout_s: float = 30.0, max_output_bytes: int = 1 << 20
@@ -170,26 +195,31 @@ class Sandbox:
         header["max_output_bytes"] = max_output_bytes
         ooms = self.cgroup.oom_kills()
         try:
-            reply, (out, err) = await self._request(header, (), timeout_s + _REPLY_GRACE_S)
+            reply = await self._blocking_request(
+                header, (), timeout_s + _REPLY_GRACE_S, 2 * max_output_bytes
+            )
         except SandboxCrashed as e:
             if self.cgroup.oom_kills() > ooms:
                 raise SandboxCrashed(f"sandbox {self.id} ran out of memory in run_python") from e
             raise
-        return _result(reply, out, err, False)
+        return self._result(reply, None)
 
     async def write_file(self, path: str, data: bytes) -> None:
         if not isinstance(data, bytes | bytearray):
             raise SandboxError(f"data must be bytes, got {type(data).__name__}")
         if len(data) > MAX_FILE_BYTES:
             raise SandboxError(f"{path}: {len(data)} bytes is over the limit of {MAX_FILE_BYTES}")
-        await self._request({"op": "write", "path": check_path(path)}, (bytes(data),), 60)
+        header = {"op": "write", "path": check_path(path)}
+        await self._blocking_request(header, (bytes(data),), _FILE_TIMEOUT_S, 0)
 
     async def read_file(self, path: str, max_bytes: int = 16 << 20) -> bytes:
         if not 0 <= max_bytes <= MAX_FILE_BYTES:
             raise SandboxError(f"max_bytes must be in [0, {MAX_FILE_BYTES}], got {max_bytes}")
         header = {"op": "read", "path": check_path(path), "max_bytes": max_bytes}
-        _, (data,) = await self._request(header, (), _FILE_TIMEOUT_S)
-        return data
+        _, blobs = await self._blocking_request(header, (), _FILE_TIMEOUT_S, max_bytes)
+        if len(blobs) != 1:
+            raise self._malformed("read")
+        return blobs[0]
 
     async def fork(self) -> Sandbox:
         """A new sandbox with this one's files and interpreter state (the picklable globals that
@@ -197,11 +227,19 @@ class Sandbox:
         same warm template. Running processes are not carried over. Admitted like any create."""
         return await self._pool._fork(self)
 
-    async def export_state(self) -> tuple[dict[str, Any], list[bytes]]:
-        return await self._request({"op": "export"}, (), _FILE_TIMEOUT_S)
+    async def export_state(self, max_bytes: int) -> Reply:
+        """The workspace as a tar and the changed picklable globals, for `fork`."""
+        request = {"op": "export", "max_bytes": max_bytes}
+        reply = await self._blocking_request(request, (), _FILE_TIMEOUT_S, max_bytes)
+        header, blobs = reply
+        paths, dropped = header.get("paths"), header.get("dropped")
+        if len(blobs) != 2 or not isinstance(paths, list) or not isinstance(dropped, list):
+            raise self._malformed("export")
+        return reply
 
     async def import_state(self, header: dict[str, Any], blobs: list[bytes]) -> None:
-        await self._request({"op": "import", "paths": header["paths"]}, blobs, _FILE_TIMEOUT_S)
+        request = {"op": "import", "paths": header["paths"]}
+        await self._blocking_request(request, blobs, _FILE_TIMEOUT_S, 0)
 
     def usage(self) -> SandboxUsage:
         """Measured physical bytes: what the sandbox's own memory cgroup is charged. Pages shared
@@ -211,6 +249,34 @@ class Sandbox:
             peak_physical_bytes=self.cgroup.peak_memory_bytes(),
             pids=len(self.cgroup.pids()),
         )
+
+    def _malformed(self, what: str) -> SandboxCrashed:
+        error = SandboxCrashed(f"sandbox {self.id} sent a malformed {what} reply")
+        self._fail(error)
+        return error
+
+    def _result(self, reply: Reply, ooms_before: int | None) -> ExecResult:
+        header, blobs = reply
+        try:
+            out, err = blobs
+            code = int(header["exit_code"])
+            timed_out = header["timed_out"] is True
+            result = ExecResult(
+                exit_code=code,
+                stdout=out,
+                stderr=err,
+                timed_out=timed_out,
+                truncated=header["truncated"] is True,
+                # killed by the kernel for memory, not by our timeout
+                oom_killed=ooms_before is not None
+                and code == SIGKILL_EXIT
+                and not timed_out
+                and self.cgroup.oom_kills() > ooms_before,
+                duration_s=float(header["duration_s"]),
+            )
+        except (KeyError, TypeError, ValueError):
+            raise self._malformed("exec") from None
+        return result
 
     @property
     def alive(self) -> bool:
@@ -249,13 +315,5 @@ def _check_limits(timeout_s: float, max_output_bytes: int) -> None:
         )
 
 
-def _result(reply: dict[str, Any], out: bytes, err: bytes, oom: bool) -> ExecResult:
-    return ExecResult(
-        exit_code=int(reply["exit_code"]),
-        stdout=out,
-        stderr=err,
-        timed_out=bool(reply["timed_out"]),
-        truncated=bool(reply["truncated"]),
-        oom_killed=oom,
-        duration_s=float(reply["duration_s"]),
-    )
+def _is_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -12,6 +12,7 @@ import asyncio
 import json
 import socket
 import struct
+from collections.abc import Callable
 from typing import Any
 
 MAX_HEADER_BYTES = 1 << 20
@@ -29,14 +30,18 @@ def encode(header: Header, blobs: tuple[bytes, ...] = ()) -> bytes:
     return b"".join((_LEN.pack(len(head)), head, *blobs))
 
 
-def _parse_header(raw: bytes, max_blob_bytes: int) -> tuple[Header, list[int]]:
+def _parse_header(
+    raw: bytes, max_blob_bytes: int | Callable[[Header], int]
+) -> tuple[Header, list[int]]:
     try:
         header = json.loads(raw)
-    except ValueError as e:
-        raise WireError(f"bad frame header: {e}") from None
+    except (ValueError, RecursionError) as e:  # deep nesting is hostile too
+        raise WireError(f"bad frame header: {e!r}") from None
     sizes = header.get("blobs", []) if isinstance(header, dict) else None
     if not isinstance(sizes, list) or not all(isinstance(n, int) and n >= 0 for n in sizes):
         raise WireError("frame header must be an object with a list of blob sizes")
+    if callable(max_blob_bytes):
+        max_blob_bytes = max_blob_bytes(header)
     if sum(sizes) > max_blob_bytes:
         raise WireError(f"frame of {sum(sizes)} bytes is over the limit of {max_blob_bytes}")
     return header, sizes
@@ -87,7 +92,10 @@ def recv_with_fd(sock: socket.socket) -> tuple[Header, int | None]:
 # --- asyncio side (the pool) -------------------------------------------------------------------
 
 
-async def read(reader: asyncio.StreamReader, max_blob_bytes: int) -> tuple[Header, list[bytes]]:
+async def read(
+    reader: asyncio.StreamReader, max_blob_bytes: int | Callable[[Header], int]
+) -> tuple[Header, list[bytes]]:
+    """`max_blob_bytes` may depend on the header (on which request a reply answers)."""
     (n,) = _LEN.unpack(await reader.readexactly(4))
     if n > MAX_HEADER_BYTES:
         raise WireError(f"frame header of {n} bytes is over the limit")

@@ -41,6 +41,10 @@ def _become_zygote(cgroup_procs: list[str]) -> None:
     for procs in cgroup_procs:
         with open(procs, "w") as f:
             f.write(str(os.getpid()))
+    # A pool-wide OOM should take a sandbox, not the template every sandbox forks from (best
+    # effort: lowering it needs CAP_SYS_RESOURCE, which a container's root may lack).
+    with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as f:
+        f.write("-900")
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the pool died: so do its zygotes
     prctl(PR_SET_CHILD_SUBREAPER, 1)  # sandbox inits are adopted here...
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # ...and reaped by the kernel
@@ -106,6 +110,15 @@ def main() -> None:
 # --- pool side -----------------------------------------------------------------------------------
 
 
+def zygote_env() -> dict[str, str]:
+    """An allow-list: the pool's environment (tokens, keys) never reaches a template."""
+    keep = ("PATH", "LANG", "LC_ALL", "PYTHONPATH", "TZ")
+    env = {k: os.environ[k] for k in keep if k in os.environ}
+    # One BLAS thread per sandbox: its CPU share is bounded anyway, and thread pools created in
+    # the zygote do not survive fork.
+    return {**env, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
 class ZygoteError(Exception):
     pass
 
@@ -130,9 +143,7 @@ class Zygote:
             ["/bin/sh", "-c", cmd, sys.executable],
             pass_fds=[theirs.fileno()],
             stdin=subprocess.DEVNULL,
-            # One BLAS thread per sandbox: its CPU share is bounded anyway, and thread pools
-            # created in the zygote do not survive fork.
-            env={**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"},
+            env=zygote_env(),
         )
         theirs.close()
         return cls(ours, proc)
