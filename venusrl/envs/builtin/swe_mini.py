@@ -6,8 +6,10 @@ through `bash`, `read_file` and `write_file`, like an SWE agent: run the tests, 
 code, write the fix, run the tests again. Reward: 1 when the original tests pass at the end, else 0.
 
 The reward first writes the template's test files back, so deleting or editing the tests earns
-nothing, and runs `python -P` so that a workspace module called `unittest` cannot stand in for the
-stdlib's (unittest's discovery puts the workspace on the path for the tests' own imports).
+nothing, and runs `python -I` (isolated): a workspace module called `unittest`, a planted
+`usercustomize` under the workspace (which is also $HOME) or PYTHON* variables cannot stand in
+for the standard library (unittest's discovery puts the workspace on the path for the tests'
+own imports).
 """
 
 from __future__ import annotations
@@ -242,7 +244,7 @@ class SweMini(Environment):
         except SandboxError:  # the model put a directory or a symlink where a test file goes
             return 0.0
         r = await self.sandbox.exec(
-            ["python", "-P", "-m", "unittest"], timeout_s=60, max_output_bytes=_MAX_OUTPUT_BYTES
+            ["python", "-I", "-m", "unittest"], timeout_s=60, max_output_bytes=_MAX_OUTPUT_BYTES
         )
         return 1.0 if r.ok else 0.0
 

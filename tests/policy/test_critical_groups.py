@@ -1,0 +1,104 @@
+"""Critical-group ranking and the staleness bound, on hand-made snapshots."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from venusrl.policy.critical_groups import (
+    BEST_EFFORT,
+    HIGH,
+    CoordinatorSnapshot,
+    CriticalGroups,
+    FifoGroups,
+    GroupView,
+    LengthPredictor,
+    MemberView,
+    Prediction,
+)
+from venusrl.policy.staleness import StalenessBound
+
+
+def group(gid: str, done: int, k: int = 8, arrival: int = 0, tokens: int = 0) -> GroupView:
+    members = tuple(MemberView(done=i < done, generated_tokens=tokens) for i in range(k))
+    return GroupView(gid, f"prompt-{gid}", arrival, members)
+
+
+def snapshot(groups: list[GroupView], batch: int = 1, waiting: int = 0, **preds: Prediction):
+    return CoordinatorSnapshot(groups, batch, waiting, preds, decode_tokens_per_s=100.0)
+
+
+def test_a_group_with_7_of_8_done_outranks_one_with_1_of_8_done() -> None:
+    snap = snapshot([group("early", done=1, arrival=0), group("almost", done=7, arrival=1)])
+    decision = CriticalGroups().decide(snap)
+    assert decision.order == ("almost", "early")
+    assert decision.priority == {"almost": HIGH, "early": BEST_EFFORT}
+
+
+def test_ties_in_completion_are_broken_by_predicted_remaining_time() -> None:
+    slow, fast = group("slow", done=4, arrival=0), group("fast", done=4, arrival=1)
+    snap = snapshot(
+        [slow, fast],
+        **{"prompt-slow": Prediction(2000, 4), "prompt-fast": Prediction(300, 2)},
+    )
+    assert CriticalGroups().decide(snap).order == ("fast", "slow")
+    # Progress counts: the slow prompt's members are nearly through their tokens.
+    nearly = group("slow", done=4, arrival=0, tokens=1990)
+    snap = snapshot(
+        [nearly, fast],
+        **{"prompt-slow": Prediction(2000, 0), "prompt-fast": Prediction(300, 2)},
+    )
+    assert CriticalGroups().decide(snap).order == ("slow", "fast")
+
+
+def test_only_the_groups_that_fill_the_next_batch_are_high_priority() -> None:
+    groups = [group(f"g{i}", done=i, arrival=i) for i in range(6)]
+    decision = CriticalGroups().decide(snapshot(groups, batch=4, waiting=1))
+    assert [decision.priority[g] for g in decision.order] == [HIGH] * 3 + [BEST_EFFORT] * 3
+    assert decision.order[:3] == ("g5", "g4", "g3")
+    full = CriticalGroups().decide(snapshot(groups, batch=4, waiting=4))
+    assert set(full.priority.values()) == {BEST_EFFORT}
+
+
+def test_fifo_baseline_keeps_arrival_order_and_no_priorities() -> None:
+    groups = [group("b", done=7, arrival=1), group("a", done=0, arrival=0)]
+    decision = FifoGroups().decide(snapshot(groups))
+    assert decision.order == ("a", "b") and set(decision.priority.values()) == {BEST_EFFORT}
+
+
+def test_length_predictor_starts_from_the_prompt_history_then_the_global_median() -> None:
+    pred = LengthPredictor()
+    assert pred.predictions(["p"]) == {}
+    pred.observe("p", 100, 3)
+    pred.observe("p", 300, 5)
+    pred.observe("q", 1000, 9)
+    assert pred.predictions(["p"])["p"] == Prediction(200, 4)
+    assert pred.predictions(["new"])["new"] == Prediction(300, 5)  # median of all three
+
+
+@given(
+    batch=st.integers(1, 16),
+    staleness=st.integers(0, 4),
+    version=st.integers(0, 50),
+    started=st.integers(0, 2000),
+)
+def test_no_group_starts_more_than_max_staleness_versions_ahead(
+    batch: int, staleness: int, version: int, started: int
+) -> None:
+    bound = StalenessBound(batch, staleness)
+    ok = bound.may_start(started, version)
+    # The group's batch is trained at version started // batch: at most `staleness` ahead.
+    assert ok == (started // batch - version <= staleness)
+    n = bound.startable(started, version)
+    assert all(bound.may_start(started + i, version) for i in range(n))
+    assert not bound.may_start(started + n, version)
+
+
+def test_synchronous_training_runs_only_the_current_batch() -> None:
+    bound = StalenessBound(batch_groups=4, max_staleness=0)
+    assert bound.startable(0, 0) == 4
+    assert not bound.may_start(4, 0)
+    assert bound.may_start(4, 1)
+    with pytest.raises(ValueError, match="max_staleness"):
+        StalenessBound(4, -1)

@@ -1,0 +1,129 @@
+"""Which GRPO groups run first: the ones that unlock the next trainer batch.
+
+Pure policy (DESIGN.md contract 1; seed 000 section 2, "critical groups"). The trainer consumes
+batches of B complete groups. A group is useless to it until all its members are done, so time
+spent on a group that cannot complete soon only delays the batch. The coordinator therefore ranks
+the open groups
+
+    by completion ratio (done members / K), highest first,
+    then by the predicted remaining time of the group's slowest unfinished member, shortest first,
+    then by age (oldest first),
+
+and marks the first `B - complete_groups_waiting` of them high priority (they fill the next batch);
+the rest are best effort. The engine and the sandbox pool receive that priority with every request.
+
+A member's remaining time is its predicted remaining tokens at the decode rate plus the expected
+tool time of its remaining turns; the length prediction comes from `LengthPredictor`, which starts
+from the prompt's own history (the K members of a group share a prompt, and prompts are revisited
+across epochs) and falls back to the global median.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+HIGH = 1  # priority sent with the requests of critical groups
+BEST_EFFORT = 0
+
+
+@dataclass(frozen=True)
+class MemberView:
+    done: bool
+    generated_tokens: int = 0
+    turns: int = 0
+    waiting_on_tool: bool = False
+
+
+@dataclass(frozen=True)
+class GroupView:
+    group_id: str
+    prompt_id: str
+    arrival: int  # order in which the group was opened (lower = older)
+    members: tuple[MemberView, ...]
+
+    @property
+    def completion(self) -> float:
+        return sum(m.done for m in self.members) / len(self.members)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    total_tokens: float  # tokens a trajectory of this prompt generates in all
+    turns: float
+
+
+@dataclass(frozen=True)
+class CoordinatorSnapshot:
+    groups: Sequence[GroupView]  # open groups (not complete yet)
+    batch_groups: int  # B
+    complete_groups_waiting: int  # complete groups not yet consumed by the trainer
+    predictions: Mapping[str, Prediction]  # per prompt id
+    decode_tokens_per_s: float = 50.0  # of one trajectory, as the engine currently runs it
+    tool_s_per_turn: float = 0.5
+
+
+@dataclass(frozen=True)
+class GroupPriorities:
+    order: tuple[str, ...]  # group ids, most critical first
+    priority: Mapping[str, int]
+
+
+def remaining_s(member: MemberView, pred: Prediction, snap: CoordinatorSnapshot) -> float:
+    if member.done:
+        return 0.0
+    tokens = max(pred.total_tokens - member.generated_tokens, 0.0)
+    turns = max(pred.turns - member.turns, 1.0 if member.waiting_on_tool else 0.0)
+    return tokens / snap.decode_tokens_per_s + turns * snap.tool_s_per_turn
+
+
+@dataclass(frozen=True)
+class CriticalGroups:
+    default: Prediction = Prediction(total_tokens=256, turns=3)
+
+    def decide(self, snap: CoordinatorSnapshot) -> GroupPriorities:
+        def slowest(g: GroupView) -> float:
+            pred = snap.predictions.get(g.prompt_id, self.default)
+            return max(remaining_s(m, pred, snap) for m in g.members)
+
+        ranked = sorted(snap.groups, key=lambda g: (-g.completion, slowest(g), g.arrival))
+        needed = max(snap.batch_groups - snap.complete_groups_waiting, 0)
+        order = tuple(g.group_id for g in ranked)
+        return GroupPriorities(
+            order, {gid: HIGH if i < needed else BEST_EFFORT for i, gid in enumerate(order)}
+        )
+
+
+@dataclass(frozen=True)
+class FifoGroups:
+    """The baseline: groups in arrival order, all equal (what RL frameworks do today)."""
+
+    def decide(self, snap: CoordinatorSnapshot) -> GroupPriorities:
+        order = tuple(g.group_id for g in sorted(snap.groups, key=lambda g: g.arrival))
+        return GroupPriorities(order, dict.fromkeys(order, BEST_EFFORT))
+
+
+@dataclass
+class LengthPredictor:
+    """Per-prompt trajectory length, learned from finished trajectories. Pure state."""
+
+    window: int = 64
+    _by_prompt: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    _all: list[tuple[int, int]] = field(default_factory=list)
+
+    def observe(self, prompt_id: str, total_tokens: int, turns: int) -> None:
+        for history in (self._by_prompt.setdefault(prompt_id, []), self._all):
+            history.append((total_tokens, turns))
+            del history[: -self.window]
+
+    def predictions(self, prompt_ids: Sequence[str]) -> dict[str, Prediction]:
+        out = {}
+        for pid in prompt_ids:
+            history = self._by_prompt.get(pid) or self._all
+            if history:
+                out[pid] = Prediction(
+                    statistics.median(t for t, _ in history),
+                    statistics.median(n for _, n in history),
+                )
+        return out
