@@ -104,6 +104,7 @@ class Sandbox:
         for fut, _ in self._waiting.values():
             if not fut.done():
                 fut.set_exception(self._dead)
+                fut.exception()  # its caller may have left already (send failed): don't log it
         self._waiting.clear()
 
     async def _request(

@@ -1,0 +1,161 @@
+"""The agent loop keeps one token record per episode: tokens in, tokens out, never re-tokenised."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from venusrl.config import EngineConfig
+from venusrl.coordinator.agent_loop import ChatFormat, LoopLimits, run_episode
+from venusrl.engine.async_engine import AsyncEngine
+from venusrl.engine.engine import Engine
+from venusrl.engine.model_dir import init_model_dir
+from venusrl.engine.request import GenerationOutput, SamplingParams
+from venusrl.engine.tokenizer import Tokenizer
+from venusrl.envs import SandboxPool
+from venusrl.envs.builtin.guess_number import BinarySearchExpert, GuessNumber
+from venusrl.types import Finish
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_model_dir(tmp_path_factory.mktemp("model") / "tiny", preset="tiny", seed=0)
+
+
+class ScriptedPolicy:
+    """Plays the binary-search expert through token ids, as an engine would, and records what it
+    was sent. Version 3, logprob -0.5 on every token, so the record can be checked."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tok = tokenizer
+        self.expert = BinarySearchExpert()
+        self.prompts: list[list[int]] = []
+        self.outputs: list[list[int]] = []
+        self.eos = tokenizer.encode("<|im_end|>")
+
+    async def __call__(
+        self, prompt_ids: list[int], params: SamplingParams, **meta: Any
+    ) -> GenerationOutput:
+        seen = len(self.prompts[-1]) + len(self.outputs[-1]) if self.prompts else len(prompt_ids)
+        observation = self.tok.decode(prompt_ids[seen:], skip_special_tokens=True)
+        observation = observation.removeprefix("\nuser\n").removesuffix("\nassistant\n")
+        ids = self.tok.encode(self.expert(observation.strip())) + self.eos
+        self.prompts.append(list(prompt_ids))
+        self.outputs.append(ids)
+        n = len(ids)
+        return GenerationOutput("r", prompt_ids, ids, [-0.5] * n, [3] * n, "stop", 0)
+
+
+def test_expert_episode_is_one_token_record_that_was_never_retokenised(model_dir: Path) -> None:
+    tokenizer = Tokenizer.load(model_dir)
+    assert tokenizer is not None
+    fmt = ChatFormat(tokenizer)
+    policy = ScriptedPolicy(tokenizer)
+    task = next(GuessNumber.tasks(seed=1))
+
+    async def main() -> Any:
+        async with SandboxPool(memory_budget_bytes=2 << 30) as pool:
+            await pool.prepare_template(GuessNumber.template)
+            sb = await pool.create(GuessNumber.template.name, setup=task.setup)
+            env = GuessNumber(task, sb)
+            limits = LoopLimits(max_context=8192)
+            return await run_episode(env, policy, fmt, SamplingParams(), limits, "t0", "g0", "p0")
+
+    traj = asyncio.run(main())
+    assert traj.finish is Finish.DONE and traj.reward == 1.0 and traj.tool_calls >= 3
+    # Each request carried the record so far, exactly: the previous request, what the model
+    # produced, then the observation's tokens.
+    for before, out, after in zip(policy.prompts, policy.outputs, policy.prompts[1:], strict=False):
+        assert after[: len(before) + len(out)] == before + out
+    assert policy.prompts[-1] + policy.outputs[-1] == traj.token_ids
+    model = [t for t, m in zip(traj.token_ids, traj.mask, strict=True) if m]
+    assert model == [t for out in policy.outputs for t in out]
+    assert all(v == 3 for v, m in zip(traj.versions, traj.mask, strict=True) if m)
+    assert all(lp == -0.5 for lp, m in zip(traj.logprobs, traj.mask, strict=True) if m)
+    assert len(traj.turn_starts) == len(policy.outputs)
+    observations = tokenizer.decode(
+        [t for t, m in zip(traj.token_ids, traj.mask, strict=True) if not m][traj.prompt_len :]
+    )
+    assert observations.count("<tool_response>") == traj.tool_calls
+
+
+def test_real_engine_turns_carry_their_logprobs_and_weight_version(model_dir: Path) -> None:
+    tokenizer = Tokenizer.load(model_dir)
+    assert tokenizer is not None
+    task = next(GuessNumber.tasks(seed=1))
+
+    async def main() -> Any:
+        engine = AsyncEngine(Engine.from_model_dir(model_dir, EngineConfig(threads=1))).start()
+        try:
+            async with SandboxPool(memory_budget_bytes=2 << 30) as pool:
+                await pool.prepare_template(GuessNumber.template)
+                sb = await pool.create(GuessNumber.template.name, setup=task.setup)
+                return await run_episode(
+                    GuessNumber(task, sb),
+                    engine.generate,
+                    ChatFormat(tokenizer),
+                    SamplingParams(temperature=1.0, seed=0),
+                    LoopLimits(max_context=4096, max_tokens_per_turn=24),
+                    "t0",
+                    "g0",
+                    "p0",
+                )
+        finally:
+            engine.stop()
+
+    traj = asyncio.run(main())
+    assert traj.finish is not Finish.INFRA and traj.reward == 0.0  # random weights never win
+    model_logprobs = [lp for lp, m in zip(traj.logprobs, traj.mask, strict=True) if m]
+    assert len(model_logprobs) > 0 and all(math.isfinite(x) and x <= 0 for x in model_logprobs)
+    assert {v for v, m in zip(traj.versions, traj.mask, strict=True) if m} == {0}
+    assert traj.staleness(trainer_version=2) == 2
+
+
+def test_context_cap_and_infrastructure_failure_end_the_episode_with_named_outcomes(
+    model_dir: Path,
+) -> None:
+    tokenizer = Tokenizer.load(model_dir)
+    assert tokenizer is not None
+    task = next(GuessNumber.tasks(seed=1))
+
+    async def main() -> tuple[Any, Any]:
+        async with SandboxPool(memory_budget_bytes=2 << 30) as pool:
+            await pool.prepare_template(GuessNumber.template)
+            sb = await pool.create(GuessNumber.template.name, setup=task.setup)
+            prompt_len = len(ChatFormat(tokenizer).prompt_ids(await GuessNumber(task, sb).reset()))
+            capped = await run_episode(
+                GuessNumber(task, sb),
+                ScriptedPolicy(tokenizer),
+                ChatFormat(tokenizer),
+                SamplingParams(),
+                LoopLimits(max_context=prompt_len + 120),
+                "t1",
+                "g0",
+                "p0",
+            )
+            sb.cgroup.kill()  # the sandbox dies under the episode: the platform's fault
+            broken = await run_episode(
+                GuessNumber(task, sb),
+                ScriptedPolicy(tokenizer),
+                ChatFormat(tokenizer),
+                SamplingParams(),
+                LoopLimits(max_context=8192),
+                "t2",
+                "g0",
+                "p0",
+            )
+            return capped, broken
+
+    capped, broken = asyncio.run(main())
+    assert capped.finish is Finish.CONTEXT_CAP and capped.reward is not None
+    assert len(capped.token_ids) <= capped.prompt_len + 120
+    assert broken.finish is Finish.INFRA and broken.reward is None and broken.failure

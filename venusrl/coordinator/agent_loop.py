@@ -1,0 +1,130 @@
+"""The multi-turn agent loop: token in, token out.
+
+The prompt is rendered with the chat template and tokenised once. Each turn sends the whole token
+record to the engine (whose radix cache holds the prefix, so only the new tokens are computed),
+appends the generated tokens with their logprobs and weight versions, lets the environment act on
+their text, and appends the observation's tokens, masked. History is never re-tokenised, so the
+trainer trains on exactly what the engine sampled.
+
+The observation's tokens are the chat template's own text between the end of an assistant message
+and the start of the next one, with the observation as a user message: rendered once per
+observation around a marker, so any template works, not only ChatML.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from venusrl.engine.request import GenerationOutput, SamplingParams
+from venusrl.engine.tokenizer import Tokenizer
+from venusrl.envs.environment import Environment
+from venusrl.envs.types import InfraFailure
+from venusrl.types import Finish, Trajectory
+
+_MARK = "\ue000"  # a private-use character: where the assistant's text goes in a rendering
+
+
+class Generate(Protocol):
+    """What the loop needs from an engine: `AsyncEngine.generate`, or an HTTP client of it."""
+
+    async def __call__(
+        self, prompt_ids: list[int], params: SamplingParams, **metadata: Any
+    ) -> GenerationOutput: ...
+
+
+class ChatFormat:
+    """The token pieces of a chat template that the loop needs."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        closed = tokenizer.apply_chat_template(self._base(), add_generation_prompt=False)
+        # What follows the assistant's text when its turn is closed: "<|im_end|>\n" in ChatML.
+        self.end_of_turn = closed[closed.index(_MARK) + len(_MARK) :]
+
+    @staticmethod
+    def _base() -> list[dict[str, str]]:
+        return [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}]
+
+    def prompt_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.tokenizer.encode(text)
+
+    def observation_ids(self, observation: str, model_ids: Sequence[int]) -> list[int]:
+        """Tokens that close the model's turn (unless it closed it itself), carry the observation
+        as a user message and open the model's next turn."""
+        messages = [*self._base(), {"role": "user", "content": observation}]
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        ids = self.tokenizer.encode(text[text.index(_MARK) + len(_MARK) :])
+        closing = self.tokenizer.encode(self.end_of_turn.rstrip())
+        if closing and list(model_ids[-len(closing) :]) == closing:
+            ids = ids[len(closing) :]  # the model ended its turn with the end-of-turn token
+        return ids
+
+    def text(self, model_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(model_ids, skip_special_tokens=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopLimits:
+    max_context: int  # tokens of the whole record
+    max_tokens_per_turn: int = 256
+    reward_timeout_s: float = 120.0
+    step_timeout_s: float = 300.0  # one environment step (its tool calls bound themselves)
+
+
+async def run_episode(
+    env: Environment,
+    generate: Generate,
+    fmt: ChatFormat,
+    sampling: SamplingParams,
+    limits: LoopLimits,
+    trajectory_id: str,
+    group_id: str,
+    prompt_id: str,
+    priority: Callable[[], int] = lambda: 0,
+) -> Trajectory:
+    """One episode. Infrastructure failures end it with `Finish.INFRA` and no reward (the
+    coordinator replaces or masks it); the model's own failures end it normally and are scored."""
+    messages = await env.reset()
+    traj = Trajectory.start(trajectory_id, group_id, prompt_id, fmt.prompt_ids(messages))
+    try:
+        traj.finish = await _turns(env, generate, fmt, sampling, limits, traj, priority)
+        traj.reward = float(await asyncio.wait_for(env.reward(), limits.reward_timeout_s))
+    except (InfraFailure, TimeoutError) as e:
+        traj.finish, traj.failure, traj.reward = Finish.INFRA, f"{type(e).__name__}: {e}", None
+    return traj
+
+
+async def _turns(
+    env: Environment,
+    generate: Generate,
+    fmt: ChatFormat,
+    sampling: SamplingParams,
+    limits: LoopLimits,
+    traj: Trajectory,
+    priority: Callable[[], int],
+) -> Finish:
+    while True:
+        room = limits.max_context - len(traj.token_ids)
+        if room < 1:
+            return Finish.CONTEXT_CAP
+        params = dataclasses.replace(sampling, max_tokens=min(limits.max_tokens_per_turn, room))
+        out = await generate(
+            list(traj.token_ids),
+            params,
+            priority=priority(),
+            trajectory_id=traj.trajectory_id,
+            group_id=traj.group_id,
+        )
+        traj.add_model_turn(out.token_ids, out.logprobs, out.weight_versions)
+        result = await asyncio.wait_for(env.step(fmt.text(out.token_ids)), limits.step_timeout_s)
+        traj.tool_calls += int(result.info.get("tool_calls", 0))
+        if result.done:
+            return Finish.TURN_CAP if result.info.get("truncated") else Finish.DONE
+        obs = fmt.observation_ids(result.observation or "", out.token_ids)
+        if len(traj.token_ids) + len(obs) >= limits.max_context:
+            return Finish.CONTEXT_CAP
+        traj.add_observation(obs)
