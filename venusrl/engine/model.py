@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -196,9 +196,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, ...], batch: StepBatch, kv: KVCache
-    ) -> torch.Tensor:
+    def _qkv(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [tokens, hidden] -> q [tokens, heads, dim], k and v [tokens, kv_heads, dim]."""
         tokens, heads, kv_heads, dim = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(self.input_layernorm(x))
         # q and k side by side as one [tokens, heads + kv_heads, dim] tensor: one RoPE for both.
@@ -207,11 +208,34 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])], dim=1)
         qk = apply_rotary(qk, *rope)
-        attn = paged_attention(qk[:, :heads], qk[:, heads:], v, kv.layer(self.layer_index), batch)
+        return qk[:, :heads], qk[:, heads:], v
+
+    def _residual_and_mlp(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         x = x + self.o_proj(attn)
         h = self.post_attention_layernorm(x)
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, ...], batch: StepBatch, kv: KVCache
+    ) -> torch.Tensor:
+        q, k, v = self._qkv(x, rope)
+        attn = paged_attention(q, k, v, kv.layer(self.layer_index), batch)
+        return self._residual_and_mlp(x, attn)
+
+    def forward_dense(self, x: torch.Tensor, rope: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """x: [batch, time, hidden], causal attention over each row: the training path."""
+        b, t, hidden = x.shape
+        q, k, v = self._qkv(x.reshape(b * t, hidden), rope)
+        group = self.num_heads // self.num_kv_heads
+        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        attn = attn.transpose(1, 2).reshape(b * t, self.num_heads * self.head_dim)
+        return self._residual_and_mlp(x.reshape(b * t, hidden), attn).view(b, t, hidden)
 
 
 class CausalLM(nn.Module):
@@ -234,6 +258,17 @@ class CausalLM(nn.Module):
             x = layer(x, rope, batch, kv)
         x = self.norm(x.index_select(0, batch.logits_rows))
         return self.lm_head(x).float()
+
+    def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [batch, time, vocab] for right-padded rows of token ids, with autograd: what the
+        trainer runs. Same weights and arithmetic as the paged path, without a KV cache."""
+        b, t = input_ids.shape
+        x = self.embed_tokens(input_ids)
+        positions = torch.arange(t, device=input_ids.device).repeat(b)
+        rope = self.rotary.tables(positions, x.dtype)
+        for layer in self.layers:
+            x = cast(DecoderLayer, layer).forward_dense(x, rope)
+        return self.lm_head(self.norm(x)).float()
 
     # -- weights in Hugging Face naming --------------------------------------------------------
 

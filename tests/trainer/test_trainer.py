@@ -1,0 +1,64 @@
+"""The trainer computes what the engine sampled, and a GRPO step moves the policy the right way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from venusrl.config import EngineConfig
+from venusrl.engine.engine import Engine
+from venusrl.engine.model_dir import init_model_dir, load_model
+from venusrl.engine.request import SamplingParams
+from venusrl.trainer.trainer import GRPOTrainer, TrainerConfig
+from venusrl.types import Trajectory
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_model_dir(tmp_path_factory.mktemp("m") / "tiny", preset="tiny", seed=0)
+
+
+def record(prompt: list[int], out: list[int], logprobs: list[float]) -> Trajectory:
+    t = Trajectory.start("t", "g", "p", prompt)
+    t.add_model_turn(out, logprobs, [0] * len(out))
+    return t
+
+
+def dense_logprobs(model: torch.nn.Module, t: Trajectory) -> list[float]:
+    ids = torch.tensor([t.token_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model.forward_dense(ids[:, :-1]), -1)[0]  # type: ignore[operator]
+    picked = logp.gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
+    return [picked[i - 1] for i, m in enumerate(t.mask) if m]
+
+
+def test_trainer_logprobs_equal_the_engine_sampling_logprobs(model_dir: Path) -> None:
+    engine = Engine.from_model_dir(model_dir, EngineConfig(threads=1, page_size=4))
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=1.0, seed=3))
+    model = load_model(model_dir)
+    for prompt, out in zip(prompts, outs, strict=True):
+        t = record(prompt, out.token_ids, out.logprobs)
+        assert dense_logprobs(model, t) == pytest.approx(out.logprobs, abs=1e-4)
+
+
+def test_a_grpo_step_raises_the_rewarded_continuation_and_lowers_the_other(model_dir: Path) -> None:
+    model = load_model(model_dir)
+    trainer = GRPOTrainer(model, TrainerConfig(lr=1e-3, micro_batch_tokens=16))
+    prompt = [5, 6, 7]
+    good, bad = record(prompt, [20, 21, 22, 23], [0.0] * 4), record(prompt, [30, 31], [0.0] * 2)
+    for t in (good, bad):  # behaviour = the current policy: on-policy
+        t.logprobs[len(prompt) :] = dense_logprobs(model, t)
+    before = sum(dense_logprobs(model, good)), sum(dense_logprobs(model, bad))
+    stats = trainer.step([good, bad], [1.0, -1.0])
+    after = sum(dense_logprobs(model, good)), sum(dense_logprobs(model, bad))
+    assert after[0] > before[0] and after[1] < before[1]
+    assert stats.version == 1 and stats.tokens == 6 and stats.trajectories == 2
+    assert stats.mean_ratio == pytest.approx(1.0, abs=1e-4)  # on-policy
+    assert stats.clip_fraction == 0.0
+    with pytest.raises(ValueError, match="lr"):
+        TrainerConfig(lr=0)

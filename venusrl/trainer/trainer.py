@@ -1,0 +1,139 @@
+"""One GRPO optimisation step over a batch of trajectories (token records).
+
+The model is the engine's own architecture (`CausalLM.forward_dense`, the autograd path), so the
+logprobs the trainer computes for a token are those the engine recorded when it sampled it, up to
+float error (tested): on-policy, the importance ratio is 1. Rows are right-padded, grouped into
+micro-batches under a token budget, and the loss is the mean over all model tokens of the step
+(token-level, so long trajectories are not down-weighted), whatever the micro-batching.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from venusrl.engine.model import CausalLM
+from venusrl.trainer.grpo import policy_loss
+from venusrl.types import Trajectory
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    lr: float = 5e-4
+    weight_decay: float = 0.0
+    clip_eps: float = 0.2
+    entropy_coef: float = 0.0
+    max_grad_norm: float = 1.0
+    micro_batch_tokens: int = 8192
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"trainer.lr must be > 0, got {self.lr}")
+        if not 0 < self.clip_eps < 1:
+            raise ValueError(f"trainer.clip_eps must be in (0, 1), got {self.clip_eps}")
+        if self.micro_batch_tokens < 2:
+            raise ValueError(
+                f"trainer.micro_batch_tokens must be >= 2, got {self.micro_batch_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class StepStats:
+    version: int  # weight version after the step
+    loss: float
+    clip_fraction: float
+    mean_ratio: float
+    entropy: float
+    tokens: int
+    trajectories: int
+    grad_norm: float
+
+
+class GRPOTrainer:
+    def __init__(self, model: CausalLM, config: TrainerConfig | None = None, version: int = 0):
+        self.model = model
+        self.config = config or TrainerConfig()
+        self.version = version
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay
+        )
+
+    def step(self, trajectories: Sequence[Trajectory], advantages: Sequence[float]) -> StepStats:
+        """`advantages[i]` applies to every model token of `trajectories[i]`; masked members
+        (infrastructure failures) must be left out by the caller."""
+        if len(trajectories) != len(advantages):
+            raise ValueError("one advantage per trajectory")
+        rows = [(t, a) for t, a in zip(trajectories, advantages, strict=True) if t.model_tokens]
+        total = sum(t.model_tokens for t, _ in rows)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = {"loss": 0.0, "clip": 0.0, "ratio": 0.0, "entropy": 0.0}
+        for batch in self._micro_batches(rows):
+            ids, behaviour, mask, adv = _pad(batch)
+            logits = self.model.forward_dense(ids[:, :-1])
+            loss, stats = policy_loss(
+                logits.reshape(-1, logits.shape[-1]),
+                ids[:, 1:].reshape(-1),
+                behaviour[:, 1:].reshape(-1),
+                adv[:, None].expand(-1, ids.shape[1] - 1).reshape(-1),
+                mask[:, 1:].reshape(-1),
+                self.config.clip_eps,
+                self.config.entropy_coef,
+            )
+            weight = stats.tokens / max(total, 1)
+            (loss * weight).backward()
+            sums["loss"] += stats.loss * weight
+            sums["clip"] += stats.clip_fraction * weight
+            sums["ratio"] += stats.mean_ratio * weight
+            sums["entropy"] += stats.entropy * weight
+        grad_norm = float(
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+        )
+        if total:
+            self.optimizer.step()
+        self.version += 1
+        self.model.eval()
+        return StepStats(
+            self.version,
+            sums["loss"],
+            sums["clip"],
+            sums["ratio"],
+            sums["entropy"],
+            total,
+            len(rows),
+            grad_norm,
+        )
+
+    def _micro_batches(
+        self, rows: list[tuple[Trajectory, float]]
+    ) -> list[list[tuple[Trajectory, float]]]:
+        """Rows sorted by length, cut so that rows x longest row stays within the token budget."""
+        batches: list[list[tuple[Trajectory, float]]] = []
+        current: list[tuple[Trajectory, float]] = []
+        for row in sorted(rows, key=lambda r: len(r[0].token_ids)):
+            longest = len(row[0].token_ids)
+            if current and (len(current) + 1) * longest > self.config.micro_batch_tokens:
+                batches.append(current)
+                current = []
+            current.append(row)
+        if current:
+            batches.append(current)
+        return batches
+
+
+def _pad(
+    rows: list[tuple[Trajectory, float]],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    width = max(len(t.token_ids) for t, _ in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    behaviour = torch.zeros(len(rows), width)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, (t, _) in enumerate(rows):
+        n = len(t.token_ids)
+        ids[i, :n] = torch.tensor(t.token_ids)
+        behaviour[i, :n] = torch.tensor(t.logprobs)
+        mask[i, :n] = torch.tensor(t.mask)
+    adv = torch.tensor([a for _, a in rows], dtype=torch.float32)
+    return ids, behaviour, mask, adv
