@@ -63,10 +63,49 @@ class ServerConfig(_Section):
     model_name: str | None = Field(None, description="name served at /v1/models; default: dir name")
 
 
+class RolloutConfig(_Section):
+    """Groups, batches and the agent loop (`venusrl train`)."""
+
+    env: Literal["guess_number", "swe_mini"] = Field("guess_number", description="built-in task")
+    group_size: int = Field(8, ge=2, description="K trajectories per task (GRPO group)")
+    batch_groups: int = Field(4, ge=1, description="B complete groups per trainer step")
+    max_staleness: int = Field(1, ge=0, description="0 = synchronous on-policy")
+    max_infra_retries: int = Field(2, ge=0, description="replacement members per group")
+    priorities: Literal["critical", "fifo"] = "critical"
+    temperature: float = Field(1.0, ge=0)
+    max_tokens_per_turn: int = Field(96, ge=1)
+    max_context: int = Field(2048, ge=16)
+    group_timeout_s: float = Field(900.0, gt=0)
+
+
+class TrainerSection(_Section):
+    lr: float = Field(5e-4, gt=0)
+    clip_eps: float = Field(0.2, gt=0, lt=1)
+    entropy_coef: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    micro_batch_tokens: int = Field(8192, ge=2)
+
+
+class SandboxSection(_Section):
+    memory_budget_gib: float = Field(4.0, gt=0)
+    admission: Literal["footprint", "quota"] = "footprint"
+    share_pages: bool = True
+
+
+class RunConfig(_Section):
+    steps: int = Field(20, ge=1, description="trainer steps")
+    seed: int = Field(0, ge=0)
+    preset: str = Field("tiny", description="model preset when `model` is not given")
+
+
 class Config(_Section):
     model: str | None = Field(None, description="Hugging Face-format model directory")
     engine: EngineConfig = Field(default_factory=EngineConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    trainer: TrainerSection = Field(default_factory=TrainerSection)
+    sandbox: SandboxSection = Field(default_factory=SandboxSection)
 
 
 def load_config(

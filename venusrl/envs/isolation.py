@@ -295,6 +295,10 @@ def _build_root(cfg: IsolationConfig) -> None:
     root = cfg.root_dir
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,mode=755")
+    # /tmp first: a Python installation under /tmp (a venv in a temporary checkout) is bound
+    # below it next, and must not be hidden by it.
+    tmp = _mkdirs(root, "/tmp")
+    mount("tmpfs", tmp, "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg.tmp_bytes},mode=1777")
     for top in ("bin", "sbin", "lib", "lib64", "lib32", "libx32"):
         host = f"/{top}"
         if os.path.islink(host):
@@ -333,8 +337,6 @@ def _build_root(cfg: IsolationConfig) -> None:
     mount("tmpfs", shm, "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg.tmp_bytes},mode=1777")
 
     mount("proc", _mkdirs(root, "/proc"), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    tmp = _mkdirs(root, "/tmp")
-    mount("tmpfs", tmp, "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg.tmp_bytes},mode=1777")
 
     workspace = _mkdirs(root, WORKSPACE)
     ws_opts = f"size={cfg.workspace_bytes},mode=755,uid={cfg.host_uid},gid={cfg.host_uid}"

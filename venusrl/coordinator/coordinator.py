@@ -1,0 +1,261 @@
+"""Tasks in, trainer batches out: groups of K episodes, ranked so the next batch fills first.
+
+The coordinator opens a group for each task while the staleness bound allows
+(`policy.staleness`), runs its K members as episodes of the agent loop, each in its own sandbox
+forked from the group's warm zygote, and hands the trainer batches of B complete groups.
+
+Priorities: every time a member finishes a turn or an episode, the open groups are re-ranked by
+the critical-group policy (`policy.critical_groups`): the groups that complete the next batch get
+high priority, and every generation request a member sends carries its group's current priority.
+
+Failure semantics: an episode that ends in an infrastructure failure (sandbox died or was
+preempted, an engine call failed, a service timed out) is re-run by a replacement member, up to
+`max_infra_retries` per group; past that it is masked, its reward None, so it never enters the
+group's statistics as a 0. A group left with fewer than two scored members teaches nothing and is
+dropped (counted). Every wait is bounded: a group that does not complete within
+`group_timeout_s` is dropped; `next_batch` waits at most `batch_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+from venusrl.coordinator.agent_loop import ChatFormat, Generate, LoopLimits, run_episode
+from venusrl.engine.request import SamplingParams
+from venusrl.envs.environment import Environment, Task
+from venusrl.envs.pool import SandboxGroup, SandboxPool
+from venusrl.envs.types import InfraFailure
+from venusrl.policy.critical_groups import (
+    BEST_EFFORT,
+    CoordinatorSnapshot,
+    CriticalGroups,
+    FifoGroups,
+    GroupView,
+    LengthPredictor,
+    MemberView,
+)
+from venusrl.policy.staleness import StalenessBound
+from venusrl.trainer.grpo import group_advantages
+from venusrl.types import Finish, Trajectory
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    group_size: int = 8
+    batch_groups: int = 4
+    max_staleness: int = 1
+    max_infra_retries: int = 2
+    group_timeout_s: float = 900.0
+    batch_timeout_s: float = 1800.0
+    priorities: Literal["critical", "fifo"] = "critical"
+
+
+@dataclass
+class GroupResult:
+    group_id: str
+    task: Task
+    trajectories: list[Trajectory]  # K, in member order; masked ones have reward None
+    started_version: int
+    infra_failures: int = 0
+
+    @property
+    def masked(self) -> int:
+        return sum(t.reward is None for t in self.trajectories)
+
+    def advantages(self) -> list[float | None]:
+        return group_advantages([t.reward for t in self.trajectories])
+
+
+@dataclass
+class _OpenGroup:
+    group_id: str
+    task: Task
+    arrival: int
+    started_version: int
+    members: list[MemberView]
+    infra_failures: int = 0
+    results: list[Trajectory | None] = field(default_factory=list)
+
+
+@dataclass
+class CoordinatorStats:
+    groups_started: int = 0
+    groups_completed: int = 0
+    groups_dropped: int = 0
+    infra_failures: int = 0
+    masked: int = 0
+
+
+class Coordinator:
+    def __init__(
+        self,
+        env: type[Environment],
+        tasks: Iterator[Task],
+        pool: SandboxPool,
+        generate: Generate,
+        fmt: ChatFormat,
+        sampling: SamplingParams,
+        limits: LoopLimits,
+        config: CoordinatorConfig,
+        weight_version: Callable[[], int],
+    ) -> None:
+        self.env, self.tasks, self.pool = env, tasks, pool
+        self.generate, self.fmt, self.sampling, self.limits = generate, fmt, sampling, limits
+        self.config = config
+        self.weight_version = weight_version
+        self.bound = StalenessBound(config.batch_groups, config.max_staleness)
+        self.policy = CriticalGroups() if config.priorities == "critical" else FifoGroups()
+        self.lengths = LengthPredictor()
+        self.stats = CoordinatorStats()
+        self._open: dict[str, _OpenGroup] = {}
+        self._priority: dict[str, int] = {}
+        self._ready: asyncio.Queue[GroupResult] = asyncio.Queue()
+        self._ids = itertools.count()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._wake = asyncio.Event()
+        self._launcher: asyncio.Task[None] | None = None
+
+    # --- the trainer's side ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._launcher = asyncio.create_task(self._launch())
+
+    async def next_batch(self) -> list[GroupResult]:
+        """B complete groups, in the order they completed (bounded by `batch_timeout_s`)."""
+        batch: list[GroupResult] = []
+        deadline = time.monotonic() + self.config.batch_timeout_s
+        while len(batch) < self.config.batch_groups:
+            remaining = deadline - time.monotonic()
+            try:
+                batch.append(await asyncio.wait_for(self._ready.get(), max(remaining, 0.001)))
+            except TimeoutError:
+                raise TimeoutError(
+                    f"no trainer batch within {self.config.batch_timeout_s} s: "
+                    f"{len(batch)} of {self.config.batch_groups} groups complete"
+                ) from None
+        self._wake.set()  # the trainer is about to move on: more groups may start soon
+        return batch
+
+    def version_changed(self) -> None:
+        self._wake.set()
+
+    async def close(self) -> None:
+        for task in [self._launcher, *self._tasks]:
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(
+            *[t for t in [self._launcher, *self._tasks] if t], return_exceptions=True
+        )
+
+    # --- groups ---------------------------------------------------------------------------------
+
+    async def _launch(self) -> None:
+        while True:
+            startable = self.bound.startable(self.stats.groups_started, self.weight_version())
+            for _ in range(startable):
+                self._spawn(self._run_group(next(self.tasks), self.stats.groups_started))
+                self.stats.groups_started += 1
+            self._wake.clear()
+            await self._wake.wait()
+
+    def _spawn(self, coro: object) -> None:
+        task = asyncio.ensure_future(coro)  # type: ignore[call-overload]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run_group(self, task: Task, arrival: int) -> None:
+        gid = f"g{next(self._ids)}"
+        k = self.config.group_size
+        state = _OpenGroup(gid, task, arrival, self.weight_version(), [MemberView(False)] * k)
+        state.results = [None] * k
+        self._open[gid] = state
+        self._rerank()
+        group: SandboxGroup | None = None
+        try:
+            async with asyncio.timeout(self.config.group_timeout_s):
+                group = await self.pool.open_group(
+                    self.env.template.name,
+                    priority=self._priority.get(gid, BEST_EFFORT),
+                    setup=task.setup,
+                    files=task.files,
+                )
+                await asyncio.gather(*(self._run_member(state, group, i) for i in range(k)))
+            result = GroupResult(
+                gid,
+                task,
+                [t for t in state.results if t is not None],
+                state.started_version,
+                state.infra_failures,
+            )
+            scored = k - result.masked
+            self.stats.masked += result.masked
+            if scored < 2:
+                self.stats.groups_dropped += 1
+            else:
+                self.stats.groups_completed += 1
+                self._ready.put_nowait(result)
+        except (TimeoutError, InfraFailure):
+            self.stats.groups_dropped += 1
+        finally:
+            self._open.pop(gid, None)
+            self._priority.pop(gid, None)
+            if group is not None:
+                await group.close()
+            self._rerank()
+            self._wake.set()
+
+    async def _run_member(self, state: _OpenGroup, group: SandboxGroup, index: int) -> None:
+        while True:
+            tid = f"{state.group_id}-m{index}-{next(self._ids)}"
+            try:
+                sandbox = await group.add()
+            except InfraFailure as e:
+                traj = Trajectory.start(tid, state.group_id, state.task.id, [])
+                traj.finish, traj.failure = Finish.INFRA, f"sandbox did not start: {e}"
+            else:
+                try:
+                    traj = await run_episode(
+                        self.env(state.task, sandbox),
+                        self.generate,
+                        self.fmt,
+                        self.sampling,
+                        self.limits,
+                        tid,
+                        state.group_id,
+                        state.task.id,
+                        priority=lambda: self._priority.get(state.group_id, BEST_EFFORT),
+                    )
+                except Exception as e:  # an engine call that failed is the platform's fault too
+                    traj = Trajectory.start(tid, state.group_id, state.task.id, [])
+                    traj.finish, traj.failure = Finish.INFRA, f"{type(e).__name__}: {e}"
+                finally:
+                    await sandbox.close()
+            if traj.finish is Finish.INFRA:
+                state.infra_failures += 1
+                self.stats.infra_failures += 1
+                if state.infra_failures <= self.config.max_infra_retries:
+                    continue  # a replacement member runs the same task
+            else:
+                self.lengths.observe(state.task.id, traj.model_tokens, len(traj.turn_starts))
+            state.results[index] = traj
+            state.members[index] = MemberView(True, traj.model_tokens, len(traj.turn_starts))
+            self._rerank()
+            return
+
+    def _rerank(self) -> None:
+        groups = [
+            GroupView(g.group_id, g.task.id, g.arrival, tuple(g.members))
+            for g in self._open.values()
+        ]
+        snap = CoordinatorSnapshot(
+            groups,
+            self.config.batch_groups,
+            self._ready.qsize(),
+            self.lengths.predictions([g.prompt_id for g in groups]),
+        )
+        self._priority = dict(self.policy.decide(snap).priority)
