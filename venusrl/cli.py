@@ -1,4 +1,4 @@
-"""`venusrl` command line: serve | model init | generate."""
+"""`venusrl` command line: train | serve | model init | generate."""
 
 from __future__ import annotations
 
@@ -14,6 +14,11 @@ from venusrl.config import ConfigError, load_config
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="venusrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train an agent with GRPO on a built-in task")
+    train.add_argument("--model", help="starting model directory (default: a new tiny model)")
+    train.add_argument("--run-dir", default="runs/train", help="where config, metrics go")
+    _config_args(train)
 
     serve = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible + /generate)")
     serve.add_argument("--model", help="Hugging Face-format model directory")
@@ -47,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parser.parse_args(argv)
     try:
+        if args.command == "train":
+            return _train(args)
         if args.command == "serve":
             return _serve(args)
         if args.command == "model":
@@ -65,6 +72,30 @@ def _config_args(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="dotted config overrides, e.g. engine.page_size=32",
     )
+
+
+def _train(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from rich.console import Console
+
+    from venusrl.runtime.local import train
+
+    cfg = load_config(args.config, args.overrides, {"model": args.model} if args.model else {})
+    console = Console(stderr=True)
+
+    def show(m: dict[str, Any]) -> None:
+        reward = "-" if m["reward_mean"] is None else f"{m['reward_mean']:.3f}"
+        console.print(
+            f"step {m['step']:4d}  reward {reward}  tool calls {m['tool_calls_mean']:.2f}  "
+            f"staleness {m['staleness_mean']:.2f}  tokens {m['tokens']}  "
+            f"sandboxes {m['sandboxes_running']}  infra {m['infra_failures']}  "
+            f"{m['wall_s']:.0f} s"
+        )
+
+    asyncio.run(train(cfg, Path(args.run_dir), on_step=show))
+    console.print(f"metrics in {Path(args.run_dir) / 'metrics.jsonl'}")
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
