@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,10 @@ def main(argv: list[str] | None = None) -> int:
 
     train = sub.add_parser("train", help="train an agent with GRPO on a built-in task")
     train.add_argument("--model", help="starting model directory (default: a new tiny model)")
-    train.add_argument("--run-dir", default="runs/train", help="where config, metrics go")
+    train.add_argument(
+        "--run-dir", help="where config, metrics and checkpoints go (default: runs/train-TIME)"
+    )
+    train.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
     _config_args(train)
 
     serve = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible + /generate)")
@@ -93,8 +97,12 @@ def _train(args: argparse.Namespace) -> int:
             f"{m['wall_s']:.0f} s"
         )
 
-    asyncio.run(train(cfg, Path(args.run_dir), on_step=show))
-    console.print(f"metrics in {Path(args.run_dir) / 'metrics.jsonl'}")
+    if args.resume and not args.run_dir:
+        raise ValueError("--resume needs the --run-dir of the run to continue")
+    run_dir = Path(args.run_dir or time.strftime("runs/train-%Y%m%d-%H%M%S"))
+    console.print(f"run directory {run_dir}")
+    asyncio.run(train(cfg, run_dir, on_step=show, resume=args.resume))
+    console.print(f"metrics in {run_dir / 'metrics.jsonl'}")
     return 0
 
 

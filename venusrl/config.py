@@ -96,6 +96,17 @@ class RunConfig(_Section):
     steps: int = Field(20, ge=1, description="trainer steps")
     seed: int = Field(0, ge=0)
     preset: str = Field("tiny", description="model preset when `model` is not given")
+    checkpoint_every: int = Field(5, ge=1, description="trainer steps between checkpoints")
+    engine_url: str | None = Field(
+        None, description="train against `venusrl serve` at this URL instead of in-process"
+    )
+
+
+class FaultsSection(_Section):
+    """Fault injection, to show the run survives the platform failing under it."""
+
+    kill_sandboxes: float = Field(0.0, ge=0, le=1, description="fraction of sandboxes killed")
+    engine_errors: float = Field(0.0, ge=0, le=1, description="fraction of engine calls failed")
 
 
 class Config(_Section):
@@ -106,6 +117,7 @@ class Config(_Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     trainer: TrainerSection = Field(default_factory=TrainerSection)
     sandbox: SandboxSection = Field(default_factory=SandboxSection)
+    faults: FaultsSection = Field(default_factory=FaultsSection)
 
 
 def load_config(

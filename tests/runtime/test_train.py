@@ -5,11 +5,18 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from venusrl.config import load_config
+from venusrl.engine.model_dir import init_model_dir
 from venusrl.runtime.local import train
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
@@ -38,3 +45,76 @@ def test_train_writes_one_metrics_line_per_step_within_the_staleness_bound(
             assert key in m
         assert m["groups"] == 2 and 0 <= m["staleness_mean"] <= staleness
     assert (tmp_path / "config.yaml").exists()
+
+
+def test_kill_9_mid_run_then_resume_completes_with_every_step_once(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "venusrl.cli", "train", "--run-dir", str(run),
+        "run.steps=4", "run.checkpoint_every=1", *SMALL[1:],
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        done = metrics.read_text().count("\n") if metrics.exists() else 0
+        if done >= 2 or proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert (run / "checkpoints").exists()
+    resumed = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1, 2, 3]
+    assert [m["weight_version"] for m in lines] == [1, 2, 3, 4]
+    final = sorted((run / "checkpoints").glob("step-*"))[-1]
+    assert final.name == "step-000003" and (final / "model.safetensors").exists()
+    # A second plain start refuses to clobber the run.
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 2 and "--resume" in again.stderr
+
+
+def test_killed_sandboxes_and_failed_engine_calls_are_replaced_or_masked(tmp_path: Path) -> None:
+    faults = [
+        "faults.kill_sandboxes=0.3",
+        "faults.engine_errors=0.2",
+        "rollout.max_infra_retries=4",
+    ]
+    cfg = load_config(None, [*SMALL, *faults])
+    metrics = asyncio.run(train(cfg, tmp_path))
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    assert sum(m["infra_failures"] for m in metrics) > 0
+    for m in metrics:
+        # Rewards are averaged over scored members only; a masked member is not a zero.
+        assert m["reward_mean"] is None or 0 <= m["reward_mean"] <= 1
+
+
+def test_training_against_venusrl_serve_over_http(tmp_path: Path) -> None:
+    model = init_model_dir(tmp_path / "model", preset="tiny", seed=0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "venusrl.cli", "serve", "--model", str(model), "--port", str(port),
+         "engine.threads=1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        cfg = load_config(None, [*SMALL, f"run.engine_url={url}"], {"model": str(model)})
+        metrics = asyncio.run(train(cfg, tmp_path / "run"))
+        assert [m["weight_version"] for m in metrics] == [1, 2, 3]
+        reply = httpx.post(f"{url}/generate", json={"input_ids": [5, 6, 7]}).json()
+        assert set(reply["weight_versions"]) == {3}  # the server runs the trained weights
+    finally:
+        server.terminate()
+        server.wait(10)

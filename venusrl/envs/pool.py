@@ -760,6 +760,10 @@ class SandboxPool:
                 os.lchown(os.path.join(root, name), self.sandbox_uid, self.sandbox_uid)
         return str(where)
 
+    def sandboxes(self) -> list[Sandbox]:
+        """The live sandboxes, oldest first."""
+        return [e.sandbox for e in self._running.values() if e.sandbox is not None]
+
     def stats(self) -> PoolStats:
         self._tick()
         wall = max(time.monotonic() - self._started, 1e-9)

@@ -10,8 +10,8 @@ A run directory holds `config.yaml` and `metrics.jsonl`, one object per step.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,20 +26,61 @@ from venusrl.coordinator.coordinator import Coordinator, CoordinatorConfig, Grou
 from venusrl.engine.async_engine import AsyncEngine
 from venusrl.engine.engine import Engine
 from venusrl.engine.model_dir import init_model_dir, load_model
+from venusrl.engine.remote import RemoteEngine
 from venusrl.engine.request import SamplingParams
 from venusrl.engine.tokenizer import Tokenizer
 from venusrl.envs.builtin import BUILTIN
 from venusrl.envs.pool import SandboxPool
+from venusrl.runtime.faults import FailingGenerate, kill_sandboxes
+from venusrl.trainer.checkpoint import (
+    RunState,
+    latest_checkpoint,
+    load_run_state,
+    save_checkpoint,
+    write_model_dir,
+)
 from venusrl.trainer.trainer import GRPOTrainer, TrainerConfig
 from venusrl.types import Trajectory
 
 GiB = 1 << 30
 
 
-def publish(trainer: GRPOTrainer, engine: Engine) -> int:
-    """Runs on the engine's thread between two of its steps: in-flight requests keep their KV
-    and record the new version on the tokens they produce from now on."""
-    return engine.update_weights(trainer.model.hf_state_dict().items(), version=trainer.version)
+class LocalEngine:
+    """The in-process engine, on its own thread."""
+
+    def __init__(self, model_dir: Path, cfg: Config, version: int) -> None:
+        core = Engine.from_model_dir(model_dir, cfg.engine)
+        core.weight_version = version
+        self.engine = AsyncEngine(core).start()
+        self.generate = self.engine.generate
+
+    async def publish(self, trainer: GRPOTrainer, run_dir: Path, model_dir: Path) -> None:
+        # Runs on the engine's thread between two of its steps: requests in flight keep their
+        # KV and record the new version on the tokens they produce from now on.
+        weights, version = trainer.model.hf_state_dict(), trainer.version
+        await self.engine.call(lambda e: e.update_weights(weights.items(), version=version))
+
+    async def close(self) -> None:
+        self.engine.stop()
+
+
+class ServedEngine:
+    """An engine behind HTTP (`venusrl serve`): weights go through a directory both can read."""
+
+    def __init__(self, url: str) -> None:
+        self.remote = RemoteEngine(url)
+        self.generate = self.remote.generate
+
+    async def publish(self, trainer: GRPOTrainer, run_dir: Path, model_dir: Path) -> None:
+        out = run_dir / "published" / f"v{trainer.version}"
+        await asyncio.to_thread(write_model_dir, out, trainer.model, model_dir)
+        await self.remote.update_weights(out, trainer.version)
+        for old in (run_dir / "published").glob("v*"):
+            if old != out:
+                shutil.rmtree(old, ignore_errors=True)
+
+    async def close(self) -> None:
+        await self.remote.close()
 
 
 def step_metrics(
@@ -66,19 +107,55 @@ def step_metrics(
     }
 
 
-async def train(
-    cfg: Config, run_dir: Path, on_step: Callable[[dict[str, Any]], None] | None = None
-) -> list[dict[str, Any]]:
+def _prepare_run_dir(cfg: Config, run_dir: Path, resume: bool) -> tuple[Path, RunState | None]:
+    """The model to start from, and the state to resume (None for a fresh run)."""
+    metrics_file = run_dir / "metrics.jsonl"
+    if resume:
+        checkpoint = latest_checkpoint(run_dir)
+        if checkpoint is None:
+            raise ValueError(f"--resume: {run_dir} has no complete checkpoint to resume from")
+        state = load_run_state(checkpoint)
+        # Steps after the checkpoint are redone: drop their lines so none appears twice.
+        kept = (
+            [
+                line
+                for line in metrics_file.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] <= state.step
+            ]
+            if metrics_file.exists()
+            else []
+        )
+        tmp = metrics_file.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(metrics_file)
+        return checkpoint, state
+    if metrics_file.exists():
+        raise ValueError(f"{run_dir} already holds a run: pass --resume, or another --run-dir")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
-    torch.manual_seed(cfg.run.seed)
     model_dir = Path(cfg.model) if cfg.model else run_dir / "initial-model"
     if not cfg.model and not (model_dir / "config.json").exists():
         init_model_dir(model_dir, preset=cfg.run.preset, seed=cfg.run.seed)
+    return model_dir, None
+
+
+async def train(
+    cfg: Config,
+    run_dir: Path,
+    on_step: Callable[[dict[str, Any]], None] | None = None,
+    resume: bool = False,
+) -> list[dict[str, Any]]:
+    torch.manual_seed(cfg.run.seed)
+    model_dir, state = _prepare_run_dir(cfg, run_dir, resume)
+    state = state or RunState(step=-1, weight_version=0)
     tokenizer = Tokenizer.load(model_dir)
     if tokenizer is None or tokenizer.chat_template is None:
         raise ValueError(f"{model_dir} needs a tokenizer with a chat template for agent training")
-    engine = AsyncEngine(Engine.from_model_dir(model_dir, cfg.engine)).start()
+    engine: LocalEngine | ServedEngine = (
+        ServedEngine(cfg.run.engine_url)
+        if cfg.run.engine_url
+        else LocalEngine(model_dir, cfg, state.weight_version)
+    )
     trainer = GRPOTrainer(
         load_model(model_dir),
         TrainerConfig(
@@ -88,7 +165,11 @@ async def train(
             max_grad_norm=cfg.trainer.max_grad_norm,
             micro_batch_tokens=cfg.trainer.micro_batch_tokens,
         ),
+        version=state.weight_version,
     )
+    if resume:
+        trainer.optimizer.load_state_dict(torch.load(model_dir / "optimizer.pt"))
+    consumed = set(state.consumed_tasks)
     env = BUILTIN[cfg.rollout.env]
     r = cfg.rollout
     metrics: list[dict[str, Any]] = []
@@ -100,11 +181,19 @@ async def train(
             share_pages=cfg.sandbox.share_pages,
         ) as pool:
             await pool.prepare_template(env.template)
+            generate = engine.generate
+            if cfg.faults.engine_errors:
+                generate = FailingGenerate(generate, cfg.faults.engine_errors, cfg.run.seed)
+            killer = (
+                asyncio.create_task(kill_sandboxes(pool, cfg.faults.kill_sandboxes, cfg.run.seed))
+                if cfg.faults.kill_sandboxes
+                else None
+            )
             coordinator = Coordinator(
                 env,
-                env.tasks(cfg.run.seed),
+                (t for t in env.tasks(cfg.run.seed) if t.id not in consumed),
                 pool,
-                engine.generate,
+                generate,
                 ChatFormat(tokenizer),
                 SamplingParams(temperature=r.temperature, seed=None),
                 LoopLimits(max_context=r.max_context, max_tokens_per_turn=r.max_tokens_per_turn),
@@ -121,7 +210,7 @@ async def train(
             coordinator.start()
             started = time.monotonic()
             try:
-                for step in range(cfg.run.steps):
+                for step in range(state.step + 1, cfg.run.steps):
                     batch = await coordinator.next_batch()
                     rows: list[tuple[Trajectory, float]] = [
                         (t, a)
@@ -132,7 +221,7 @@ async def train(
                     stats = await asyncio.to_thread(
                         trainer.step, [t for t, _ in rows], [a for _, a in rows]
                     )
-                    await engine.call(functools.partial(publish, trainer))
+                    await engine.publish(trainer, run_dir, model_dir)
                     coordinator.version_changed()
                     line = step_metrics(
                         step,
@@ -150,10 +239,24 @@ async def train(
                     with metrics_file.open("a") as f:
                         f.write(json.dumps(line) + "\n")
                     metrics.append(line)
+                    state.consumed_tasks += [g.task.id for g in batch]
+                    state.step, state.weight_version = step, trainer.version
+                    last = step == cfg.run.steps - 1
+                    if (step + 1) % cfg.run.checkpoint_every == 0 or last:
+                        await asyncio.to_thread(
+                            save_checkpoint,
+                            run_dir,
+                            trainer.model,
+                            trainer.optimizer,
+                            state,
+                            model_dir,
+                        )
                     if on_step is not None:
                         on_step(line)
             finally:
+                if killer is not None:
+                    killer.cancel()
                 await coordinator.close()
     finally:
-        engine.stop()
+        await engine.close()
     return metrics

@@ -1,0 +1,66 @@
+"""An engine in another process: `venusrl serve`, or any server that speaks its `/generate`
+(token ids in; token ids, logprobs and weight versions out) and `/update_weights`.
+
+The agent loop and the trainer use it exactly like the in-process engine: `generate` has the
+signature of `AsyncEngine.generate`. A request that fails (connection, 5xx, timeout) raises
+`RemoteEngineError`, which the coordinator treats as an infrastructure failure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from venusrl.engine.request import GenerationOutput, SamplingParams
+
+
+class RemoteEngineError(RuntimeError):
+    pass
+
+
+class RemoteEngine:
+    def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 600.0) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout_s)
+
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            r = await self._client.post(path, json=body)
+        except httpx.HTTPError as e:
+            raise RemoteEngineError(f"{path}: {type(e).__name__}: {e}") from None
+        if r.status_code != 200:
+            raise RemoteEngineError(f"{path}: HTTP {r.status_code}: {r.text[:500]}")
+        data: dict[str, Any] = r.json()
+        return data
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, **metadata: Any
+    ) -> GenerationOutput:
+        sampling = dataclasses.asdict(params)
+        sampling["stop"] = list(params.stop)
+        sampling["stop_token_ids"] = list(params.stop_token_ids)
+        body = {"input_ids": prompt_ids, "sampling_params": sampling, **metadata}
+        d = await self._post("/generate", body)
+        try:
+            return GenerationOutput(
+                str(d["request_id"]),
+                list(prompt_ids),
+                [int(t) for t in d["token_ids"]],
+                [float(x) for x in d["logprobs"]],
+                [int(v) for v in d["weight_versions"]],
+                str(d["finish_reason"]),
+                int(d.get("cached_tokens", 0)),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise RemoteEngineError(f"/generate: malformed reply: {e!r}") from None
+
+    async def update_weights(self, path: Path, version: int) -> int:
+        """The server loads the safetensors directory `path` (it must see the same filesystem)."""
+        d = await self._post("/update_weights", {"path": str(path), "version": version})
+        return int(d["weight_version"])
+
+    async def close(self) -> None:
+        await self._client.aclose()
