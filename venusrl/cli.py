@@ -35,7 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     model_sub = model.add_subparsers(dest="model_command", required=True)
     init = model_sub.add_parser("init", help="write a random-weight Qwen3 model directory")
     init.add_argument("out", help="directory to write")
-    init.add_argument("--preset", default="tiny", help="named shape: tiny, small, qwen3-0.6b")
+    init.add_argument(
+        "--preset", default="tiny", help="named shape: micro, tiny, small, qwen3-0.6b"
+    )
     init.add_argument("--config", dest="hf_config", help="JSON file of config.json fields")
     init.add_argument(
         "--set",
@@ -101,7 +103,7 @@ def _train(args: argparse.Namespace) -> int:
         raise ValueError("--resume needs the --run-dir of the run to continue")
     run_dir = Path(args.run_dir or time.strftime("runs/train-%Y%m%d-%H%M%S"))
     console.print(f"run directory {run_dir}")
-    asyncio.run(train(cfg, run_dir, on_step=show, resume=args.resume))
+    asyncio.run(train(cfg, run_dir, on_step=show, resume=args.resume, on_message=console.print))
     console.print(f"metrics in {run_dir / 'metrics.jsonl'}")
     return 0
 

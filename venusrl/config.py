@@ -97,6 +97,11 @@ class RunConfig(_Section):
     seed: int = Field(0, ge=0)
     preset: str = Field("tiny", description="model preset when `model` is not given")
     checkpoint_every: int = Field(5, ge=1, description="trainer steps between checkpoints")
+    warm_start_episodes: int = Field(
+        0, ge=0, description="scripted demonstrations imitated before RL (0 = no warm start)"
+    )
+    warm_start_epochs: int = Field(3, ge=1)
+    warm_start_batch: int = Field(16, ge=1, description="demonstrations per imitation step")
     engine_url: str | None = Field(
         None, description="train against `venusrl serve` at this URL instead of in-process"
     )

@@ -23,6 +23,16 @@ from venusrl.engine.tokenizer import BYTE_LEVEL_SPECIAL_TOKENS, write_byte_level
 # Shapes for demos and benchmarks. `tiny` is the engine-benchmark shape of shared/MEASURED.md;
 # `small` is ~100M parameters, where compute rather than Python overhead dominates on CPU.
 PRESETS: dict[str, dict[str, Any]] = {
+    # ~0.5M parameters: the built-in CPU training example learns in minutes on 2 cores.
+    "micro": dict(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+    ),
     "tiny": dict(
         vocab_size=4096,
         hidden_size=256,

@@ -173,6 +173,12 @@ class Environment(ABC):
     async def reward(self) -> float:
         """The episode's score, read from the sandbox's state; 0 for a failed episode."""
 
+    @classmethod
+    def demonstrator(cls, task: Task, seed: int) -> Callable[[str], str] | None:
+        """A scripted text policy for warm-start demonstrations (called with the prompt, then
+        with each observation; returns the next turn's text), or None when the task has none."""
+        return None
+
     async def reset(self) -> list[Message]:
         """The opening messages: the instructions with the tools announced, then the task."""
         system = f"{self.instructions}\n\n{render_tool_prompt([t.schema() for t in self.tools])}"

@@ -10,7 +10,9 @@ A run directory holds `config.yaml` and `metrics.jsonl`, one object per step.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import random
 import shutil
 import time
 from collections.abc import Callable
@@ -21,8 +23,9 @@ import torch
 import yaml
 
 from venusrl.config import Config
-from venusrl.coordinator.agent_loop import ChatFormat, LoopLimits
+from venusrl.coordinator.agent_loop import ChatFormat, LoopLimits, run_episode
 from venusrl.coordinator.coordinator import Coordinator, CoordinatorConfig, GroupResult
+from venusrl.coordinator.demonstrations import ScriptedGenerate
 from venusrl.engine.async_engine import AsyncEngine
 from venusrl.engine.engine import Engine
 from venusrl.engine.model_dir import init_model_dir, load_model
@@ -30,6 +33,7 @@ from venusrl.engine.remote import RemoteEngine
 from venusrl.engine.request import SamplingParams
 from venusrl.engine.tokenizer import Tokenizer
 from venusrl.envs.builtin import BUILTIN
+from venusrl.envs.environment import Environment, Task
 from venusrl.envs.pool import SandboxPool
 from venusrl.runtime.faults import FailingGenerate, kill_sandboxes
 from venusrl.trainer.checkpoint import (
@@ -40,7 +44,7 @@ from venusrl.trainer.checkpoint import (
     write_model_dir,
 )
 from venusrl.trainer.trainer import GRPOTrainer, TrainerConfig
-from venusrl.types import Trajectory
+from venusrl.types import Finish, Trajectory
 
 GiB = 1 << 30
 
@@ -139,11 +143,64 @@ def _prepare_run_dir(cfg: Config, run_dir: Path, resume: bool) -> tuple[Path, Ru
     return model_dir, None
 
 
+async def warm_start(
+    cfg: Config,
+    env: type[Environment],
+    pool: SandboxPool,
+    fmt: ChatFormat,
+    limits: LoopLimits,
+    trainer: GRPOTrainer,
+) -> dict[str, Any]:
+    """Imitate scripted demonstrations played in real sandboxes, so that RL starts from a policy
+    that knows the tool-call format and sometimes succeeds (with no success at all, every
+    group's rewards are equal and GRPO has no signal)."""
+    started = time.monotonic()
+    tasks = list(itertools.islice(env.tasks(cfg.run.seed + 7919), cfg.run.warm_start_episodes))
+    policies = {}
+    for i, task in enumerate(tasks):
+        policy = env.demonstrator(task, cfg.run.seed + i)
+        if policy is None:
+            raise ValueError(f"{env.name} has no demonstrator: set run.warm_start_episodes=0")
+        policies[f"demo-{i}"] = policy
+    scripted = ScriptedGenerate(fmt.tokenizer, policies)
+    gate = asyncio.Semaphore(16)
+
+    async def play(i: int, task: Task) -> Trajectory:
+        async with gate:
+            sandbox = await pool.create(env.template.name, setup=task.setup, files=task.files)
+            try:
+                return await run_episode(
+                    env(task, sandbox), scripted, fmt, SamplingParams(), limits,
+                    f"demo-{i}", f"demo-{i}", task.id,
+                )  # fmt: skip
+            finally:
+                await sandbox.close()
+
+    demos = await asyncio.gather(*(play(i, t) for i, t in enumerate(tasks)))
+    demos = [d for d in demos if d.finish is not Finish.INFRA]
+    rng = random.Random(cfg.run.seed)
+    losses = []
+    for _ in range(cfg.run.warm_start_epochs):
+        rng.shuffle(demos)
+        for k in range(0, len(demos), cfg.run.warm_start_batch):
+            chunk = demos[k : k + cfg.run.warm_start_batch]
+            losses.append(await asyncio.to_thread(trainer.imitation_step, chunk))
+    rewards = [d.reward for d in demos if d.reward is not None]
+    return {
+        "episodes": len(demos),
+        "demo_reward_mean": sum(rewards) / max(len(rewards), 1),
+        "nll_first": losses[0] if losses else 0.0,
+        "nll_last": losses[-1] if losses else 0.0,
+        "wall_s": time.monotonic() - started,
+    }
+
+
 async def train(
     cfg: Config,
     run_dir: Path,
     on_step: Callable[[dict[str, Any]], None] | None = None,
     resume: bool = False,
+    on_message: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
     torch.manual_seed(cfg.run.seed)
     model_dir, state = _prepare_run_dir(cfg, run_dir, resume)
@@ -181,6 +238,20 @@ async def train(
             share_pages=cfg.sandbox.share_pages,
         ) as pool:
             await pool.prepare_template(env.template)
+            fmt = ChatFormat(tokenizer)
+            limits = LoopLimits(
+                max_context=r.max_context, max_tokens_per_turn=r.max_tokens_per_turn
+            )
+            if cfg.run.warm_start_episodes and state.step < 0:
+                info = await warm_start(cfg, env, pool, fmt, limits, trainer)
+                (run_dir / "warm_start.json").write_text(json.dumps(info))
+                if on_message is not None:
+                    on_message(
+                        f"warm start: {info['episodes']} demonstrations (reward "
+                        f"{info['demo_reward_mean']:.2f}), NLL {info['nll_first']:.3f} -> "
+                        f"{info['nll_last']:.3f}, {info['wall_s']:.0f} s"
+                    )
+                await engine.publish(trainer, run_dir, model_dir)
             generate = engine.generate
             if cfg.faults.engine_errors:
                 generate = FailingGenerate(generate, cfg.faults.engine_errors, cfg.run.seed)
@@ -194,9 +265,9 @@ async def train(
                 (t for t in env.tasks(cfg.run.seed) if t.id not in consumed),
                 pool,
                 generate,
-                ChatFormat(tokenizer),
+                fmt,
                 SamplingParams(temperature=r.temperature, seed=None),
-                LoopLimits(max_context=r.max_context, max_tokens_per_turn=r.max_tokens_per_turn),
+                limits,
                 CoordinatorConfig(
                     group_size=r.group_size,
                     batch_groups=r.batch_groups,

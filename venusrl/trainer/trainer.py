@@ -106,6 +106,26 @@ class GRPOTrainer:
             grad_norm,
         )
 
+    def imitation_step(self, trajectories: Sequence[Trajectory]) -> float:
+        """One supervised step on demonstrations: the mean negative log-likelihood of their model
+        tokens (the warm start). Does not change the weight version."""
+        rows = [(t, 0.0) for t in trajectories if t.model_tokens]
+        total = sum(t.model_tokens for t, _ in rows)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        nll = 0.0
+        for batch in self._micro_batches(rows):
+            ids, _, mask, _ = _pad(batch)
+            logp = torch.log_softmax(self.model.forward_dense(ids[:, :-1]), dim=-1)
+            picked = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+            loss = -(picked * mask[:, 1:]).sum() / max(total, 1)
+            loss.backward()
+            nll += float(loss)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+        self.optimizer.step()
+        self.model.eval()
+        return nll
+
     def _micro_batches(
         self, rows: list[tuple[Trajectory, float]]
     ) -> list[list[tuple[Trajectory, float]]]:

@@ -27,19 +27,24 @@ MAX_GUESSES = {MAX_GUESSES}
 secret = None  # the task's setup sets it
 guesses = 0
 solved = False
+low, high = 1, N
 
 
 def guess(n):
-    global guesses, solved
+    global guesses, solved, low, high
     if not 1 <= n <= N:
         raise ValueError(f"n must be between 1 and {{N}}, got {{n}}")
     if guesses >= MAX_GUESSES:
         raise ValueError(f"out of guesses: all {{MAX_GUESSES}} are used")
     guesses += 1
+    # The answer restates what is known so far: a tiny model then needs only the last
+    # observation, not the whole history (MEASURED.md: learnable on a CPU that way).
     if n < secret:
-        return f"higher: the number is greater than {{n}}"
+        low = max(low, n + 1)
+        return f"higher: the number is between {{low}} and {{high}}"
     if n > secret:
-        return f"lower: the number is less than {{n}}"
+        high = min(high, n - 1)
+        return f"lower: the number is between {{low}} and {{high}}"
     solved = True
     return f"correct: the number is {{n}}"
 """
@@ -77,6 +82,10 @@ class GuessNumber(Environment):
             yield Task(id=f"guess-{seed}-{index}", prompt=_PROMPT, setup=f"secret = {secret}")
             index += 1
 
+    @classmethod
+    def demonstrator(cls, task: Task, seed: int) -> NoisyBinarySearch:
+        return NoisyBinarySearch(seed)
+
     async def reward(self) -> float:
         r = await self.sandbox.run_python("print(solved)", timeout_s=self.tool_timeout_s)
         if not r.ok:
@@ -111,6 +120,25 @@ class BinarySearchExpert:
                 raise ValueError("the observations contradict each other")
         self.last_guess = (self.low + self.high) // 2
         return _guess_call(self.last_guess)
+
+
+class NoisyBinarySearch(BinarySearchExpert):
+    """Binary search that, with probability `noise`, guesses anywhere in the interval it knows:
+    the imperfect demonstrations of the warm start, so that reinforcement learning has
+    something left to improve (a perfect imitator would leave it nothing; no success at all
+    would give GRPO no signal)."""
+
+    def __init__(self, seed: int, noise: float = 0.5) -> None:
+        super().__init__()
+        self.rng = random.Random(seed)
+        self.noise = noise
+
+    def __call__(self, observation: str) -> str:
+        text = super().__call__(observation)
+        if text.startswith(CALL_OPEN) and self.rng.random() < self.noise:
+            self.last_guess = self.rng.randint(self.low, self.high)
+            return _guess_call(self.last_guess)
+        return text
 
 
 class RandomGuesser:

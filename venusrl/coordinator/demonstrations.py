@@ -1,0 +1,41 @@
+"""Demonstrations for the warm start: scripted text policies played through token ids.
+
+`ScriptedGenerate` stands where the engine stands in the agent loop: it decodes what is new in
+the token record (the observation), asks the trajectory's text policy for its next turn, and
+returns that turn's tokens closed with the end-of-turn token. Episodes it plays are ordinary
+token records, so the warm start trains on exactly the format reinforcement learning then samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from venusrl.engine.request import GenerationOutput, SamplingParams
+from venusrl.engine.tokenizer import Tokenizer
+from venusrl.envs.tool_calls import RESPONSE_CLOSE, RESPONSE_OPEN
+
+TextPolicy = Callable[[str], str]
+
+
+class ScriptedGenerate:
+    def __init__(self, tokenizer: Tokenizer, policies: dict[str, TextPolicy]) -> None:
+        """`policies`: one text policy per trajectory id."""
+        self.tokenizer = tokenizer
+        self.policies = policies
+        self._seen: dict[str, int] = {}
+        self._end = list(tokenizer.eos_token_ids)
+
+    async def __call__(
+        self, prompt_ids: list[int], params: SamplingParams, **metadata: Any
+    ) -> GenerationOutput:
+        tid = str(metadata["trajectory_id"])
+        start = self._seen.get(tid, len(prompt_ids))
+        new = self.tokenizer.decode(prompt_ids[start:], skip_special_tokens=True)
+        if RESPONSE_OPEN in new:  # the tool responses, without the chat template around them
+            new = new[new.index(RESPONSE_OPEN) : new.rindex(RESPONSE_CLOSE) + len(RESPONSE_CLOSE)]
+        ids = self.tokenizer.encode(self.policies[tid](new.strip())) + self._end
+        ids = ids[: params.max_tokens]
+        self._seen[tid] = len(prompt_ids) + len(ids)
+        n = len(ids)
+        return GenerationOutput(tid, list(prompt_ids), ids, [0.0] * n, [0] * n, "stop", 0)
