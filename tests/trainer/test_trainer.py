@@ -62,3 +62,15 @@ def test_a_grpo_step_raises_the_rewarded_continuation_and_lowers_the_other(model
     assert stats.clip_fraction == 0.0
     with pytest.raises(ValueError, match="lr"):
         TrainerConfig(lr=0)
+
+
+def test_groups_without_signal_leave_the_weights_alone_even_with_an_entropy_bonus(
+    model_dir: Path,
+) -> None:
+    model = load_model(model_dir)
+    trainer = GRPOTrainer(model, TrainerConfig(lr=1e-2, entropy_coef=0.1))
+    t = record([5, 6, 7], [20, 21], [0.0, 0.0])
+    before = {k: v.clone() for k, v in model.hf_state_dict().items()}
+    stats = trainer.step([t, t], [0.0, 0.0])
+    assert stats.tokens == 0 and stats.version == 1
+    assert all(torch.equal(before[k], v) for k, v in model.hf_state_dict().items())

@@ -65,7 +65,14 @@ class GRPOTrainer:
         (infrastructure failures) must be left out by the caller."""
         if len(trajectories) != len(advantages):
             raise ValueError("one advantage per trajectory")
-        rows = [(t, a) for t, a in zip(trajectories, advantages, strict=True) if t.model_tokens]
+        # A zero advantage (a group whose members all scored the same) carries no policy
+        # gradient; leaving it in would let the entropy bonus alone push those tokens toward
+        # uniform (measured: 15 such steps at lr 2e-3 turned a warm-started policy into noise).
+        rows = [
+            (t, a)
+            for t, a in zip(trajectories, advantages, strict=True)
+            if t.model_tokens and a != 0
+        ]
         total = sum(t.model_tokens for t, _ in rows)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -120,7 +127,7 @@ class GRPOTrainer:
             picked = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
             loss = -(picked * mask[:, 1:]).sum() / max(total, 1)
             loss.backward()
-            nll += float(loss)
+            nll += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
         self.optimizer.step()
         self.model.eval()
