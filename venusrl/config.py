@@ -73,8 +73,8 @@ class RolloutConfig(_Section):
     max_infra_retries: int = Field(2, ge=0, description="replacement members per group")
     priorities: Literal["critical", "fifo"] = "critical"
     temperature: float = Field(1.0, ge=0)
-    max_tokens_per_turn: int = Field(96, ge=1)
-    max_context: int = Field(2048, ge=16)
+    max_tokens_per_turn: int = Field(48, ge=1)
+    max_context: int = Field(1024, ge=16)
     group_timeout_s: float = Field(900.0, gt=0)
 
 
@@ -84,6 +84,7 @@ class TrainerSection(_Section):
     entropy_coef: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
     micro_batch_tokens: int = Field(8192, ge=2)
+    updates_per_batch: int = Field(1, ge=1, description="PPO epochs: gradient steps per batch")
 
 
 class SandboxSection(_Section):
@@ -93,15 +94,16 @@ class SandboxSection(_Section):
 
 
 class RunConfig(_Section):
-    steps: int = Field(20, ge=1, description="trainer steps")
+    steps: int = Field(150, ge=1, description="trainer steps")
     seed: int = Field(0, ge=0)
-    preset: str = Field("tiny", description="model preset when `model` is not given")
-    checkpoint_every: int = Field(5, ge=1, description="trainer steps between checkpoints")
+    preset: str = Field("micro", description="model preset when `model` is not given")
+    checkpoint_every: int = Field(25, ge=1, description="trainer steps between checkpoints")
     warm_start_episodes: int = Field(
-        0, ge=0, description="scripted demonstrations imitated before RL (0 = no warm start)"
+        256, ge=0, description="scripted demonstrations imitated before RL (0 = no warm start)"
     )
-    warm_start_epochs: int = Field(3, ge=1)
-    warm_start_batch: int = Field(16, ge=1, description="demonstrations per imitation step")
+    warm_start_epochs: int = Field(5, ge=1)
+    warm_start_batch: int = Field(8, ge=1, description="demonstrations per imitation step")
+    warm_start_lr: float = Field(2e-3, gt=0, description="learning rate of the imitation steps")
     engine_url: str | None = Field(
         None, description="train against `venusrl serve` at this URL instead of in-process"
     )

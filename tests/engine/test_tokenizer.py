@@ -12,6 +12,7 @@ from jinja2 import TemplateError
 from venusrl.engine.tokenizer import (
     IncrementalDecoder,
     Tokenizer,
+    build_byte_level_tokenizer,
     cut_at_stop,
     write_byte_level_tokenizer,
 )
@@ -62,3 +63,49 @@ def test_chat_template_renders_chatml_and_can_refuse(tok: Tokenizer) -> None:
 
 def test_a_directory_without_tokenizer_json_has_no_tokenizer(tmp_path: Path) -> None:
     assert Tokenizer.load(tmp_path) is None
+
+
+CALL = '<tool_call>\n{"name": "guess", "arguments": {"n": 48}}\n</tool_call>'
+RESPONSE = "<tool_response>\nhigher: the number is between 33 and 63\n</tool_response>"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    corpus = [
+        f"<|im_start|>assistant\n{CALL.replace('48', str(n))}<|im_end|>\n{RESPONSE}"
+        for n in range(1, 64)
+    ]
+    path = tmp_path_factory.mktemp("trained")
+    write_byte_level_tokenizer(path, 512, build_byte_level_tokenizer(corpus, 400))
+    loaded = Tokenizer.load(path)
+    assert loaded is not None
+    return loaded
+
+
+def test_a_tokenizer_trained_on_a_task_writes_its_phrases_in_few_tokens_but_numbers_apart(
+    trained: Tokenizer, tok: Tokenizer
+) -> None:
+    ids = trained.encode(CALL)
+    assert len(ids) <= 6 < len(tok.encode(CALL)) // 10
+    pieces = [trained.decode([i]) for i in ids]
+    assert "48" in pieces  # digits never merge with the text around them
+    assert pieces[0] == "<tool_call>" and pieces[-1] == "</tool_call>"
+    assert trained.vocab_size <= 400
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=st.text(alphabet=st.sampled_from(list('ab 1é€😀\n{}<>"')), max_size=60))
+def test_a_trained_tokenizer_round_trips_any_text(trained: Tokenizer, text: str) -> None:
+    assert trained.decode(trained.encode(text)) == text
+
+
+def test_tool_tags_are_whole_tokens_that_survive_decoding(tok: Tokenizer) -> None:
+    ids = tok.encode(CALL + RESPONSE)
+    assert len([i for i in ids if tok.decode([i]).startswith("<tool")]) == 2
+    assert tok.decode(ids, skip_special_tokens=True) == CALL + RESPONSE
+    assert tok.decode(tok.encode("a<|im_end|>"), skip_special_tokens=True) == "a"
+
+
+def test_training_a_tokenizer_with_too_small_a_vocabulary_is_refused() -> None:
+    with pytest.raises(ValueError, match="vocab_size >= 263"):
+        build_byte_level_tokenizer(["some text"], 100)

@@ -74,3 +74,25 @@ def test_groups_without_signal_leave_the_weights_alone_even_with_an_entropy_bonu
     stats = trainer.step([t, t], [0.0, 0.0])
     assert stats.tokens == 0 and stats.version == 1
     assert all(torch.equal(before[k], v) for k, v in model.hf_state_dict().items())
+
+
+def test_several_updates_per_batch_move_the_policy_further_and_publish_one_version(
+    model_dir: Path,
+) -> None:
+    def moved(updates: int) -> float:
+        model = load_model(model_dir)
+        trainer = GRPOTrainer(model, TrainerConfig(lr=1e-3, updates_per_batch=updates))
+        good = record([5, 6, 7], [20, 21, 22], [0.0] * 3)
+        good.logprobs[3:] = dense_logprobs(model, good)
+        bad = record([5, 6, 7], [30, 31], [0.0] * 2)
+        bad.logprobs[3:] = dense_logprobs(model, bad)
+        stats = trainer.step([good, bad], [1.0, -1.0])
+        assert stats.version == 1  # one published version, whatever the passes
+        assert stats.mean_ratio == pytest.approx(1.0, abs=1e-4)  # figures of the first pass
+        return max(
+            n - o for n, o in zip(dense_logprobs(model, good), good.logprobs[3:], strict=True)
+        )
+
+    assert 0 < moved(1) < moved(4)
+    with pytest.raises(ValueError, match="updates_per_batch"):
+        TrainerConfig(updates_per_batch=0)

@@ -8,12 +8,14 @@ token records, so the warm start trains on exactly the format reinforcement lear
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
 from venusrl.engine.request import GenerationOutput, SamplingParams
 from venusrl.engine.tokenizer import Tokenizer
 from venusrl.envs.tool_calls import RESPONSE_CLOSE, RESPONSE_OPEN
+from venusrl.types import Trajectory
 
 TextPolicy = Callable[[str], str]
 
@@ -39,3 +41,29 @@ class ScriptedGenerate:
         self._seen[tid] = len(prompt_ids) + len(ids)
         n = len(ids)
         return GenerationOutput(tid, list(prompt_ids), ids, [0.0] * n, [0] * n, "stop", 0)
+
+
+def retokenize(traj: Trajectory, old: Tokenizer, new: Tokenizer) -> Trajectory:
+    """The same episode in another tokenizer's ids. Each piece (the prompt, every model turn,
+    every observation) is decoded and encoded on its own, which is how the agent loop encodes
+    them, so the record is the one playing the episode with `new` would have produced."""
+
+    def piece(start: int, end: int) -> list[int]:
+        return new.encode(old.decode(traj.token_ids[start:end], skip_special_tokens=False))
+
+    out = Trajectory.start(
+        traj.trajectory_id, traj.group_id, traj.prompt_id, piece(0, traj.prompt_len)
+    )
+    bounds = [*traj.turn_starts, len(traj.token_ids)]
+    for start, next_turn in itertools.pairwise(bounds):
+        end = start
+        while end < next_turn and traj.mask[end]:
+            end += 1
+        ids = piece(start, end)
+        version = traj.versions[start]
+        out.add_model_turn(ids, [0.0] * len(ids), [version] * len(ids))
+        if end < next_turn:
+            out.add_observation(piece(end, next_turn))
+    out.tool_calls, out.reward = traj.tool_calls, traj.reward
+    out.finish, out.failure = traj.finish, traj.failure
+    return out

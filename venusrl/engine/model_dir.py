@@ -16,16 +16,17 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tokenizers import Tokenizer as HFTokenizer
 
 from venusrl.engine.model import CausalLM, ModelConfig, ModelConfigError
-from venusrl.engine.tokenizer import BYTE_LEVEL_SPECIAL_TOKENS, write_byte_level_tokenizer
+from venusrl.engine.tokenizer import build_byte_level_tokenizer, write_byte_level_tokenizer
 
 # Shapes for demos and benchmarks. `tiny` is the engine-benchmark shape of shared/MEASURED.md;
 # `small` is ~100M parameters, where compute rather than Python overhead dominates on CPU.
 PRESETS: dict[str, dict[str, Any]] = {
     # ~0.5M parameters: the built-in CPU training example learns in minutes on 2 cores.
     "micro": dict(
-        vocab_size=512,
+        vocab_size=1024,
         hidden_size=128,
         intermediate_size=384,
         num_hidden_layers=2,
@@ -148,26 +149,27 @@ def init_model_dir(
     preset: str | None = "tiny",
     overrides: Mapping[str, Any] | None = None,
     seed: int = 0,
-    tokenizer: bool = True,
+    tokenizer: bool | HFTokenizer = True,
 ) -> Path:
-    """Write a random-weight Qwen3 model directory with a byte-level tokenizer."""
+    """Write a random-weight Qwen3 model directory with a byte-level tokenizer: the one without
+    merges, or `tokenizer` (from `build_byte_level_tokenizer`), or none when it is False."""
     if preset is not None and preset not in PRESETS:
         raise ModelConfigError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
     hf = {**QWEN3_DEFAULTS, **(PRESETS[preset] if preset else {}), **(overrides or {})}
-    if tokenizer:
-        first_special = 256
-        if hf["vocab_size"] < first_special + len(BYTE_LEVEL_SPECIAL_TOKENS):
+    tok = build_byte_level_tokenizer() if tokenizer is True else tokenizer or None
+    if tok is not None:
+        needed = tok.get_vocab_size(with_added_tokens=True)
+        if hf["vocab_size"] < needed:
             raise ModelConfigError(
-                f"vocab_size {hf['vocab_size']} is too small for the byte-level tokenizer "
-                f"(needs >= {first_special + len(BYTE_LEVEL_SPECIAL_TOKENS)})"
+                f"vocab_size {hf['vocab_size']} is too small for the tokenizer (needs >= {needed})"
             )
-        hf.setdefault("eos_token_id", first_special + BYTE_LEVEL_SPECIAL_TOKENS.index("<|im_end|>"))
+        hf.setdefault("eos_token_id", tok.token_to_id("<|im_end|>"))
         hf.setdefault("bos_token_id", None)
     cfg = ModelConfig.from_hf(hf)
     model = build_model(cfg)
     model.init_random(seed)
     path = Path(out_dir)
     save_model(model, path, hf)
-    if tokenizer:
-        write_byte_level_tokenizer(path, cfg.max_position_embeddings)
+    if tok is not None:
+        write_byte_level_tokenizer(path, cfg.max_position_embeddings, tok)
     return path

@@ -7,14 +7,15 @@ A tokenizer is optional: engines take token ids, and a model directory without
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
 # Qwen's ChatML template, reduced to roles and text (no tools section yet).
 CHATML_TEMPLATE = (
@@ -24,6 +25,9 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 BYTE_LEVEL_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# Whole tokens in Qwen2.5/Qwen3 vocabularies too (added, not special: they survive decoding with
+# skip_special_tokens, so the environment still sees the tags the model wrote).
+TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 
 
 class Tokenizer:
@@ -139,21 +143,65 @@ def _raise_template_error(message: str) -> None:
     raise TemplateError(message)
 
 
-def build_byte_level_tokenizer() -> HFTokenizer:
-    """A 256-symbol byte-level tokenizer plus ChatML special tokens: any text round-trips."""
+def build_byte_level_tokenizer(
+    corpus: Iterable[str] | None = None, vocab_size: int | None = None
+) -> HFTokenizer:
+    """A byte-level tokenizer with ChatML special tokens and the tool tags: any text round-trips.
+
+    Without a corpus it has no merges (one token per byte). With one, byte-pair merges are learnt
+    from it up to `vocab_size` tokens in all, the way a language model's tokenizer is trained on
+    its pretraining text: a from-scratch model trained on one task family then reads and writes
+    that family's text in a few tokens per word instead of one per byte.
+    """
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {symbol: i for i, symbol in enumerate(sorted(alphabet))}
-    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    if corpus is None:
+        tok = HFTokenizer(
+            models.BPE(vocab={s: i for i, s in enumerate(sorted(alphabet))}, merges=[])
+        )
+    else:
+        tok = HFTokenizer(models.BPE())
+    # Merges may span words (SentencePiece with split_by_whitespace off), so a task's fixed
+    # phrases ('{"name": "guess", "arguments": {"n": ') become single tokens, but never digits:
+    # a number stays a token of its own that the model has to read and write.
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
+    if corpus is not None:
+        added = len(BYTE_LEVEL_SPECIAL_TOKENS) + len(TOOL_TOKENS)
+        if vocab_size is None or vocab_size < len(alphabet) + added:
+            raise ValueError(
+                f"a trained byte-level tokenizer needs vocab_size >= {len(alphabet) + added}"
+                f" (256 bytes and {added} added tokens), got {vocab_size}"
+            )
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size - added,
+            initial_alphabet=alphabet,
+            show_progress=False,
+        )
+        tok.train_from_iterator(_without_added_tokens(corpus), trainer)
     tok.add_special_tokens(list(BYTE_LEVEL_SPECIAL_TOKENS))
+    tok.add_tokens(list(TOOL_TOKENS))
     return tok
 
 
-def write_byte_level_tokenizer(model_dir: str | Path, model_max_length: int) -> HFTokenizer:
-    """Write `tokenizer.json` and `tokenizer_config.json` that `transformers` can load too."""
+def _without_added_tokens(corpus: Iterable[str]) -> Iterable[str]:
+    """The corpus with the added tokens cut out: merges are for the text between them."""
+    pattern = "|".join(re.escape(t) for t in (*BYTE_LEVEL_SPECIAL_TOKENS, *TOOL_TOKENS))
+    for text in corpus:
+        yield from (piece for piece in re.split(pattern, text) if piece)
+
+
+def write_byte_level_tokenizer(
+    model_dir: str | Path, model_max_length: int, tokenizer: HFTokenizer | None = None
+) -> HFTokenizer:
+    """Write `tokenizer.json` and `tokenizer_config.json` that `transformers` can load too;
+    `tokenizer` is one from `build_byte_level_tokenizer` (default: the one without merges)."""
     path = Path(model_dir)
-    tok = build_byte_level_tokenizer()
+    tok = tokenizer or build_byte_level_tokenizer()
     tok.save(str(path / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

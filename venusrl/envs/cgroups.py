@@ -173,12 +173,24 @@ class Cgroup:
 
     # --- readings --------------------------------------------------------------------------------
 
-    def memory_bytes(self) -> int:
+    @functools.cached_property
+    def _usage_path(self) -> str:
         name = "memory.usage_in_bytes" if self.version == 1 else "memory.current"
+        return str(self._file("memory", name))
+
+    def memory_bytes(self) -> int:
+        # Polled for every sandbox many times a second, on the event loop's thread: a raw
+        # read of a cached path costs half of what pathlib's read_text does.
         try:
-            return int(self._file("memory", name).read_text())
+            fd = os.open(self._usage_path, os.O_RDONLY)
         except OSError:  # removed meanwhile
             return 0
+        try:
+            return int(os.read(fd, 32))
+        except (OSError, ValueError):
+            return 0
+        finally:
+            os.close(fd)
 
     def peak_memory_bytes(self) -> int:
         name = "memory.max_usage_in_bytes" if self.version == 1 else "memory.peak"

@@ -10,6 +10,7 @@ A run directory holds `config.yaml` and `metrics.jsonl`, one object per step.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import random
@@ -25,13 +26,13 @@ import yaml
 from venusrl.config import Config
 from venusrl.coordinator.agent_loop import ChatFormat, LoopLimits, run_episode
 from venusrl.coordinator.coordinator import Coordinator, CoordinatorConfig, GroupResult
-from venusrl.coordinator.demonstrations import ScriptedGenerate
+from venusrl.coordinator.demonstrations import ScriptedGenerate, retokenize
 from venusrl.engine.async_engine import AsyncEngine
 from venusrl.engine.engine import Engine
-from venusrl.engine.model_dir import init_model_dir, load_model
+from venusrl.engine.model_dir import PRESETS, init_model_dir, load_model
 from venusrl.engine.remote import RemoteEngine
 from venusrl.engine.request import SamplingParams
-from venusrl.engine.tokenizer import Tokenizer
+from venusrl.engine.tokenizer import CHATML_TEMPLATE, Tokenizer, build_byte_level_tokenizer
 from venusrl.envs.builtin import BUILTIN
 from venusrl.envs.environment import Environment, Task
 from venusrl.envs.pool import SandboxPool
@@ -92,6 +93,7 @@ def step_metrics(
 ) -> dict[str, Any]:
     trajectories = [t for g in batch for t in g.trajectories]
     scored = [t.reward for t in trajectories if t.reward is not None]
+    wins = [t for t in trajectories if t.reward is not None and t.reward > 0]
     model_versions = [v for t in trajectories for v, m in zip(t.versions, t.mask, strict=True) if m]
     return {
         "step": step,
@@ -106,13 +108,16 @@ def step_metrics(
         "infra_failures": sum(g.infra_failures for g in batch),
         "masked": sum(g.masked for g in batch),
         "tool_calls_mean": sum(t.tool_calls for t in trajectories) / max(len(trajectories), 1),
+        "wins": len(wins),
+        "tool_calls_per_win": sum(t.tool_calls for t in wins) / len(wins) if wins else None,
         "wall_s": wall_s,
         **extra,
     }
 
 
 def _prepare_run_dir(cfg: Config, run_dir: Path, resume: bool) -> tuple[Path, RunState | None]:
-    """The model to start from, and the state to resume (None for a fresh run)."""
+    """The model to start from (on a fresh run without `model`, a directory still to be
+    written), and the state to resume (None for a fresh run)."""
     metrics_file = run_dir / "metrics.jsonl"
     if resume:
         checkpoint = latest_checkpoint(run_dir)
@@ -137,24 +142,13 @@ def _prepare_run_dir(cfg: Config, run_dir: Path, resume: bool) -> tuple[Path, Ru
         raise ValueError(f"{run_dir} already holds a run: pass --resume, or another --run-dir")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
-    model_dir = Path(cfg.model) if cfg.model else run_dir / "initial-model"
-    if not cfg.model and not (model_dir / "config.json").exists():
-        init_model_dir(model_dir, preset=cfg.run.preset, seed=cfg.run.seed)
-    return model_dir, None
+    return (Path(cfg.model) if cfg.model else run_dir / "initial-model"), None
 
 
-async def warm_start(
-    cfg: Config,
-    env: type[Environment],
-    pool: SandboxPool,
-    fmt: ChatFormat,
-    limits: LoopLimits,
-    trainer: GRPOTrainer,
-) -> dict[str, Any]:
-    """Imitate scripted demonstrations played in real sandboxes, so that RL starts from a policy
-    that knows the tool-call format and sometimes succeeds (with no success at all, every
-    group's rewards are equal and GRPO has no signal)."""
-    started = time.monotonic()
+async def play_demonstrations(
+    cfg: Config, env: type[Environment], pool: SandboxPool, fmt: ChatFormat, limits: LoopLimits
+) -> list[Trajectory]:
+    """Scripted demonstrations played in real sandboxes through the agent loop."""
     tasks = list(itertools.islice(env.tasks(cfg.run.seed + 7919), cfg.run.warm_start_episodes))
     policies = {}
     for i, task in enumerate(tasks):
@@ -177,22 +171,54 @@ async def warm_start(
                 await sandbox.close()
 
     demos = await asyncio.gather(*(play(i, t) for i, t in enumerate(tasks)))
-    demos = [d for d in demos if d.finish is not Finish.INFRA]
+    return [d for d in demos if d.finish is not Finish.INFRA]
+
+
+def imitate(cfg: Config, demos: list[Trajectory], trainer: GRPOTrainer) -> dict[str, Any]:
+    """The warm start: imitate the demonstrations, so that RL starts from a policy that knows the
+    tool-call format and sometimes succeeds (with no success at all, every group's rewards are
+    equal and GRPO has no signal)."""
+    started = time.monotonic()
     rng = random.Random(cfg.run.seed)
+    demos = list(demos)
     losses = []
+    groups = trainer.optimizer.param_groups
+    rl_lr = [g["lr"] for g in groups]
+    for g in groups:
+        g["lr"] = cfg.run.warm_start_lr
     for _ in range(cfg.run.warm_start_epochs):
         rng.shuffle(demos)
         for k in range(0, len(demos), cfg.run.warm_start_batch):
-            chunk = demos[k : k + cfg.run.warm_start_batch]
-            losses.append(await asyncio.to_thread(trainer.imitation_step, chunk))
+            losses.append(trainer.imitation_step(demos[k : k + cfg.run.warm_start_batch]))
+    for g, lr in zip(groups, rl_lr, strict=True):
+        g["lr"] = lr
     rewards = [d.reward for d in demos if d.reward is not None]
     return {
         "episodes": len(demos),
         "demo_reward_mean": sum(rewards) / max(len(rewards), 1),
+        "demo_tokens_mean": sum(len(d.token_ids) for d in demos) / max(len(demos), 1),
         "nll_first": losses[0] if losses else 0.0,
         "nll_last": losses[-1] if losses else 0.0,
         "wall_s": time.monotonic() - started,
     }
+
+
+def _new_model(
+    cfg: Config, model_dir: Path, demos: list[Trajectory], played_with: Tokenizer
+) -> list[Trajectory]:
+    """Write the from-scratch model of a fresh run. With demonstrations, its tokenizer's merges
+    are learnt from their text (a task's own vocabulary: a tool call in ~18 tokens instead of
+    ~66 bytes), and the demonstrations are returned in its ids."""
+    if not demos:
+        init_model_dir(model_dir, preset=cfg.run.preset, seed=cfg.run.seed)
+        return demos
+    vocab_size = PRESETS[cfg.run.preset]["vocab_size"]
+    corpus = [played_with.decode(d.token_ids, skip_special_tokens=False) for d in demos]
+    hf_tokenizer = build_byte_level_tokenizer(corpus, vocab_size)
+    init_model_dir(model_dir, preset=cfg.run.preset, seed=cfg.run.seed, tokenizer=hf_tokenizer)
+    new = Tokenizer.load(model_dir)
+    assert new is not None
+    return [retokenize(d, played_with, new) for d in demos]
 
 
 async def train(
@@ -203,53 +229,73 @@ async def train(
     on_message: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
     torch.manual_seed(cfg.run.seed)
+    # The engine and the trainer compute side by side on their own threads, one core each by
+    # default: more threads than cores makes both several times slower (MEASURED.md).
+    torch.set_num_threads(cfg.engine.threads or 1)
     model_dir, state = _prepare_run_dir(cfg, run_dir, resume)
+    fresh = state is None
     state = state or RunState(step=-1, weight_version=0)
-    tokenizer = Tokenizer.load(model_dir)
-    if tokenizer is None or tokenizer.chat_template is None:
-        raise ValueError(f"{model_dir} needs a tokenizer with a chat template for agent training")
-    engine: LocalEngine | ServedEngine = (
-        ServedEngine(cfg.run.engine_url)
-        if cfg.run.engine_url
-        else LocalEngine(model_dir, cfg, state.weight_version)
-    )
-    trainer = GRPOTrainer(
-        load_model(model_dir),
-        TrainerConfig(
-            lr=cfg.trainer.lr,
-            clip_eps=cfg.trainer.clip_eps,
-            entropy_coef=cfg.trainer.entropy_coef,
-            max_grad_norm=cfg.trainer.max_grad_norm,
-            micro_batch_tokens=cfg.trainer.micro_batch_tokens,
-        ),
-        version=state.weight_version,
-    )
-    if resume:
-        trainer.optimizer.load_state_dict(torch.load(model_dir / "optimizer.pt"))
     consumed = set(state.consumed_tasks)
     env = BUILTIN[cfg.rollout.env]
     r = cfg.rollout
+    limits = LoopLimits(max_context=r.max_context, max_tokens_per_turn=r.max_tokens_per_turn)
     metrics: list[dict[str, Any]] = []
     metrics_file = run_dir / "metrics.jsonl"
-    try:
-        async with SandboxPool(
-            int(cfg.sandbox.memory_budget_gib * GiB),
-            admission=cfg.sandbox.admission,
-            share_pages=cfg.sandbox.share_pages,
-        ) as pool:
-            await pool.prepare_template(env.template)
-            fmt = ChatFormat(tokenizer)
-            limits = LoopLimits(
-                max_context=r.max_context, max_tokens_per_turn=r.max_tokens_per_turn
+    async with SandboxPool(
+        int(cfg.sandbox.memory_budget_gib * GiB),
+        admission=cfg.sandbox.admission,
+        share_pages=cfg.sandbox.share_pages,
+    ) as pool:
+        await pool.prepare_template(env.template)
+        demos: list[Trajectory] = []
+        play_started = time.monotonic()
+        if fresh and not (model_dir / "config.json").exists():
+            byte_level = Tokenizer(
+                build_byte_level_tokenizer(), chat_template=CHATML_TEMPLATE, eos_token="<|im_end|>"
             )
-            if cfg.run.warm_start_episodes and state.step < 0:
-                info = await warm_start(cfg, env, pool, fmt, limits, trainer)
+            if cfg.run.warm_start_episodes:
+                # One token per byte takes several times the context the trained tokenizer will.
+                roomy = dataclasses.replace(limits, max_context=8 * limits.max_context)
+                demos = await play_demonstrations(cfg, env, pool, ChatFormat(byte_level), roomy)
+            demos = await asyncio.to_thread(_new_model, cfg, model_dir, demos, byte_level)
+        tokenizer = Tokenizer.load(model_dir)
+        if tokenizer is None or tokenizer.chat_template is None:
+            raise ValueError(
+                f"{model_dir} needs a tokenizer with a chat template for agent training"
+            )
+        fmt = ChatFormat(tokenizer)
+        if fresh and cfg.run.warm_start_episodes and not demos:
+            demos = await play_demonstrations(cfg, env, pool, fmt, limits)
+        play_s = time.monotonic() - play_started
+        trainer = GRPOTrainer(
+            load_model(model_dir),
+            TrainerConfig(
+                lr=cfg.trainer.lr,
+                clip_eps=cfg.trainer.clip_eps,
+                entropy_coef=cfg.trainer.entropy_coef,
+                max_grad_norm=cfg.trainer.max_grad_norm,
+                micro_batch_tokens=cfg.trainer.micro_batch_tokens,
+                updates_per_batch=cfg.trainer.updates_per_batch,
+            ),
+            version=state.weight_version,
+        )
+        if resume:
+            trainer.optimizer.load_state_dict(torch.load(model_dir / "optimizer.pt"))
+        engine: LocalEngine | ServedEngine = (
+            ServedEngine(cfg.run.engine_url)
+            if cfg.run.engine_url
+            else LocalEngine(model_dir, cfg, state.weight_version)
+        )
+        try:
+            if demos:
+                info = {"play_s": play_s, **await asyncio.to_thread(imitate, cfg, demos, trainer)}
                 (run_dir / "warm_start.json").write_text(json.dumps(info))
                 if on_message is not None:
                     on_message(
                         f"warm start: {info['episodes']} demonstrations (reward "
-                        f"{info['demo_reward_mean']:.2f}), NLL {info['nll_first']:.3f} -> "
-                        f"{info['nll_last']:.3f}, {info['wall_s']:.0f} s"
+                        f"{info['demo_reward_mean']:.2f}, {info['demo_tokens_mean']:.0f} tokens),"
+                        f" played in {play_s:.0f} s; NLL {info['nll_first']:.3f} ->"
+                        f" {info['nll_last']:.3f} in {info['wall_s']:.0f} s"
                     )
                 await engine.publish(trainer, run_dir, model_dir)
             generate = engine.generate
@@ -328,6 +374,6 @@ async def train(
                 if killer is not None:
                     killer.cancel()
                 await coordinator.close()
-    finally:
-        await engine.close()
+        finally:
+            await engine.close()
     return metrics

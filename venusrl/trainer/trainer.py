@@ -27,12 +27,17 @@ class TrainerConfig:
     entropy_coef: float = 0.0
     max_grad_norm: float = 1.0
     micro_batch_tokens: int = 8192
+    updates_per_batch: int = 1  # PPO epochs: gradient steps on each batch
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
             raise ValueError(f"trainer.lr must be > 0, got {self.lr}")
         if not 0 < self.clip_eps < 1:
             raise ValueError(f"trainer.clip_eps must be in (0, 1), got {self.clip_eps}")
+        if self.updates_per_batch < 1:
+            raise ValueError(
+                f"trainer.updates_per_batch must be >= 1, got {self.updates_per_batch}"
+            )
         if self.micro_batch_tokens < 2:
             raise ValueError(
                 f"trainer.micro_batch_tokens must be >= 2, got {self.micro_batch_tokens}"
@@ -75,6 +80,30 @@ class GRPOTrainer:
         ]
         total = sum(t.model_tokens for t, _ in rows)
         self.model.train()
+        # PPO's several passes over one batch: each pass recomputes the ratio against the
+        # behaviour logprobs, and the clip stops a token once it has moved far enough. Reported
+        # figures are those of the first pass (the policy that the batch measured).
+        first: dict[str, float] = {}
+        for _ in range(self.config.updates_per_batch):
+            sums, grad_norm = self._update(rows, total)
+            first = first or {**sums, "grad_norm": grad_norm}
+        self.version += 1
+        self.model.eval()
+        return StepStats(
+            self.version,
+            first["loss"],
+            first["clip"],
+            first["ratio"],
+            first["entropy"],
+            total,
+            len(rows),
+            first["grad_norm"],
+        )
+
+    def _update(
+        self, rows: list[tuple[Trajectory, float]], total: int
+    ) -> tuple[dict[str, float], float]:
+        """One gradient step over all rows; the loss is the mean over their model tokens."""
         self.optimizer.zero_grad(set_to_none=True)
         sums = {"loss": 0.0, "clip": 0.0, "ratio": 0.0, "entropy": 0.0}
         for batch in self._micro_batches(rows):
@@ -100,18 +129,7 @@ class GRPOTrainer:
         )
         if total:
             self.optimizer.step()
-        self.version += 1
-        self.model.eval()
-        return StepStats(
-            self.version,
-            sums["loss"],
-            sums["clip"],
-            sums["ratio"],
-            sums["entropy"],
-            total,
-            len(rows),
-            grad_norm,
-        )
+        return sums, grad_norm
 
     def imitation_step(self, trajectories: Sequence[Trajectory]) -> float:
         """One supervised step on demonstrations: the mean negative log-likelihood of their model

@@ -2,9 +2,10 @@
 
 The sandbox holds a secret integer in [1, N] (set by the task's setup; the prompt never shows it).
 The model calls `guess(n)` and reads "higher", "lower" or "correct"; it has MAX_GUESSES guesses.
-Binary search needs at most ceil(log2(N + 1)) = 7 guesses for N = 100 and at least 3 for all but
-three secrets, so success means reading and using the observations; a policy that ignores them
-wins with probability MAX_GUESSES / N = 8 %. Reward: 1 when a guess was correct, else 0.
+With N = 63 = 2**6 - 1 and 6 guesses, only binary search wins every time (it needs all 6 for 32
+secrets, and at least 3 for 60 of the 63), so success means reading and using the observations:
+a policy that ignores them wins with probability 6 / 63 = 10 %, one that guesses anywhere inside
+the known interval about 49 %. Reward: 1 when a guess was correct, else 0.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from venusrl.envs.environment import Environment, Task, Tool
 from venusrl.envs.tool_calls import CALL_CLOSE, CALL_OPEN, RESPONSE_OPEN
 from venusrl.envs.types import MiB, TemplateSpec
 
-N = 100
-MAX_GUESSES = 8
+N = 63
+MAX_GUESSES = 6
+EXPERT_FRACTION = 1.0  # of the warm start's demonstrations
 
 # Runs in the sandbox's interpreter. The model has no code tool here, so it cannot read `secret`.
 _SETUP = f"""
@@ -83,8 +85,14 @@ class GuessNumber(Environment):
             index += 1
 
     @classmethod
-    def demonstrator(cls, task: Task, seed: int) -> NoisyBinarySearch:
-        return NoisyBinarySearch(seed)
+    def demonstrator(cls, task: Task, seed: int) -> BinarySearchExpert | RandomGuesser:
+        """Poor demonstrations for the warm start: a quarter of the episodes binary-search, the
+        rest ignore the observations (about 32 % of them win). They teach the tool-call format
+        and both ways to play; reinforcement learning is left to find out which one wins. A
+        perfect demonstrator would leave it nothing, and no success at all would give GRPO no
+        signal (every group's rewards equal)."""
+        rng = random.Random(seed)
+        return BinarySearchExpert() if rng.random() < EXPERT_FRACTION else RandomGuesser(seed)
 
     async def reward(self) -> float:
         r = await self.sandbox.run_python("print(solved)", timeout_s=self.tool_timeout_s)
@@ -104,41 +112,26 @@ class BinarySearchExpert:
     def __init__(self) -> None:
         self.low, self.high = 1, N
         self.last_guess: int | None = None
+        self.guesses = 0
 
     def __call__(self, observation: str) -> str:
         if self.last_guess is not None:
             reply = observation.removeprefix(f"{RESPONSE_OPEN}\n")
             if reply.startswith("correct"):
                 return f"The number is {self.last_guess}."
+            if self.guesses == MAX_GUESSES:
+                return f"I could not find it in {MAX_GUESSES} guesses."
             if reply.startswith("higher"):
-                self.low = self.last_guess + 1
+                self.low = max(self.low, self.last_guess + 1)
             elif reply.startswith("lower"):
-                self.high = self.last_guess - 1
+                self.high = min(self.high, self.last_guess - 1)
             else:
                 raise ValueError(f"unexpected observation: {observation!r}")
             if self.low > self.high:
                 raise ValueError("the observations contradict each other")
         self.last_guess = (self.low + self.high) // 2
+        self.guesses += 1
         return _guess_call(self.last_guess)
-
-
-class NoisyBinarySearch(BinarySearchExpert):
-    """Binary search that, with probability `noise`, guesses anywhere in the interval it knows:
-    the imperfect demonstrations of the warm start, so that reinforcement learning has
-    something left to improve (a perfect imitator would leave it nothing; no success at all
-    would give GRPO no signal)."""
-
-    def __init__(self, seed: int, noise: float = 0.5) -> None:
-        super().__init__()
-        self.rng = random.Random(seed)
-        self.noise = noise
-
-    def __call__(self, observation: str) -> str:
-        text = super().__call__(observation)
-        if text.startswith(CALL_OPEN) and self.rng.random() < self.noise:
-            self.last_guess = self.rng.randint(self.low, self.high)
-            return _guess_call(self.last_guess)
-        return text
 
 
 class RandomGuesser:

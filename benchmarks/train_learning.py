@@ -1,0 +1,88 @@
+"""Does `venusrl train` learn? The built-in CPU example, once per seed, timed from the command line.
+
+Runs `venusrl train` (the default config: the micro model on guess_number, warm start, then GRPO)
+as a separate process per seed, one after another, and reads each run's `metrics.jsonl`. The
+reward is the training reward: the mean over the step's sampled episodes (temperature 1), not a
+greedy evaluation.
+
+Prints one JSON object: per seed the wall time of the whole command, the warm start, the mean
+reward of the first and the last `--window` steps and their difference (`gain`), and the mean
+tool calls of the episodes that won (the task is multi-turn only if that stays >= 3); then the
+smallest gain and the longest wall time over the seeds.
+
+    python benchmarks/train_learning.py [--seeds 0,1,2] [--window 5] [-- extra k=v overrides]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def run_seed(seed: int, window: int, overrides: list[str], out: Path) -> dict[str, Any]:
+    run_dir = out / f"seed-{seed}"
+    cmd = [
+        sys.executable, "-m", "venusrl.cli", "train", "--run-dir", str(run_dir),
+        f"run.seed={seed}", *overrides,
+    ]  # fmt: skip
+    started = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall_s = time.monotonic() - started
+    if proc.returncode != 0:
+        raise SystemExit(f"seed {seed}: venusrl train failed:\n{proc.stderr[-3000:]}")
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    if len(steps) < 2 * window:
+        raise SystemExit(f"seed {seed}: {len(steps)} steps, fewer than two windows of {window}")
+    rewards = [s["reward_mean"] or 0.0 for s in steps]
+    first = sum(rewards[:window]) / window
+    last = sum(rewards[-window:]) / window
+    wins = [(s["wins"], s["tool_calls_per_win"]) for s in steps if s["wins"]]
+    warm = json.loads((run_dir / "warm_start.json").read_text())
+    return {
+        "seed": seed,
+        "wall_s": round(wall_s, 1),
+        "steps": len(steps),
+        "warm_start_s": round(warm["wall_s"], 1),
+        "reward_first": round(first, 3),
+        "reward_last": round(last, 3),
+        "gain": round(last - first, 3),
+        "tool_calls_per_win": round(sum(n * c for n, c in wins) / sum(n for n, _ in wins), 2)
+        if wins
+        else None,
+        "run_dir": str(run_dir),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--window", type=int, default=5)
+    p.add_argument("--out", type=Path, default=None, help="where the runs go (default: a tmp dir)")
+    p.add_argument("overrides", nargs="*", help="config overrides passed to venusrl train")
+    args = p.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    out = args.out or Path(tempfile.mkdtemp(prefix="venusrl-learning-"))
+    seeds = [int(s) for s in args.seeds.split(",")]
+    runs = [run_seed(s, args.window, args.overrides, out) for s in seeds]
+    print(
+        json.dumps(
+            {
+                "reward": "training reward: sampled episodes (temperature 1), mean per step",
+                "runs": runs,
+                "min_gain": min(r["gain"] for r in runs),
+                "max_wall_s": max(r["wall_s"] for r in runs),
+            },
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
