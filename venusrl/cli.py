@@ -17,7 +17,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train an agent with GRPO on a built-in task")
-    train.add_argument("--model", help="starting model directory (default: a new tiny model)")
+    train.add_argument(
+        "--model",
+        help="starting model directory (default: a new micro model, tokenizer learnt from demos)",
+    )
     train.add_argument(
         "--run-dir", help="where config, metrics and checkpoints go (default: runs/train-TIME)"
     )

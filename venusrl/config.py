@@ -79,7 +79,7 @@ class RolloutConfig(_Section):
 
 
 class TrainerSection(_Section):
-    lr: float = Field(5e-4, gt=0)
+    lr: float = Field(2e-4, gt=0)
     clip_eps: float = Field(0.2, gt=0, lt=1)
     entropy_coef: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)

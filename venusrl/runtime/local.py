@@ -17,8 +17,9 @@ import random
 import shutil
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import yaml
@@ -48,6 +49,7 @@ from venusrl.trainer.trainer import GRPOTrainer, TrainerConfig
 from venusrl.types import Finish, Trajectory
 
 GiB = 1 << 30
+T = TypeVar("T")
 
 
 class LocalEngine:
@@ -241,6 +243,13 @@ async def train(
     limits = LoopLimits(max_context=r.max_context, max_tokens_per_turn=r.max_tokens_per_turn)
     metrics: list[dict[str, Any]] = []
     metrics_file = run_dir / "metrics.jsonl"
+    # Trainer work runs on one thread of its own, beside the engine's: asyncio's default pool
+    # would spread it over many threads, each with its own malloc arena for torch's buffers.
+    trainer_thread = ThreadPoolExecutor(1, thread_name_prefix="venusrl-trainer")
+
+    async def on_trainer(fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(trainer_thread, fn, *args)
+
     async with SandboxPool(
         int(cfg.sandbox.memory_budget_gib * GiB),
         admission=cfg.sandbox.admission,
@@ -288,7 +297,7 @@ async def train(
         )
         try:
             if demos:
-                info = {"play_s": play_s, **await asyncio.to_thread(imitate, cfg, demos, trainer)}
+                info = {"play_s": play_s, **await on_trainer(imitate, cfg, demos, trainer)}
                 (run_dir / "warm_start.json").write_text(json.dumps(info))
                 if on_message is not None:
                     on_message(
@@ -335,7 +344,7 @@ async def train(
                         for t, a in zip(g.trajectories, g.advantages(), strict=True)
                         if a is not None
                     ]
-                    stats = await asyncio.to_thread(
+                    stats = await on_trainer(
                         trainer.step, [t for t, _ in rows], [a for _, a in rows]
                     )
                     await engine.publish(trainer, run_dir, model_dir)
@@ -376,4 +385,5 @@ async def train(
                 await coordinator.close()
         finally:
             await engine.close()
+            trainer_thread.shutdown()
     return metrics
