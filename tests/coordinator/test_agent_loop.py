@@ -48,7 +48,7 @@ class ScriptedPolicy:
         seen = len(self.prompts[-1]) + len(self.outputs[-1]) if self.prompts else len(prompt_ids)
         observation = self.tok.decode(prompt_ids[seen:], skip_special_tokens=True)
         observation = observation.removeprefix("\nuser\n").removesuffix("\nassistant\n")
-        ids = self.tok.encode(self.expert(observation.strip())) + self.eos
+        ids = (self.tok.encode(self.expert(observation.strip())) + self.eos)[: params.max_tokens]
         self.prompts.append(list(prompt_ids))
         self.outputs.append(ids)
         n = len(ids)

@@ -86,7 +86,7 @@ def test_a_tokenizer_trained_on_a_task_writes_its_phrases_in_few_tokens_but_numb
     trained: Tokenizer, tok: Tokenizer
 ) -> None:
     ids = trained.encode(CALL)
-    assert len(ids) <= 6 < len(tok.encode(CALL)) // 10
+    assert len(ids) <= 6 and len(tok.encode(CALL)) == 45  # bytes, but the tags are whole
     pieces = [trained.decode([i]) for i in ids]
     assert "48" in pieces  # digits never merge with the text around them
     assert pieces[0] == "<tool_call>" and pieces[-1] == "</tool_call>"

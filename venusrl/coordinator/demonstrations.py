@@ -37,7 +37,12 @@ class ScriptedGenerate:
         if RESPONSE_OPEN in new:  # the tool responses, without the chat template around them
             new = new[new.index(RESPONSE_OPEN) : new.rindex(RESPONSE_CLOSE) + len(RESPONSE_CLOSE)]
         ids = self.tokenizer.encode(self.policies[tid](new.strip())) + self._end
-        ids = ids[: params.max_tokens]
+        if len(ids) > params.max_tokens:
+            # Cut, it would teach a malformed turn; kept, one the model may never sample.
+            raise ValueError(
+                f"a demonstration turn of {len(ids)} tokens does not fit the {params.max_tokens}"
+                " the model may write (rollout.max_tokens_per_turn, or the context left)"
+            )
         self._seen[tid] = len(prompt_ids) + len(ids)
         n = len(ids)
         return GenerationOutput(tid, list(prompt_ids), ids, [0.0] * n, [0] * n, "stop", 0)

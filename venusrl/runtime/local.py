@@ -264,7 +264,11 @@ async def train(
             )
             if cfg.run.warm_start_episodes:
                 # One token per byte takes several times the context the trained tokenizer will.
-                roomy = dataclasses.replace(limits, max_context=8 * limits.max_context)
+                roomy = dataclasses.replace(
+                    limits,
+                    max_context=8 * limits.max_context,
+                    max_tokens_per_turn=8 * limits.max_tokens_per_turn,
+                )
                 demos = await play_demonstrations(cfg, env, pool, ChatFormat(byte_level), roomy)
             demos = await asyncio.to_thread(_new_model, cfg, model_dir, demos, byte_level)
         tokenizer = Tokenizer.load(model_dir)
