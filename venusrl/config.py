@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
 class ConfigError(ValueError):
@@ -107,6 +107,15 @@ class RunConfig(_Section):
     engine_url: str | None = Field(
         None, description="train against `venusrl serve` at this URL instead of in-process"
     )
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, preset: str) -> str:
+        from venusrl.engine.model_dir import PRESETS  # torch: only when a preset is checked
+
+        if preset not in PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
+        return preset
 
 
 class FaultsSection(_Section):

@@ -145,8 +145,17 @@ def test_warm_start_gives_a_multi_turn_policy_that_wins_far_above_chance(tmp_pat
     assert warm["demo_reward_mean"] == 1.0 and warm["nll_last"] < warm["nll_first"] / 10
     assert warm["demo_tokens_mean"] < 200  # the learnt tokenizer: ~900 bytes in ~130 tokens
     rewards = [m["reward_mean"] for m in metrics]
-    print(rewards, [m["tool_calls_per_win"] for m in metrics])
     assert sum(rewards) / len(rewards) > 0.2
     wins = sum(m["wins"] for m in metrics)
     calls = sum(m["wins"] * m["tool_calls_per_win"] for m in metrics if m["wins"])
     assert calls / wins >= 3  # winning takes several turns of reading the observations
+
+
+def test_a_model_path_that_is_not_a_model_directory_is_refused_and_left_alone(
+    tmp_path: Path,
+) -> None:
+    missing = tmp_path / "no-model"
+    cfg = load_config(None, SMALL, {"model": str(missing)})
+    with pytest.raises(ValueError, match="is not a model directory"):
+        asyncio.run(train(cfg, tmp_path / "run"))
+    assert not missing.exists()  # no random model written where the user's was expected

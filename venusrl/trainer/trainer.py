@@ -131,9 +131,10 @@ class GRPOTrainer:
             self.optimizer.step()
         return sums, grad_norm
 
-    def imitation_step(self, trajectories: Sequence[Trajectory]) -> float:
+    def imitation_step(self, trajectories: Sequence[Trajectory], lr: float | None = None) -> float:
         """One supervised step on demonstrations: the mean negative log-likelihood of their model
-        tokens (the warm start). Does not change the weight version."""
+        tokens (the warm start), at `lr` when given instead of the RL learning rate. Does not
+        change the weight version."""
         rows = [(t, 0.0) for t in trajectories if t.model_tokens]
         total = sum(t.model_tokens for t, _ in rows)
         self.model.train()
@@ -147,7 +148,12 @@ class GRPOTrainer:
             loss.backward()
             nll += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+        groups = self.optimizer.param_groups
+        for g in groups:
+            g["lr"] = self.config.lr if lr is None else lr
         self.optimizer.step()
+        for g in groups:
+            g["lr"] = self.config.lr
         self.model.eval()
         return nll
 
