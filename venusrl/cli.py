@@ -1,4 +1,4 @@
-"""`venusrl` command line: train | serve | model init | generate."""
+"""`venusrl` command line: train | serve | sim | model init | generate."""
 
 from __future__ import annotations
 
@@ -59,8 +59,21 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int)
     _config_args(gen)
 
+    sim = sub.add_parser("sim", help="compare schedulers at cluster scale in simulation")
+    what = sim.add_mutually_exclusive_group()
+    what.add_argument(
+        "--scenario", default="swe-long", help="a built-in workload (default swe-long)"
+    )
+    what.add_argument("--workload", help="a workload YAML file (see venusrl/sim/workloads.py)")
+    sim.add_argument("--policies", default="sync,async,venus", help="comma-separated policies")
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--steps", type=int, default=4, help="trainer steps per policy")
+    sim.add_argument("--json", action="store_true", help="print one JSON object")
+
     args = parser.parse_args(argv)
     try:
+        if args.command == "sim":
+            return _sim(args)
         if args.command == "train":
             return _train(args)
         if args.command == "serve":
@@ -174,6 +187,44 @@ def _generate(args: argparse.Namespace) -> int:
             }
         )
     )
+    return 0
+
+
+def _sim(args: argparse.Namespace) -> int:
+    from venusrl.sim.executor import POLICIES, SimConfig, simulate
+    from venusrl.sim.workloads import SCENARIOS, load_workload
+
+    if args.workload:
+        workload = load_workload(args.workload)
+    elif args.scenario in SCENARIOS:
+        workload = SCENARIOS[args.scenario]
+    else:
+        raise ValueError(f"--scenario: unknown {args.scenario!r}; known: {', '.join(SCENARIOS)}")
+    names = [n.strip() for n in args.policies.split(",") if n.strip()]
+    unknown = [n for n in names if n not in POLICIES]
+    if unknown or not names:
+        raise ValueError(f"--policies: unknown {unknown}; known: {', '.join(POLICIES)}")
+    if args.steps < 2:
+        raise ValueError("--steps must be >= 2 (the first step only fills the pipeline)")
+    started = time.monotonic()
+    results = simulate(workload, [POLICIES[n] for n in names], args.seed, SimConfig(args.steps))
+    out = {
+        "workload": workload.name,
+        "seed": args.seed,
+        "wall_s": round(time.monotonic() - started, 1),
+        "results": results,
+    }
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    cols = ["policy", "mean_step_s", "gpu_busy", "reprefill_tokens", "offload_bytes",
+            "group_completion_p50_s", "group_completion_p99_s", "staleness_mean"]  # fmt: skip
+    cols += sorted({k for r in results for k in r if k.startswith("speedup_vs_")})
+    print(f"{workload.name}, seed {args.seed}, {args.steps} steps ({out['wall_s']} s)")
+    print("  ".join(f"{c:>14}" for c in cols))
+    for r in results:
+        cells = [r.get(c) for c in cols]
+        print("  ".join(f"{c:>14.4g}" if isinstance(c, float) else f"{c!s:>14}" for c in cells))
     return 0
 
 

@@ -82,9 +82,13 @@ class TrainerSection(_Section):
     lr: float = Field(2e-4, gt=0)
     clip_eps: float = Field(0.2, gt=0, lt=1)
     entropy_coef: float = Field(0.0, ge=0)
+    kl_coef: float = Field(0.0, ge=0, description="KL penalty to the policy RL starts from")
     max_grad_norm: float = Field(1.0, gt=0)
     micro_batch_tokens: int = Field(8192, ge=2)
     updates_per_batch: int = Field(1, ge=1, description="PPO epochs: gradient steps per batch")
+    loss_aggregation: Literal["token_mean", "seq_mean"] = Field(
+        "token_mean", description="weigh every model token alike, or every trajectory alike"
+    )
 
 
 class SandboxSection(_Section):

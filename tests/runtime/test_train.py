@@ -95,6 +95,19 @@ def test_killed_sandboxes_and_failed_engine_calls_are_replaced_or_masked(tmp_pat
         assert m["reward_mean"] is None or 0 <= m["reward_mean"] <= 1
 
 
+def test_dropped_groups_give_their_place_back_so_a_synchronous_run_completes(
+    tmp_path: Path,
+) -> None:
+    # No retries: a member whose engine call fails is masked, and a group of 2 with a masked
+    # member is dropped. With max_staleness=0 the batch must be filled by new groups.
+    faults = ["faults.engine_errors=0.3", "rollout.max_infra_retries=0", "rollout.max_staleness=0"]
+    cfg = load_config(None, [*SMALL, "run.steps=2", *faults])
+    metrics = asyncio.run(asyncio.wait_for(train(cfg, tmp_path), 240))
+    assert [m["step"] for m in metrics] == [0, 1]
+    assert all(m["groups"] == 2 for m in metrics)
+    assert metrics[-1]["groups_dropped"] > 0  # the case this is about did happen
+
+
 def test_training_against_venusrl_serve_over_http(tmp_path: Path) -> None:
     model = init_model_dir(tmp_path / "model", preset="tiny", seed=0)
     with socket.socket() as s:

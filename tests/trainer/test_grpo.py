@@ -34,16 +34,45 @@ def test_loss_counts_model_tokens_only_and_clips_the_ratio() -> None:
     tokens = torch.randint(0, 10, (6,))
     current = torch.log_softmax(logits.detach(), -1).gather(-1, tokens[:, None]).squeeze(-1)
     mask = torch.tensor([0, 1, 1, 0, 1, 1])
+    weights = mask / 4
     adv = torch.ones(6)
     # On-policy: ratio 1, nothing clipped, gradient only through masked-in positions.
-    loss, stats = policy_loss(logits, tokens, current, adv, mask)
+    loss, stats = policy_loss(logits, tokens, current, adv, weights)
     loss.backward()
     assert stats.tokens == 4 and stats.clip_fraction == 0 and stats.mean_ratio == pytest.approx(1)
     assert logits.grad is not None
     assert torch.all(logits.grad[mask == 0] == 0) and torch.any(logits.grad[mask == 1] != 0)
     # Stale tokens whose probability rose a lot: the ratio is clipped, no gradient pushes further.
     logits.grad = None
-    loss, stats = policy_loss(logits, tokens, current - 1.0, adv, mask)
+    loss, stats = policy_loss(logits, tokens, current - 1.0, adv, weights)
     loss.backward()
     assert stats.clip_fraction == 1.0
     assert torch.all(logits.grad == 0)  # type: ignore[union-attr]
+
+
+def test_sequence_mean_weighs_every_trajectory_alike_token_mean_every_token() -> None:
+    from venusrl.trainer.grpo import row_weights
+
+    assert row_weights([2, 6], "token_mean") == pytest.approx([1 / 8, 1 / 8])
+    seq = row_weights([2, 6], "seq_mean")
+    assert seq == pytest.approx([1 / 4, 1 / 12])
+    assert 2 * seq[0] == pytest.approx(6 * seq[1])  # each trajectory's tokens sum to 1/2
+    assert row_weights([0, 4], "seq_mean") == [0.0, 0.25]
+
+
+def test_the_kl_penalty_is_zero_at_the_reference_and_pulls_back_towards_it() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, 10, requires_grad=True)
+    tokens = torch.randint(0, 10, (4,))
+    current = torch.log_softmax(logits.detach(), -1).gather(-1, tokens[:, None]).squeeze(-1)
+    weights, zero_adv = torch.full((4,), 0.25), torch.zeros(4)
+    _, at_ref = policy_loss(logits, tokens, current, zero_adv, weights, 0.2, 0.0, current, 1.0)
+    assert at_ref.kl == pytest.approx(0.0, abs=1e-6)
+    # The reference gave these tokens more probability: the penalty's gradient raises them.
+    loss, away = policy_loss(
+        logits, tokens, current, zero_adv, weights, 0.2, 0.0, current + 0.5, 1.0
+    )
+    loss.backward()
+    assert away.kl > 0
+    assert logits.grad is not None
+    assert all(float(logits.grad[i, tokens[i]]) < 0 for i in range(4))  # descent raises them

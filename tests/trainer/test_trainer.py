@@ -96,3 +96,25 @@ def test_several_updates_per_batch_move_the_policy_further_and_publish_one_versi
     assert 0 < moved(1) < moved(4)
     with pytest.raises(ValueError, match="updates_per_batch"):
         TrainerConfig(updates_per_batch=0)
+
+
+def test_a_kl_penalty_needs_a_reference_and_holds_the_policy_near_it(model_dir: Path) -> None:
+    def moved(kl_coef: float) -> float:
+        model = load_model(model_dir)
+        trainer = GRPOTrainer(model, TrainerConfig(lr=1e-2, kl_coef=kl_coef))
+        if kl_coef:
+            trainer.freeze_reference()
+        good = record([5, 6, 7], [20, 21, 22], [0.0] * 3)
+        good.logprobs[3:] = dense_logprobs(model, good)
+        bad = record([5, 6, 7], [30, 31], [0.0] * 2)
+        bad.logprobs[3:] = dense_logprobs(model, bad)
+        for _ in range(5):
+            trainer.step([good, bad], [1.0, -1.0])
+        return sum(
+            n - o for n, o in zip(dense_logprobs(model, good), good.logprobs[3:], strict=True)
+        )
+
+    assert 0 < moved(1.0) < moved(0.0)
+    trainer = GRPOTrainer(load_model(model_dir), TrainerConfig(kl_coef=0.1))
+    with pytest.raises(ValueError, match="reference"):
+        trainer.step([record([5, 6], [7], [0.0])], [1.0])

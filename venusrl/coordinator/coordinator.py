@@ -156,7 +156,10 @@ class Coordinator:
 
     async def _launch(self) -> None:
         while True:
-            startable = self.bound.startable(self.stats.groups_started, self.weight_version())
+            # A dropped group gives its place in a batch back: with max_staleness=0 the batch
+            # could otherwise never fill.
+            placed = self.stats.groups_started - self.stats.groups_dropped
+            startable = self.bound.startable(placed, self.weight_version())
             for _ in range(startable):
                 self._spawn(self._run_group(next(self.tasks), self.stats.groups_started))
                 self.stats.groups_started += 1

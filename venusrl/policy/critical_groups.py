@@ -111,19 +111,32 @@ class LengthPredictor:
     window: int = 64
     _by_prompt: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     _all: list[tuple[int, int]] = field(default_factory=list)
+    # Medians are asked for far more often than they change (every re-ranking, for every open
+    # group): computed once per change of their history.
+    _cache: dict[str | None, Prediction] = field(default_factory=dict)
 
     def observe(self, prompt_id: str, total_tokens: int, turns: int) -> None:
         for history in (self._by_prompt.setdefault(prompt_id, []), self._all):
             history.append((total_tokens, turns))
             del history[: -self.window]
+        self._cache.pop(prompt_id, None)
+        self._cache.pop(None, None)
+
+    def _median(self, key: str | None, history: list[tuple[int, int]]) -> Prediction:
+        pred = self._cache.get(key)
+        if pred is None:
+            pred = self._cache[key] = Prediction(
+                statistics.median(t for t, _ in history),
+                statistics.median(n for _, n in history),
+            )
+        return pred
 
     def predictions(self, prompt_ids: Sequence[str]) -> dict[str, Prediction]:
         out = {}
         for pid in prompt_ids:
-            history = self._by_prompt.get(pid) or self._all
-            if history:
-                out[pid] = Prediction(
-                    statistics.median(t for t, _ in history),
-                    statistics.median(n for _, n in history),
-                )
+            own = self._by_prompt.get(pid)
+            if own:
+                out[pid] = self._median(pid, own)
+            elif self._all:
+                out[pid] = self._median(None, self._all)
         return out

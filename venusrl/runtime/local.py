@@ -30,6 +30,7 @@ from venusrl.coordinator.coordinator import Coordinator, CoordinatorConfig, Grou
 from venusrl.coordinator.demonstrations import ScriptedGenerate, retokenize
 from venusrl.engine.async_engine import AsyncEngine
 from venusrl.engine.engine import Engine
+from venusrl.engine.model import CausalLM
 from venusrl.engine.model_dir import PRESETS, init_model_dir, load_model
 from venusrl.engine.remote import RemoteEngine
 from venusrl.engine.request import SamplingParams
@@ -220,6 +221,22 @@ def _new_model(
     return [retokenize(d, played_with, new) for d in demos]
 
 
+def reference_policy(run_dir: Path, trainer: GRPOTrainer, model_dir: Path) -> CausalLM:
+    """The KL penalty's reference: the policy reinforcement learning starts from (after the warm
+    start), kept in the run directory so that a resumed run is held to the same one."""
+    path = run_dir / "reference-model"
+    if (path / "model.safetensors").exists():
+        reference = load_model(path)
+        reference.requires_grad_(False)
+        return reference
+    reference = trainer.freeze_reference()
+    tmp = run_dir / ".tmp-reference-model"
+    shutil.rmtree(tmp, ignore_errors=True)
+    write_model_dir(tmp, reference, model_dir)
+    tmp.rename(path)
+    return reference
+
+
 async def train(
     cfg: Config,
     run_dir: Path,
@@ -284,9 +301,11 @@ async def train(
                 lr=cfg.trainer.lr,
                 clip_eps=cfg.trainer.clip_eps,
                 entropy_coef=cfg.trainer.entropy_coef,
+                kl_coef=cfg.trainer.kl_coef,
                 max_grad_norm=cfg.trainer.max_grad_norm,
                 micro_batch_tokens=cfg.trainer.micro_batch_tokens,
                 updates_per_batch=cfg.trainer.updates_per_batch,
+                loss_aggregation=cfg.trainer.loss_aggregation,
             ),
             version=state.weight_version,
         )
@@ -309,6 +328,8 @@ async def train(
                         f" {info['nll_last']:.3f} in {info['wall_s']:.0f} s"
                     )
                 await engine.publish(trainer, run_dir, model_dir)
+            if cfg.trainer.kl_coef:
+                trainer.reference = await on_trainer(reference_policy, run_dir, trainer, model_dir)
             generate = engine.generate
             if cfg.faults.engine_errors:
                 generate = FailingGenerate(generate, cfg.faults.engine_errors, cfg.run.seed)
@@ -359,9 +380,11 @@ async def train(
                         {
                             "loss": stats.loss,
                             "entropy": stats.entropy,
+                            "kl": stats.kl,
                             "clip_fraction": stats.clip_fraction,
                             "tokens": stats.tokens,
                             "sandboxes_running": pool.stats().sandboxes_running,
+                            "groups_dropped": coordinator.stats.groups_dropped,
                         },
                     )
                     with metrics_file.open("a") as f:

@@ -8,10 +8,14 @@ or no spread teaches nothing: all its advantages are 0.
 
 Loss (PPO-clip against the behaviour policy, which the engine recorded per token):
 ratio_t = exp(logp_t - logp_behaviour_t) corrects for tokens produced by older weights (bounded
-staleness); the objective min(ratio_t A, clip(ratio_t, 1 - eps, 1 + eps) A) is averaged over the
-model's tokens only (the mask excludes prompt and observation tokens), optionally with an entropy
-bonus: without it a multi-turn policy tends to collapse to one fixed action sequence
-(MEASURED.md).
+staleness); the objective min(ratio_t A, clip(ratio_t, 1 - eps, 1 + eps) A) is summed over the
+model's tokens only, each with a weight (0 for prompt and observation tokens; the trainer chooses
+the weights, see `LossAggregation`), optionally with an entropy bonus: without it a multi-turn
+policy tends to collapse to one fixed action sequence (MEASURED.md), and optionally with a KL
+penalty to a frozen reference policy (the k3 estimator of DeepSeekMath's GRPO on the sampled
+tokens, exp(ref - logp) - (ref - logp) - 1, unbiased and never negative): it keeps the tokens the
+reward says nothing about (the format every episode writes) where the reference had them while
+the advantages move the decisions.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -34,12 +39,35 @@ def group_advantages(rewards: Sequence[float | None], eps: float = 1e-6) -> list
     return [None if r is None else (r - mean) / (std + eps) for r in rewards]
 
 
+LossAggregation = Literal["token_mean", "seq_mean"]
+"""How the per-token objective is averaged over a batch.
+
+`token_mean`: every model token of the batch weighs the same (DAPO, Dr. GRPO), so long trajectories
+are not down-weighted. `seq_mean`: each trajectory weighs the same, its tokens share its weight
+(the original GRPO). The difference matters when length goes with the reward: on guess_number the
+losers are the long episodes (all six guesses), so under `token_mean` the tokens that every
+episode writes (the tool-call syntax) collect more negative advantage from the losers than positive
+from the winners, and a fast learning rate wrecks the format; under `seq_mean` a trajectory's
+weight does not grow with its length, so on those tokens a group's advantages (which sum to zero)
+roughly cancel."""
+
+
+def row_weights(model_tokens: Sequence[int], aggregation: LossAggregation) -> list[float]:
+    """The loss weight of each model token of each row (trajectory), summing to 1 over the batch."""
+    if aggregation == "token_mean":
+        total = sum(model_tokens)
+        return [1.0 / total if total else 0.0 for _ in model_tokens]
+    rows = sum(1 for n in model_tokens if n)
+    return [1.0 / (rows * n) if n else 0.0 for n in model_tokens]
+
+
 @dataclass(frozen=True)
 class LossStats:
     loss: float
     clip_fraction: float
     mean_ratio: float
     entropy: float
+    kl: float  # mean k3 estimate to the reference; 0 without one
     tokens: int
 
 
@@ -48,25 +76,36 @@ def policy_loss(
     tokens: torch.Tensor,  # [T] the tokens that were sampled
     behaviour_logprobs: torch.Tensor,  # [T] logprobs the engine recorded when sampling them
     advantages: torch.Tensor,  # [T] the trajectory's advantage on each of its tokens
-    mask: torch.Tensor,  # [T] 1 for model tokens, 0 for prompt and observation tokens
+    weights: torch.Tensor,  # [T] each token's weight; 0 for prompt and observation tokens
     clip_eps: float = 0.2,
     entropy_coef: float = 0.0,
+    reference_logprobs: torch.Tensor | None = None,  # [T] under the reference policy
+    kl_coef: float = 0.0,
 ) -> tuple[torch.Tensor, LossStats]:
+    """The weighted sum of the negated per-token objective (the caller normalises it); the
+    statistics are plain means over the tokens with a weight."""
     logp_all = torch.log_softmax(logits.float(), dim=-1)
     logp = logp_all.gather(-1, tokens[:, None]).squeeze(-1)
     ratio = torch.exp(logp - behaviour_logprobs)
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
     objective = torch.minimum(ratio * advantages, clipped * advantages)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
-    m = mask.float()
+    per_token = objective + entropy_coef * entropy
+    kl = torch.zeros_like(logp)
+    if reference_logprobs is not None:
+        log_ratio = reference_logprobs - logp
+        kl = torch.exp(log_ratio) - log_ratio - 1
+        per_token = per_token - kl_coef * kl
+    loss = -(per_token * weights).sum()
+    m = (weights > 0).float()
     n = m.sum().clamp(min=1)
-    loss = -((objective + entropy_coef * entropy) * m).sum() / n
     with torch.no_grad():
         stats = LossStats(
             loss=float(loss),
             clip_fraction=float((((ratio - clipped).abs() > 1e-6).float() * m).sum() / n),
             mean_ratio=float((ratio * m).sum() / n),
             entropy=float((entropy * m).sum() / n),
+            kl=float((kl * m).sum() / n),
             tokens=int(m.sum()),
         )
     return loss, stats

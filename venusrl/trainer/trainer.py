@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from venusrl.engine.model import CausalLM
-from venusrl.trainer.grpo import policy_loss
+from venusrl.engine.model_dir import build_model
+from venusrl.trainer.grpo import LossAggregation, policy_loss, row_weights
 from venusrl.types import Trajectory
 
 
@@ -25,9 +26,11 @@ class TrainerConfig:
     weight_decay: float = 0.0
     clip_eps: float = 0.2
     entropy_coef: float = 0.0
+    kl_coef: float = 0.0  # penalty to the reference policy (`GRPOTrainer.reference`)
     max_grad_norm: float = 1.0
     micro_batch_tokens: int = 8192
     updates_per_batch: int = 1  # PPO epochs: gradient steps on each batch
+    loss_aggregation: LossAggregation = "token_mean"
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -38,10 +41,20 @@ class TrainerConfig:
             raise ValueError(
                 f"trainer.updates_per_batch must be >= 1, got {self.updates_per_batch}"
             )
+        if self.loss_aggregation not in ("token_mean", "seq_mean"):
+            raise ValueError(
+                "trainer.loss_aggregation must be token_mean or seq_mean,"
+                f" got {self.loss_aggregation!r}"
+            )
+        if self.kl_coef < 0:
+            raise ValueError(f"trainer.kl_coef must be >= 0, got {self.kl_coef}")
         if self.micro_batch_tokens < 2:
             raise ValueError(
                 f"trainer.micro_batch_tokens must be >= 2, got {self.micro_batch_tokens}"
             )
+
+
+_Row = tuple[Trajectory, float, float]  # trajectory, advantage, weight of each of its model tokens
 
 
 @dataclass(frozen=True)
@@ -51,34 +64,61 @@ class StepStats:
     clip_fraction: float
     mean_ratio: float
     entropy: float
+    kl: float
     tokens: int
     trajectories: int
     grad_norm: float
 
 
 class GRPOTrainer:
-    def __init__(self, model: CausalLM, config: TrainerConfig | None = None, version: int = 0):
+    def __init__(
+        self,
+        model: CausalLM,
+        config: TrainerConfig | None = None,
+        version: int = 0,
+        reference: CausalLM | None = None,
+    ):
+        """`reference`: the frozen policy of the KL penalty, needed when `kl_coef > 0`
+        (`freeze_reference` makes one of the current weights)."""
         self.model = model
         self.config = config or TrainerConfig()
         self.version = version
+        self.reference = reference
+        if reference is not None:
+            reference.requires_grad_(False).eval()
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay
         )
+
+    def freeze_reference(self) -> CausalLM:
+        """The current weights become the KL reference (a frozen copy)."""
+        weight = next(self.model.parameters())
+        reference = build_model(self.model.config, weight.device, weight.dtype)
+        reference.load_weights(
+            (k, v.detach().clone()) for k, v in self.model.hf_state_dict().items()
+        )
+        reference.requires_grad_(False).eval()
+        self.reference = reference
+        return reference
 
     def step(self, trajectories: Sequence[Trajectory], advantages: Sequence[float]) -> StepStats:
         """`advantages[i]` applies to every model token of `trajectories[i]`; masked members
         (infrastructure failures) must be left out by the caller."""
         if len(trajectories) != len(advantages):
             raise ValueError("one advantage per trajectory")
+        if self.config.kl_coef and self.reference is None:
+            raise ValueError("trainer.kl_coef > 0 needs a reference policy (freeze_reference)")
         # A zero advantage (a group whose members all scored the same) carries no policy
         # gradient; leaving it in would let the entropy bonus alone push those tokens toward
         # uniform (measured: 15 such steps at lr 2e-3 turned a warm-started policy into noise).
-        rows = [
+        kept = [
             (t, a)
             for t, a in zip(trajectories, advantages, strict=True)
             if t.model_tokens and a != 0
         ]
-        total = sum(t.model_tokens for t, _ in rows)
+        weights = row_weights([t.model_tokens for t, _ in kept], self.config.loss_aggregation)
+        rows = [(t, a, w) for (t, a), w in zip(kept, weights, strict=True)]
+        total = sum(t.model_tokens for t, _, _ in rows)
         self.model.train()
         # PPO's several passes over one batch: each pass recomputes the ratio against the
         # behaviour logprobs, and the clip stops a token once it has moved far enough. Reported
@@ -95,35 +135,43 @@ class GRPOTrainer:
             first["clip"],
             first["ratio"],
             first["entropy"],
+            first["kl"],
             total,
             len(rows),
             first["grad_norm"],
         )
 
-    def _update(
-        self, rows: list[tuple[Trajectory, float]], total: int
-    ) -> tuple[dict[str, float], float]:
-        """One gradient step over all rows; the loss is the mean over their model tokens."""
+    def _update(self, rows: list[_Row], total: int) -> tuple[dict[str, float], float]:
+        """One gradient step over all rows; their token weights sum to 1 (`row_weights`)."""
         self.optimizer.zero_grad(set_to_none=True)
-        sums = {"loss": 0.0, "clip": 0.0, "ratio": 0.0, "entropy": 0.0}
+        sums = {"loss": 0.0, "clip": 0.0, "ratio": 0.0, "entropy": 0.0, "kl": 0.0}
+        reference = self.reference if self.config.kl_coef > 0 else None
         for batch in self._micro_batches(rows):
-            ids, behaviour, mask, adv = _pad(batch)
+            ids, behaviour, weights, adv = _pad(batch)
+            reference_logprobs = None
+            if reference is not None:
+                with torch.no_grad():
+                    ref = torch.log_softmax(reference.forward_dense(ids[:, :-1]), dim=-1)
+                    reference_logprobs = ref.gather(-1, ids[:, 1:, None]).reshape(-1)
             logits = self.model.forward_dense(ids[:, :-1])
             loss, stats = policy_loss(
                 logits.reshape(-1, logits.shape[-1]),
                 ids[:, 1:].reshape(-1),
                 behaviour[:, 1:].reshape(-1),
                 adv[:, None].expand(-1, ids.shape[1] - 1).reshape(-1),
-                mask[:, 1:].reshape(-1),
+                weights[:, 1:].reshape(-1),
                 self.config.clip_eps,
                 self.config.entropy_coef,
+                reference_logprobs,
+                self.config.kl_coef,
             )
+            loss.backward()
+            sums["loss"] += stats.loss
             weight = stats.tokens / max(total, 1)
-            (loss * weight).backward()
-            sums["loss"] += stats.loss * weight
             sums["clip"] += stats.clip_fraction * weight
             sums["ratio"] += stats.mean_ratio * weight
             sums["entropy"] += stats.entropy * weight
+            sums["kl"] += stats.kl * weight
         grad_norm = float(
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
         )
@@ -135,16 +183,16 @@ class GRPOTrainer:
         """One supervised step on demonstrations: the mean negative log-likelihood of their model
         tokens (the warm start), at `lr` when given instead of the RL learning rate. Does not
         change the weight version."""
-        rows = [(t, 0.0) for t in trajectories if t.model_tokens]
-        total = sum(t.model_tokens for t, _ in rows)
+        rows = [(t, 0.0, 1.0) for t in trajectories if t.model_tokens]
+        total = sum(t.model_tokens for t, _, _ in rows)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         nll = 0.0
         for batch in self._micro_batches(rows):
-            ids, _, mask, _ = _pad(batch)
+            ids, _, weights, _ = _pad(batch)
             logp = torch.log_softmax(self.model.forward_dense(ids[:, :-1]), dim=-1)
             picked = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
-            loss = -(picked * mask[:, 1:]).sum() / max(total, 1)
+            loss = -(picked * (weights[:, 1:] > 0)).sum() / max(total, 1)
             loss.backward()
             nll += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
@@ -157,12 +205,10 @@ class GRPOTrainer:
         self.model.eval()
         return nll
 
-    def _micro_batches(
-        self, rows: list[tuple[Trajectory, float]]
-    ) -> list[list[tuple[Trajectory, float]]]:
+    def _micro_batches(self, rows: list[_Row]) -> list[list[_Row]]:
         """Rows sorted by length, cut so that rows x longest row stays within the token budget."""
-        batches: list[list[tuple[Trajectory, float]]] = []
-        current: list[tuple[Trajectory, float]] = []
+        batches: list[list[_Row]] = []
+        current: list[_Row] = []
         for row in sorted(rows, key=lambda r: len(r[0].token_ids)):
             longest = len(row[0].token_ids)
             if current and (len(current) + 1) * longest > self.config.micro_batch_tokens:
@@ -174,17 +220,17 @@ class GRPOTrainer:
         return batches
 
 
-def _pad(
-    rows: list[tuple[Trajectory, float]],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    width = max(len(t.token_ids) for t, _ in rows)
+def _pad(rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token ids, behaviour logprobs, token weights (the row's weight on its model tokens, 0
+    elsewhere) and advantages, right-padded."""
+    width = max(len(t.token_ids) for t, _, _ in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     behaviour = torch.zeros(len(rows), width)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, (t, _) in enumerate(rows):
+    weights = torch.zeros(len(rows), width)
+    for i, (t, _, w) in enumerate(rows):
         n = len(t.token_ids)
         ids[i, :n] = torch.tensor(t.token_ids)
         behaviour[i, :n] = torch.tensor(t.logprobs)
-        mask[i, :n] = torch.tensor(t.mask)
-    adv = torch.tensor([a for _, a in rows], dtype=torch.float32)
-    return ids, behaviour, mask, adv
+        weights[i, :n] = torch.tensor(t.mask, dtype=torch.float32) * w
+    adv = torch.tensor([a for _, a, _ in rows], dtype=torch.float32)
+    return ids, behaviour, weights, adv

@@ -1,0 +1,45 @@
+"""`venusrl sim` from the command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SMALL = """\
+base: swe-short
+rollout_gpus: 2
+train_gpus: 2
+prompts_per_batch: 4
+group_size: 4
+turns: {kind: lognormal, prompt_median: {lognormal: {median: 8, sigma: 0.35}}, sigma: 0.35}
+"""
+
+
+def sim(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "venusrl.cli", "sim", *args], capture_output=True, text=True
+    )
+
+
+def test_sim_prints_one_json_object_with_speedups_per_policy(tmp_path: Path) -> None:
+    workload = tmp_path / "small.yaml"
+    workload.write_text(SMALL)
+    proc = sim("--workload", str(workload), "--policies", "sync,venus", "--steps", "3", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["workload"] == "small"
+    ours, sync = out["results"][1], out["results"][0]
+    assert ours["policy"] == "venus" and ours["steps"] == 3
+    assert ours["speedup_vs_sync"] == sync["mean_step_s"] / ours["mean_step_s"]
+    assert ours["knobs"]["priorities"] == "critical"  # the knobs are printed with the results
+    table = sim("--workload", str(workload), "--policies", "sync,venus", "--steps", "2")
+    assert table.returncode == 0 and "speedup_vs_sync" in table.stdout
+
+
+def test_sim_names_a_bad_policy_or_scenario() -> None:
+    proc = sim("--scenario", "swe-longg")
+    assert proc.returncode == 2 and "swe-longg" in proc.stderr and "swe-long" in proc.stderr
+    proc = sim("--scenario", "swe-long", "--policies", "sync,fastest")
+    assert proc.returncode == 2 and "fastest" in proc.stderr

@@ -1,0 +1,73 @@
+"""Seeded, sourced workloads and the workload file format."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from venusrl.sim.workloads import SCENARIOS, LogNormal, Mixture, WorkloadSampler, load_workload
+
+
+def test_the_same_seed_draws_the_same_trajectories_whatever_the_order() -> None:
+    a, b = WorkloadSampler(SCENARIOS["swe-long"], 3), WorkloadSampler(SCENARIOS["swe-long"], 3)
+    pa, pb = a.next_prompt(), b.next_prompt()
+    assert pa == pb
+    # A member's draw depends on its prompt and index, not on who was drawn before it.
+    first = [a.trajectory(pa, i) for i in range(8)]
+    second = [b.trajectory(pb, i) for i in reversed(range(8))][::-1]
+    assert first == second
+    assert a.trajectory(pa, 0, attempt=1) != first[0]  # a replacement is a new draw
+
+
+def test_turn_and_context_caps_hold() -> None:
+    w = SCENARIOS["swe-short"]
+    sampler = WorkloadSampler(w, 0)
+    for _ in range(40):
+        prompt = sampler.next_prompt()
+        plan = sampler.trajectory(prompt, 0)
+        assert 1 <= len(plan.turns) <= w.turn_cap
+        total = plan.prompt_tokens + sum(
+            t.action_tokens + t.observation_tokens + w.template_tokens for t in plan.turns
+        )
+        assert total <= w.context_cap + w.template_tokens
+        assert plan.turns[-1].observation_tokens == 0 and plan.turns[-1].tool_s == 0
+
+
+def test_swe_long_turns_follow_the_sourced_median() -> None:
+    sampler = WorkloadSampler(SCENARIOS["swe-long"], 1)
+    turns = sorted(len(sampler.trajectory(sampler.next_prompt(), 0).turns) for _ in range(400))
+    assert 45 <= turns[len(turns) // 2] <= 70  # LN(57, ~0.5)
+    assert turns[-1] <= 300
+
+
+def test_a_workload_file_overrides_its_base_by_field_name(tmp_path: Path) -> None:
+    f = tmp_path / "mine.yaml"
+    f.write_text(
+        "base: swe-short\n"
+        "prompts_per_batch: 8\n"
+        "action_tokens: {lognormal: {median: 100, sigma: 0.5, max: 400}}\n"
+        "sandbox_start_s:\n"
+        "  mixture: [{p: 0.5, constant: 1}, {p: 0.5, lognormal: {median: 9, sigma: 1}}]\n"
+    )
+    w = load_workload(f)
+    assert w.name == "mine" and w.prompts_per_batch == 8 and w.turn_cap == 50
+    assert w.action_tokens == LogNormal(100, 0.5, 0.0, 400)
+    assert isinstance(w.sandbox_start_s, Mixture)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("prompts_per_batchh: 8\n", "unknown field"),
+        ("action_tokens: {lognormal: {median: 100}}\n", "median and sigma"),
+        ("action_tokens: {weibull: 3}\n", "unknown distribution"),
+        ("reward_s: {mixture: [{p: 0.3, constant: 1}]}\n", "sum to 1"),
+        ("base: nope\n", "unknown scenario"),
+    ],
+)
+def test_a_bad_workload_file_says_which_field(tmp_path: Path, text: str, message: str) -> None:
+    f = tmp_path / "bad.yaml"
+    f.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_workload(f)

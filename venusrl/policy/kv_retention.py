@@ -1,0 +1,70 @@
+"""Whose idle KV leaves the device first, and whether it is dropped or moved to host memory.
+
+Pure policy (DESIGN.md contract 1). When an engine needs device pages, it evicts idle KV: that of
+trajectories waiting on a tool, and of finished ones. The policy orders the candidates and says,
+for each, whether to drop it (it is computed again if needed: a re-prefill) or offload it to the
+host tier (it is loaded back over PCIe: seconds cheaper at long context, WORKLOADS.md).
+
+`LruRetention` is what a plain radix cache does (SGLang-like): least recently used first, always
+dropped. A trajectory that waits seconds on a tool looks cold to it, so its whole context is
+prefilled again when the observation returns.
+
+`TrajectoryRetention` knows why the KV is idle (seed 000 section 3, seed 002 "Batch Conductor"):
+KV nobody will read again goes first, then best-effort work's, then KV whose retention pin (the
+expected tool latency) has expired, and last the KV of high-priority trajectories still within
+their pin. Pinned KV of a live trajectory is offloaded, never silently dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from venusrl.policy.critical_groups import HIGH
+
+
+@dataclass(frozen=True, slots=True)
+class IdleKV:
+    key: str  # the trajectory (or radix node) it belongs to
+    tokens: int
+    priority: int  # of the owner's group, now
+    last_use: float
+    pin_deadline: float | None  # while the owner waits on a tool: when the wait should be over
+    finished: bool  # the owner's episode is over: no one reads this KV again
+
+
+class RetentionPolicy(Protocol):
+    def eviction_order(self, idle: Sequence[IdleKV], now: float) -> list[IdleKV]:
+        """Candidates, the first to leave the device first."""
+        ...
+
+    def offload(self, entry: IdleKV, now: float) -> bool:
+        """Move it to host memory (True) or drop it (False)?"""
+        ...
+
+
+class LruRetention:
+    def eviction_order(self, idle: Sequence[IdleKV], now: float) -> list[IdleKV]:
+        return sorted(idle, key=lambda e: e.last_use)
+
+    def offload(self, entry: IdleKV, now: float) -> bool:
+        return False
+
+
+class TrajectoryRetention:
+    def rank(self, entry: IdleKV, now: float) -> tuple[int, float]:
+        if entry.finished:
+            return (0, entry.last_use)
+        pinned = entry.pin_deadline is not None and entry.pin_deadline > now
+        if entry.priority < HIGH:
+            return (1 if not pinned else 2, entry.last_use)
+        if not pinned:
+            return (3, entry.last_use)
+        return (4, -(entry.pin_deadline or 0.0))  # the owner due back last leaves first
+
+    def eviction_order(self, idle: Sequence[IdleKV], now: float) -> list[IdleKV]:
+        return sorted(idle, key=lambda e: self.rank(e, now))
+
+    def offload(self, entry: IdleKV, now: float) -> bool:
+        return not entry.finished

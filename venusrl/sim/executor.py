@@ -1,0 +1,651 @@
+"""A discrete-event executor of venusrl's scheduling policies at cluster scale.
+
+Time is virtual: engine iterations, tool calls, sandbox starts, rewards, trainer steps and weight
+syncs take what the cost model and the workload say, and nothing runs for real. What decides is
+real: the coordinator's group ranking (`policy.critical_groups`), the staleness bound
+(`policy.staleness`), the engines' batch scheduler (`policy.engine_schedule.PriorityScheduler`,
+the object the engine runs) and the KV retention policy (`policy.kv_retention`), each called
+with snapshots built from the simulated state (DESIGN.md contract 1).
+
+What is modelled, per engine: continuous batching with chunked prefill under a token budget, KV
+pages on the device, idle KV of trajectories between turns (kept, evicted to host or dropped by
+the retention policy), preemption by priority, and re-prefill of whatever KV was lost. Decode
+iterations between two decisions are merged into one event (a batch that does not change runs the
+same plan until a member finishes its action or a request arrives; an arrival waits for the
+iteration in flight, as on a real engine), so a scenario of millions of tokens runs in seconds.
+
+Simplifications (each a bias the same for every policy): a group's members do not share their
+prompt's KV (it is 3 % of a swe-long context); host memory for offloaded KV is unbounded; KV
+survives weight updates (no version salt); sandboxes are charged their whole RSS, unshared.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from venusrl.policy.critical_groups import (
+    BEST_EFFORT,
+    CoordinatorSnapshot,
+    CriticalGroups,
+    FifoGroups,
+    GroupView,
+    LengthPredictor,
+    MemberView,
+)
+from venusrl.policy.engine_schedule import (
+    EngineSnapshot,
+    PriorityScheduler,
+    RequestView,
+    pages_for,
+)
+from venusrl.policy.kv_retention import IdleKV, LruRetention, RetentionPolicy, TrajectoryRetention
+from venusrl.policy.staleness import StalenessBound
+from venusrl.sim.cost_model import CostModel
+from venusrl.sim.workloads import PromptPlan, TrajectoryPlan, Workload, WorkloadSampler
+
+
+@dataclass(frozen=True)
+class SimPolicy:
+    """One scheduler configuration: the knobs a run compares."""
+
+    name: str
+    priorities: Literal["critical", "fifo"] = "fifo"
+    max_staleness: int = 1
+    retention: Literal["lru", "trajectory"] = "lru"
+    pin_s: float = 5.0  # retention pin while a trajectory waits on a tool (trajectory retention)
+
+
+POLICIES = {
+    # veRL-like: the whole batch rolls out, then the trainer steps, then weights sync; continuous
+    # batching, an LRU radix cache and sticky routing, as veRL on SGLang has.
+    "sync": SimPolicy("sync", "fifo", 0, "lru"),
+    # AReaL / ROLL Flash-like: rollout runs ahead of the trainer by at most one version.
+    "async": SimPolicy("async", "fifo", 1, "lru"),
+    # Ours: critical groups first, tool-waiting KV kept or offloaded, never silently dropped.
+    "venus": SimPolicy("venus", "critical", 1, "trajectory"),
+}
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    steps: int = 4  # trainer steps to run
+    warmup_steps: int = 1  # left out of the mean step time (the pipeline is filling)
+    page_size: int = 64
+    token_budget: int = 8192  # tokens per engine iteration (chunked prefill)
+    max_running: int = 256
+    max_infra_retries: int = 2
+    max_merged_iterations: int = 512
+    waiting_head: int = 64  # waiting requests shown to the scheduler (the engine shows a head too)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._queue: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._queue, (max(t, self.now), next(self._seq), fn))
+
+    def run(self, until: Callable[[], bool]) -> None:
+        while self._queue and not until():
+            self.now, _, fn = heapq.heappop(self._queue)
+            fn()
+
+
+@dataclass(eq=False)
+class _Group:
+    gid: str
+    prompt: PromptPlan
+    arrival: int
+    started_version: int
+    started_at: float
+    members: list[MemberView]
+    scored: int = 0
+    masked: int = 0
+    attempts: list[int] = field(default_factory=list)
+    tokens: int = 0  # of the finished trajectories, for the trainer's cost
+    sequences: int = 0
+
+
+@dataclass(eq=False)
+class _Traj:
+    tid: str
+    group: _Group
+    index: int
+    plan: TrajectoryPlan
+    started_at: float
+    turn: int = 0
+    context: int = 0  # tokens of the record so far
+    generated: int = 0
+    engine: _Engine | None = None
+
+
+@dataclass(eq=False)
+class _Request:
+    rid: str
+    traj: _Traj
+    arrival: int
+    computed: int  # tokens of the context whose KV is on the device for this request
+    prefill_left: int
+    decode_left: int
+
+
+@dataclass
+class _Idle:
+    tokens: int
+    last_use: float
+    pin_deadline: float | None
+    finished: bool
+    on_host: bool = False
+
+
+@dataclass
+class Counters:
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    reprefill_tokens: int = 0
+    reprefill_after_eviction: int = 0
+    reprefill_after_preemption: int = 0
+    offload_bytes: float = 0.0
+    load_bytes: float = 0.0
+    preemptions: int = 0
+    evictions: int = 0
+    iterations: int = 0
+    decisions: int = 0
+
+
+class _Engine:
+    def __init__(self, sim: Simulation, index: int) -> None:
+        self.sim, self.index = sim, index
+        self.capacity = sim.cost.kv_capacity_tokens // sim.config.page_size
+        self.running: dict[str, _Request] = {}
+        self.waiting: list[_Request] = []
+        self.idle: dict[str, _Idle] = {}  # trajectory id -> its KV between turns
+        self.trajectories = 0  # routed here and not finished (the router's load)
+        self.busy = False  # an iteration is in flight or a decision is due
+        self.busy_s = 0.0
+        self.paused_until = 0.0
+        self._epoch = 0
+        self._chunk: tuple[float, float, int, list[_Request]] | None = None  # start, dt, n, reqs
+
+    def submit(self, req: _Request) -> None:
+        self.waiting.append(req)
+        if not self.busy:
+            self.busy = True
+            self.sim.clock.at(self.sim.clock.now, self._step)
+        elif self._chunk is not None:
+            self._interrupt()
+
+    def finish_trajectory(self, tid: str) -> None:
+        # Nobody reads it again (group members do not share KV here): free at no cost, as the
+        # first eviction of any policy would.
+        self.idle.pop(tid, None)
+
+    def _interrupt(self) -> None:
+        """A request arrived during merged decode iterations: they stop after the one in flight,
+        as a real engine's next iteration would take the newcomer into account."""
+        assert self._chunk is not None
+        start, dt, n, reqs = self._chunk
+        done = min(n, int((self.sim.clock.now - start) / dt) + 1)
+        if done < n:
+            self._chunk = (start, dt, done, reqs)
+            self._end_at(start + done * dt)
+
+    # --- one decision ------------------------------------------------------------------------
+
+    def _pages(self, tokens: int) -> int:
+        return pages_for(tokens, self.sim.config.page_size)
+
+    def _device_pages(self) -> int:
+        running = sum(self._pages(r.computed) for r in self.running.values())
+        return running + sum(self._pages(e.tokens) for e in self.idle.values() if not e.on_host)
+
+    def _view(self, req: _Request, priority: int) -> RequestView:
+        if req.rid in self.running:
+            held = self._pages(req.computed)
+            todo = req.prefill_left or 1
+            return RequestView(req.rid, priority, req.arrival, req.computed, todo, held, held)
+        entry = self.idle.get(req.traj.tid)
+        cached = entry.tokens if entry is not None else 0
+        held = self._pages(cached) if entry is not None and not entry.on_host else 0
+        todo = max(req.traj.context - cached, 1)
+        return RequestView(req.rid, priority, req.arrival, cached, todo, held, held)
+
+    def _step(self) -> None:
+        sim, cfg = self.sim, self.sim.config
+        now = sim.clock.now
+        if now < self.paused_until:  # the weights are being updated
+            sim.clock.at(self.paused_until, self._step)
+            return
+        sim.counters.decisions += 1
+        priority = sim.priority
+        running = [self._view(r, priority(r.traj.group.gid)) for r in self.running.values()]
+        self.waiting.sort(key=lambda r: (-priority(r.traj.group.gid), r.arrival))
+        head = self.waiting[: cfg.waiting_head]
+        waiting = [self._view(r, priority(r.traj.group.gid)) for r in head]
+        # As the engine counts it: free pages plus every idle page (evictable, a waiting request's
+        # own cached context included; its `pages_held` keeps it from being asked for twice).
+        free = self.capacity - sum(v.pages_held for v in running)
+        snap = EngineSnapshot(
+            running, waiting, free, cfg.page_size, cfg.token_budget, cfg.max_running
+        )
+        plan = sim.scheduler.schedule(snap)
+        for rid in plan.preempt:
+            self._preempt(self.running.pop(rid))
+        if not plan.run:
+            # Nothing fits: KV frees when a tool returns or a trajectory's KV is let go.
+            self.busy = False
+            return
+        by_id = {r.rid: r for r in head}
+        used = self._device_pages()
+        seconds, prefill = 0.0, False
+        decodes: list[_Request] = []
+        for rid, n in plan.run:
+            req = self.running.get(rid)
+            if req is None:
+                req = by_id[rid]
+                self.waiting.remove(req)
+                self.running[rid] = req
+                entry = self.idle.get(req.traj.tid)
+                seconds += self._admit(req)
+                if entry is not None and entry.on_host:  # loaded back: it needs its pages again
+                    loaded = self._pages(req.computed)
+                    used = self._make_room(used, loaded) + loaded
+            tokens = min(n, req.prefill_left) if req.prefill_left else 1
+            growth = self._pages(req.computed + tokens) - self._pages(req.computed)
+            used = self._make_room(used, growth) + growth
+            if req.prefill_left:
+                seconds += sim.cost.prefill_s(tokens, req.computed)
+                req.computed += tokens
+                req.prefill_left -= tokens
+                prefill = True
+            else:
+                decodes.append(req)
+        context = sum(r.computed for r in decodes)
+        n = 1
+        if decodes and not prefill and not seconds and not plan.preempt:
+            # The same plan repeats until a request finishes its action: merge those iterations.
+            free_tokens = (self.capacity - used) * cfg.page_size
+            n = min(
+                min(r.decode_left for r in decodes),
+                max(1, free_tokens // len(decodes)),
+                cfg.max_merged_iterations,
+            )
+            seconds = sim.cost.decode_step_s(len(decodes), context + len(decodes) * n / 2)
+        else:
+            seconds += sim.cost.decode_step_s(len(decodes), context) or sim.cost.gpu.t_fix
+        self._chunk = (now, seconds, n, decodes)
+        self._end_at(now + n * seconds)
+
+    def _end_at(self, t: float) -> None:
+        self._epoch += 1
+        epoch = self._epoch
+        self.sim.clock.at(t, lambda: self._end(epoch))
+
+    def _end(self, epoch: int) -> None:
+        if epoch != self._epoch or self._chunk is None:
+            return  # superseded by an interruption
+        sim = self.sim
+        start, _, n, decodes = self._chunk
+        self._chunk = None
+        self.busy_s += sim.clock.now - start
+        sim.counters.iterations += n
+        for req in decodes:
+            req.computed += n
+            req.decode_left -= n
+            req.traj.context += n
+            req.traj.generated += n
+        for req in [r for r in self.running.values() if not r.prefill_left and not r.decode_left]:
+            del self.running[req.rid]
+            self.idle[req.traj.tid] = _Idle(req.computed, sim.clock.now, None, False)
+            sim.turn_done(req.traj)
+        if self.running or self.waiting:
+            self._step()
+        else:
+            self.busy = False
+
+    # --- KV ------------------------------------------------------------------------------------
+
+    def _admit(self, req: _Request) -> float:
+        """The request's context KV: from the device (a hit), from host (a load, whose time the
+        iteration pays) or computed again (a re-prefill of what was lost)."""
+        sim = self.sim
+        tid = req.traj.tid
+        entry = self.idle.pop(tid, None)
+        req.computed = entry.tokens if entry is not None else 0
+        req.prefill_left = req.traj.context - req.computed
+        lost = sim.lost_kv.pop(tid, None)
+        if lost is not None:
+            cause, tokens = lost
+            sim.counters.reprefill_tokens += tokens
+            if cause == "preemption":
+                sim.counters.reprefill_after_preemption += tokens
+            else:
+                sim.counters.reprefill_after_eviction += tokens
+        if entry is None:
+            return 0.0
+        if entry.on_host:
+            sim.counters.host_hit_tokens += entry.tokens
+            sim.counters.load_bytes += entry.tokens * sim.cost.model.kv_bytes_per_token
+            return sim.cost.transfer_s(entry.tokens, to_device=True)
+        sim.counters.device_hit_tokens += entry.tokens
+        return 0.0
+
+    def _make_room(self, used: int, need: int) -> int:
+        """Evicts idle KV until `need` more pages fit; returns the pages then in use."""
+        free = self.capacity - used
+        if need <= free:
+            return used
+        sim = self.sim
+        now = sim.clock.now
+        candidates = [
+            IdleKV(tid, e.tokens, sim.priority(sim.group_of(tid)), e.last_use, e.pin_deadline,
+                   e.finished)
+            for tid, e in self.idle.items()
+            if not e.on_host
+        ]  # fmt: skip
+        for cand in sim.retention.eviction_order(candidates, now):
+            if need <= free:
+                break
+            entry = self.idle[cand.key]
+            free += self._pages(entry.tokens)
+            sim.counters.evictions += 1
+            if sim.retention.offload(cand, now):
+                entry.on_host = True
+                sim.counters.offload_bytes += entry.tokens * sim.cost.model.kv_bytes_per_token
+            else:
+                del self.idle[cand.key]
+                if not cand.finished:
+                    sim.lost_kv[cand.key] = ("eviction", entry.tokens)
+        return self.capacity - free
+
+    def _preempt(self, req: _Request) -> None:
+        """A running request gives its pages up; its KV goes to host or is dropped, by policy,
+        and it waits again with the tokens it decoded kept in its context."""
+        sim = self.sim
+        sim.counters.preemptions += 1
+        now = sim.clock.now
+        entry = IdleKV(
+            req.traj.tid, req.computed, sim.priority(req.traj.group.gid), now, None, False
+        )
+        if req.computed and sim.retention.offload(entry, now):
+            self.idle[req.traj.tid] = _Idle(req.computed, now, None, False, on_host=True)
+            sim.counters.offload_bytes += req.computed * sim.cost.model.kv_bytes_per_token
+        elif req.computed:
+            sim.lost_kv[req.traj.tid] = ("preemption", req.computed)
+        req.computed = 0
+        self.waiting.append(req)
+
+
+class Simulation:
+    def __init__(
+        self,
+        workload: Workload,
+        policy: SimPolicy,
+        seed: int = 0,
+        config: SimConfig | None = None,
+        cost: CostModel | None = None,
+    ) -> None:
+        w = self.workload = workload
+        self.policy = policy
+        self.config = config or SimConfig()
+        self.cost = cost or CostModel.preset(w.model, w.gpu, w.tp)
+        self.clock = _Clock()
+        self.sampler = WorkloadSampler(w, seed)
+        self.scheduler = PriorityScheduler()
+        self.retention: RetentionPolicy = (
+            TrajectoryRetention() if policy.retention == "trajectory" else LruRetention()
+        )
+        self.group_policy = CriticalGroups() if policy.priorities == "critical" else FifoGroups()
+        self.bound = StalenessBound(w.prompts_per_batch, policy.max_staleness)
+        self.lengths = LengthPredictor()
+        if w.rollout_gpus % w.tp:
+            raise ValueError(f"rollout_gpus {w.rollout_gpus} is not a multiple of tp {w.tp}")
+        self.engines = [_Engine(self, i) for i in range(w.rollout_gpus // w.tp)]
+        self.counters = Counters()
+        self.lost_kv: dict[str, tuple[str, int]] = {}  # trajectory id -> (cause, tokens)
+        self.version = 0
+        self.groups_started = 0
+        self.groups_dropped = 0
+        self.open: dict[str, _Group] = {}
+        self.ready: list[_Group] = []
+        self.trainer_busy = False
+        self.step_ends: list[float] = []
+        self.group_completion_s: list[float] = []
+        self.staleness: list[int] = []
+        self.sandbox_gb_s = 0.0
+        self.infra_failures = 0
+        self._priority: dict[str, int] = {}
+        self._traj_group: dict[str, str] = {}
+        self._arrivals = itertools.count()
+        # What the group ranking assumes of a trajectory: its decode speed on a loaded engine
+        # (a batch of its share of the trajectories, each at half its final context on average)
+        # and the median tool call; both from draws of the workload, not from this run.
+        probe = WorkloadSampler(w, seed=-1)
+        plans = [probe.trajectory(probe.next_prompt(), 0) for _ in range(64)]
+        contexts = [
+            p.prompt_tokens + sum(t.action_tokens + t.observation_tokens for t in p.turns) / 2
+            for p in plans
+        ]
+        batch = max(1, round(w.prompts_per_batch * w.group_size / len(self.engines)))
+        step_s = self.cost.decode_step_s(batch, batch * statistics.fmean(contexts))
+        self.decode_tokens_per_s = 1.0 / step_s
+        tools = [t.tool_s for p in plans for t in p.turns[:-1]]
+        self.tool_s_per_turn = statistics.median(tools) if tools else 0.0
+
+    # --- what the engines ask ----------------------------------------------------------------
+
+    def priority(self, gid: str) -> int:
+        return self._priority.get(gid, BEST_EFFORT)
+
+    def group_of(self, tid: str) -> str:
+        return self._traj_group[tid]
+
+    # --- the run -------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        self._launch()
+        self.clock.run(until=lambda: len(self.step_ends) >= self.config.steps)
+        if len(self.step_ends) < self.config.steps:
+            waiting = sum(len(e.waiting) for e in self.engines)
+            raise RuntimeError(
+                f"{self.policy.name}: the simulation stalled at t={self.clock.now:.0f} s after"
+                f" {len(self.step_ends)} steps, with {waiting} requests waiting and nothing"
+                " scheduled (a policy that never admits them)"
+            )
+        return self.result()
+
+    def _launch(self) -> None:
+        started = self.groups_started - self.groups_dropped  # a dropped group frees its slot
+        n = self.bound.startable(started, self.version)
+        for _ in range(n):
+            self._open_group()
+        if n:
+            self._rerank()
+
+    def _open_group(self) -> None:
+        w, now = self.workload, self.clock.now
+        prompt = self.sampler.next_prompt()
+        k = w.group_size
+        g = _Group(f"g{self.groups_started}", prompt, self.groups_started, self.version, now,
+                   [MemberView(False)] * k, attempts=[0] * k)  # fmt: skip
+        self.groups_started += 1
+        self.open[g.gid] = g
+        for i in range(k):
+            self._start_member(g, i)
+
+    def _start_member(self, g: _Group, index: int) -> None:
+        plan = self.sampler.trajectory(g.prompt, index, g.attempts[index])
+        now = self.clock.now
+        t = _Traj(
+            f"{g.gid}-m{index}-a{g.attempts[index]}", g, index, plan, now, 0, plan.prompt_tokens
+        )
+        self._traj_group[t.tid] = g.gid
+        self.clock.at(now + plan.sandbox_start_s, lambda: self._request_turn(t))
+
+    def _request_turn(self, t: _Traj) -> None:
+        if t.engine is None:  # sticky: every later turn goes where its KV is
+            t.engine = min(self.engines, key=lambda e: (e.trajectories, e.index))
+            t.engine.trajectories += 1
+        action = t.plan.turns[t.turn].action_tokens
+        req = _Request(f"{t.tid}-t{t.turn}", t, next(self._arrivals), 0, 0, action)
+        t.engine.submit(req)
+
+    def turn_done(self, t: _Traj) -> None:
+        """The engine decoded the turn's action."""
+        assert t.engine is not None
+        now = self.clock.now
+        g = t.group
+        g.members[t.index] = MemberView(False, t.generated, t.turn + 1, waiting_on_tool=True)
+        if t.plan.infra_failure_turn == t.turn:
+            self._end_trajectory(t)
+            self.infra_failures += 1
+            g.attempts[t.index] += 1
+            if g.attempts[t.index] <= self.config.max_infra_retries:
+                self._start_member(g, t.index)  # a replacement member runs the same prompt
+            else:
+                self._member_finished(g, t.index, scored=False)
+            return
+        if t.turn == len(t.plan.turns) - 1:
+            t.engine.finish_trajectory(t.tid)
+            self.clock.at(now + t.plan.reward_s, lambda: self._scored(t))
+            return
+        entry = t.engine.idle.get(t.tid)
+        if entry is not None:
+            entry.pin_deadline = now + self.policy.pin_s
+        self.clock.at(now + t.plan.turns[t.turn].tool_s, lambda: self._tool_returned(t))
+
+    def _tool_returned(self, t: _Traj) -> None:
+        turn = t.plan.turns[t.turn]
+        t.context += turn.observation_tokens + self.workload.template_tokens
+        t.turn += 1
+        assert t.engine is not None
+        entry = t.engine.idle.get(t.tid)
+        if entry is not None:
+            entry.pin_deadline = None
+        self._request_turn(t)
+
+    def _end_trajectory(self, t: _Traj) -> None:
+        assert t.engine is not None
+        t.engine.finish_trajectory(t.tid)
+        t.engine.trajectories -= 1
+        self.lost_kv.pop(t.tid, None)
+        self.sandbox_gb_s += t.plan.sandbox_rss_gb * (self.clock.now - t.started_at)
+
+    def _scored(self, t: _Traj) -> None:
+        self._end_trajectory(t)
+        self.lengths.observe(t.group.prompt.prompt_id, t.generated, len(t.plan.turns))
+        t.group.tokens += t.context
+        t.group.sequences += 1
+        self._member_finished(t.group, t.index, scored=True)
+
+    def _member_finished(self, g: _Group, index: int, scored: bool) -> None:
+        g.members[index] = MemberView(True)
+        if scored:
+            g.scored += 1
+        else:
+            g.masked += 1
+        if g.scored + g.masked == self.workload.group_size:
+            del self.open[g.gid]
+            self._priority.pop(g.gid, None)
+            if g.scored >= 2:
+                self.ready.append(g)
+                self.group_completion_s.append(self.clock.now - g.started_at)
+            else:
+                self.groups_dropped += 1
+                self._launch()
+            self._maybe_train()
+        self._rerank()
+
+    def _rerank(self) -> None:
+        groups = [
+            GroupView(g.gid, g.prompt.prompt_id, g.arrival, tuple(g.members))
+            for g in self.open.values()
+        ]
+        snap = CoordinatorSnapshot(
+            groups,
+            self.workload.prompts_per_batch,
+            len(self.ready),
+            self.lengths.predictions([g.prompt_id for g in groups]),
+            self.decode_tokens_per_s,
+            self.tool_s_per_turn,
+        )
+        self._priority = dict(self.group_policy.decide(snap).priority)
+
+    def _maybe_train(self) -> None:
+        b = self.workload.prompts_per_batch
+        if self.trainer_busy or len(self.ready) < b:
+            return
+        batch, self.ready = self.ready[:b], self.ready[b:]
+        tokens = sum(g.tokens for g in batch)
+        sequences = sum(g.sequences for g in batch)
+        self.staleness += [self.version - g.started_version for g in batch]
+        self.trainer_busy = True
+        seconds = self.cost.train_s(tokens, tokens / sequences, self.workload.train_gpus)
+        self.clock.at(self.clock.now + seconds, self._sync_weights)
+
+    def _sync_weights(self) -> None:
+        """The new weights go to every engine; they pause while they load them."""
+        done = self.clock.now + self.cost.weight_sync_s()
+        for e in self.engines:
+            e.paused_until = done
+        self.clock.at(done, self._published)
+
+    def _published(self) -> None:
+        self.version += 1
+        self.step_ends.append(self.clock.now)
+        self.trainer_busy = False
+        self._launch()
+        self._maybe_train()
+
+    # --- figures ------------------------------------------------------------------------------
+
+    def result(self) -> dict[str, Any]:
+        cfg, ends = self.config, self.step_ends
+        warm = min(cfg.warmup_steps, len(ends) - 1)
+        measured = ends[warm:]
+        step_s = (
+            (measured[-1] - (ends[warm - 1] if warm else 0.0)) / len(measured) if measured else None
+        )
+        now = max(self.clock.now, 1e-9)
+        completion = sorted(self.group_completion_s)
+        return {
+            "policy": self.policy.name,
+            "knobs": asdict(self.policy),
+            "steps": len(ends),
+            "mean_step_s": step_s,
+            "gpu_busy": sum(e.busy_s for e in self.engines) / (len(self.engines) * now),
+            "group_completion_p50_s": _quantile(completion, 0.5),
+            "group_completion_p99_s": _quantile(completion, 0.99),
+            "staleness_mean": statistics.fmean(self.staleness) if self.staleness else 0.0,
+            "staleness_max": max(self.staleness, default=0),
+            "sandbox_gb_s": self.sandbox_gb_s,
+            "infra_failures": self.infra_failures,
+            "groups_dropped": self.groups_dropped,
+            **asdict(self.counters),
+            "simulated_s": self.clock.now,
+        }
+
+
+def _quantile(sorted_values: list[float], q: float) -> float | None:
+    if not sorted_values:
+        return None
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+def simulate(
+    workload: Workload, policies: list[SimPolicy], seed: int = 0, config: SimConfig | None = None
+) -> list[dict[str, Any]]:
+    """Each policy on the same seeded workload, with `speedup_vs_<other>` for every other."""
+    results = [Simulation(workload, p, seed, config).run() for p in policies]
+    for r in results:
+        for other in results:
+            if other is not r and r["mean_step_s"] and other["mean_step_s"]:
+                r[f"speedup_vs_{other['policy']}"] = other["mean_step_s"] / r["mean_step_s"]
+    return results

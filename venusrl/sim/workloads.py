@@ -1,0 +1,390 @@
+"""Agentic RL workloads: the sourced scenarios of WORKLOADS.md and a YAML format for new ones.
+
+A workload says how a trajectory looks (turns, prompt, action and observation tokens, tool and
+sandbox latencies, reward time, success, infrastructure failures) and what it runs on (model,
+GPU, tensor parallelism, rollout and training GPUs, P x K). Every draw comes from one seeded
+generator, and "prompt-level" values are drawn once per prompt and shared by a group's K members,
+so a group's stragglers are correlated the way real tasks make them.
+
+Distributions, in Python and in YAML:
+
+    {lognormal: {median: 220, sigma: 0.6, max: 8192}}   LN(median, log-sd), clamped to [min, max]
+    {constant: 450}
+    {mixture: [{p: 0.85, lognormal: {...}}, {p: 0.15, constant: 45}]}
+
+A workload file holds the fields of `Workload` by name (any left out keep the `base` scenario's
+value, `swe-long` by default): `venusrl sim --workload FILE`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import yaml
+
+
+class Dist(Protocol):
+    def sample(self, rng: random.Random) -> float: ...
+
+
+@dataclass(frozen=True)
+class LogNormal:
+    median: float
+    sigma: float
+    min: float = 0.0
+    max: float = math.inf
+
+    def sample(self, rng: random.Random) -> float:
+        return min(
+            max(self.median * math.exp(self.sigma * rng.gauss(0.0, 1.0)), self.min), self.max
+        )
+
+    def scaled(self, factor: float) -> LogNormal:
+        return LogNormal(self.median * factor, self.sigma, self.min * factor, self.max * factor)
+
+
+@dataclass(frozen=True)
+class Constant:
+    value: float
+
+    def sample(self, rng: random.Random) -> float:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Mixture:
+    parts: tuple[tuple[float, Dist], ...]  # (probability, distribution); probabilities sum to 1
+
+    def sample(self, rng: random.Random) -> float:
+        u = rng.random()
+        for p, dist in self.parts:
+            if u < p:
+                return dist.sample(rng)
+            u -= p
+        return self.parts[-1][1].sample(rng)
+
+
+@dataclass(frozen=True)
+class Turns:
+    """Turns of one trajectory. `lognormal`: the prompt's median m_p ~ `prompt_median`, the
+    trajectory's turns ~ LN(m_p, sigma); `binomial`: 1 + Binomial(n, p); `poisson`: 1 +
+    Poisson(mean). All clamped to the turn cap."""
+
+    kind: Literal["lognormal", "binomial", "poisson"]
+    prompt_median: LogNormal | None = None
+    sigma: float = 0.35
+    n: int = 3
+    p: float = 0.5
+    mean: float = 2.5
+
+    def prompt_level(self, rng: random.Random) -> float:
+        return self.prompt_median.sample(rng) if self.prompt_median else 0.0
+
+    def sample(self, rng: random.Random, prompt_median: float, cap: int) -> int:
+        if self.kind == "lognormal":
+            n = round(LogNormal(prompt_median, self.sigma).sample(rng))
+        elif self.kind == "binomial":
+            n = 1 + sum(rng.random() < self.p for _ in range(self.n))
+        else:
+            n = 1 + _poisson(rng, self.mean)
+        return min(max(n, 1), cap)
+
+
+@dataclass(frozen=True)
+class ToolLatency:
+    """Seconds of one tool call: the body, rare heavy calls and hangs. With `per_prompt_sigma`,
+    a prompt's multiplier m ~ LN(1, per_prompt_sigma) scales the heavy and hang probabilities
+    (some tasks have slow tests)."""
+
+    body: Dist
+    heavy_p: float = 0.0
+    heavy: Dist = Constant(0.0)
+    hang_p: float = 0.0
+    hang_s: float = 0.0
+    per_prompt_sigma: float = 0.0
+
+    def prompt_level(self, rng: random.Random) -> float:
+        return LogNormal(1.0, self.per_prompt_sigma).sample(rng) if self.per_prompt_sigma else 1.0
+
+    def sample(self, rng: random.Random, multiplier: float) -> float:
+        u = rng.random()
+        if u < self.hang_p * multiplier:
+            return self.hang_s
+        if u < (self.hang_p + self.heavy_p) * multiplier:
+            return self.heavy.sample(rng)
+        return self.body.sample(rng)
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    # What it runs on.
+    model: str = "qwen3-4b"
+    gpu: str = "h200"
+    tp: int = 1
+    rollout_gpus: int = 16
+    train_gpus: int = 16
+    prompts_per_batch: int = 64  # P
+    group_size: int = 8  # K
+    # What a trajectory looks like.
+    turn_cap: int = 300
+    context_cap: int = 131072
+    turns: Turns = Turns("lognormal", LogNormal(57, 0.35), sigma=0.35)
+    prompt_tokens: Dist = LogNormal(4000, 0.35, 1500, 16000)
+    action_tokens: Dist = LogNormal(220, 0.6, 1, 8192)
+    observation_tokens: Dist = LogNormal(800, 1.0, 1, 12000)
+    template_tokens: int = 20  # chat template tokens around each turn
+    tool_s: ToolLatency = ToolLatency(
+        LogNormal(0.4, 0.8), 0.02, LogNormal(20, 1.3, 0, 450), 0.001, 450, per_prompt_sigma=1.3
+    )
+    sandbox: bool = True
+    sandbox_start_s: Dist = Mixture(
+        ((0.85, LogNormal(2, 0.5)), (0.14, LogNormal(45, 0.8)), (0.01, Constant(600)))
+    )
+    sandbox_rss_gb: Dist = LogNormal(1.5, 0.6)
+    sandbox_shared_fraction: float = 0.7  # of a member's pages shared within its group
+    reward_s: Dist = LogNormal(20, 1.0, 0, 1200)
+    success_beta: tuple[float, float] = (0.6, 1.4)  # per-prompt pass rate ~ Beta(a, b)
+    infra_failure_rate: float = 0.01  # of trajectories, at a uniform point in time
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def scaled_for(self, **changes: Any) -> Workload:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class TurnPlan:
+    action_tokens: int
+    observation_tokens: int  # 0 on the last turn
+    tool_s: float  # 0 on the last turn
+
+
+@dataclass(frozen=True)
+class TrajectoryPlan:
+    prompt_tokens: int
+    turns: tuple[TurnPlan, ...]
+    sandbox_start_s: float
+    reward_s: float
+    success: bool
+    infra_failure_turn: int | None  # the turn during which the platform fails it, if any
+    sandbox_rss_gb: float
+
+
+@dataclass(frozen=True)
+class PromptPlan:
+    prompt_id: str
+    prompt_tokens: int
+    turn_median: float
+    tool_multiplier: float
+    pass_rate: float
+
+
+class WorkloadSampler:
+    """Seeded draws of prompts and trajectories (a member's trajectory depends only on the seed,
+    its prompt and its draw order, never on the schedule that runs it)."""
+
+    def __init__(self, workload: Workload, seed: int) -> None:
+        self.w = workload
+        self.seed = seed
+        self._prompt_rng = random.Random(f"{seed}-prompts")
+        self._n = 0
+
+    def next_prompt(self) -> PromptPlan:
+        rng, w = self._prompt_rng, self.w
+        pid = f"p{self._n}"
+        self._n += 1
+        return PromptPlan(
+            pid,
+            round(w.prompt_tokens.sample(rng)),
+            w.turns.prompt_level(rng),
+            w.tool_s.prompt_level(rng),
+            rng.betavariate(*w.success_beta),
+        )
+
+    def trajectory(self, prompt: PromptPlan, member: int, attempt: int = 0) -> TrajectoryPlan:
+        rng, w = random.Random(f"{self.seed}-{prompt.prompt_id}-{member}-{attempt}"), self.w
+        n = w.turns.sample(rng, prompt.turn_median, w.turn_cap)
+        turns = []
+        context = prompt.prompt_tokens
+        for i in range(n):
+            action = round(w.action_tokens.sample(rng))
+            last = i == n - 1
+            obs = 0 if last else round(w.observation_tokens.sample(rng))
+            if context + action + obs + w.template_tokens >= w.context_cap:
+                turns.append(TurnPlan(max(min(action, w.context_cap - context), 1), 0, 0.0))
+                break
+            turns.append(
+                TurnPlan(action, obs, 0.0 if last else w.tool_s.sample(rng, prompt.tool_multiplier))
+            )
+            context += action + obs + w.template_tokens
+        fails = rng.random() < w.infra_failure_rate
+        return TrajectoryPlan(
+            prompt.prompt_tokens,
+            tuple(turns),
+            w.sandbox_start_s.sample(rng) if w.sandbox else 0.0,
+            w.reward_s.sample(rng),
+            rng.random() < prompt.pass_rate,
+            rng.randrange(len(turns)) if fails else None,
+            w.sandbox_rss_gb.sample(rng) if w.sandbox else 0.0,
+        )
+
+
+def _poisson(rng: random.Random, mean: float) -> int:
+    threshold, k, product = math.exp(-mean), 0, rng.random()
+    while product > threshold:
+        k += 1
+        product *= rng.random()
+    return k
+
+
+_SWE_SOURCES = {
+    "turns": "[D] SWE-bench Pro trajectories of SWE-agent: median 53-78 turns, p99 144-163",
+    "prompt_tokens": "[A] DeepSWE caps prompts at 4,096, SkyRL at 8,000",
+    "action_tokens": "[V] visible action medians 94-224 tokens",
+    "observation_tokens": "[D] 2.4-3.8K characters per step",
+    "tool_s": "[D] median 0.4 s, 2.4-3.7 % over 10 s, ~1 % over 60 s",
+    "sandbox_start_s": "[A] published container and microVM start times",
+    "reward_s": "[A] DeepSWE's reward timeout is 1,200 s",
+    "success_beta": "[A] 20-45 % pass rates reported",
+    "infra_failure_rate": "[A]",
+    "sandbox_rss_gb": "[A] the figure to measure",
+}
+
+SWE_LONG = Workload("swe-long", sources=_SWE_SOURCES)
+
+SEARCH_SHORT = Workload(
+    "search-short",
+    prompts_per_batch=512,
+    group_size=5,
+    turn_cap=4,
+    context_cap=4096,
+    turns=Turns("binomial", n=3, p=0.5),
+    prompt_tokens=LogNormal(350, 0.3),
+    action_tokens=LogNormal(150, 0.6, 1, 500),
+    observation_tokens=LogNormal(450, 0.25),
+    tool_s=ToolLatency(LogNormal(0.08, 0.6), 0.02, LogNormal(1.5, 0.7)),
+    sandbox=False,
+    reward_s=LogNormal(0.05, 0.5),
+    success_beta=(1.0, 1.0),
+    infra_failure_rate=0.0,
+    sources={"all": "WORKLOADS.md, scenario search-short"},
+)
+
+SCENARIOS: dict[str, Workload] = {
+    "swe-long": SWE_LONG,
+    "swe-long-32b": SWE_LONG.scaled_for(name="swe-long-32b", model="qwen3-32b", tp=2),
+    # No per-prompt correlation: is priority robust without a good length prediction?
+    "swe-long-iid": SWE_LONG.scaled_for(
+        name="swe-long-iid",
+        turns=Turns("lognormal", LogNormal(57, 0.0), sigma=0.5),
+        tool_s=dataclasses.replace(SWE_LONG.tool_s, per_prompt_sigma=0.0),
+        success_beta=(50.0, 100.0),
+    ),
+    # DeepSWE-like: 50 turns, 36K context.
+    "swe-short": SWE_LONG.scaled_for(
+        name="swe-short",
+        turn_cap=50,
+        context_cap=36864,
+        turns=Turns("lognormal", LogNormal(25, 0.35), sigma=0.35),
+    ),
+    "search-short": SEARCH_SHORT,
+    "search-long": SEARCH_SHORT.scaled_for(
+        name="search-long",
+        turn_cap=128,
+        context_cap=32768,
+        turns=Turns("lognormal", LogNormal(15, 0.0), sigma=0.8),
+        # search LN(1.5 s, 0.6) then fetch LN(3 s, 0.8): their sum's median ~4.5 s, spread ~0.6
+        tool_s=ToolLatency(LogNormal(4.5, 0.6)),
+        sources={"all": "WORKLOADS.md, scenario search-long (tool time: search + fetch, [D])"},
+    ),
+    "math-python": Workload(
+        "math-python",
+        prompts_per_batch=32,
+        group_size=8,
+        turn_cap=17,
+        context_cap=32768,
+        turns=Turns("poisson", mean=2.5),
+        prompt_tokens=LogNormal(300, 0.4),
+        action_tokens=LogNormal(900, 0.9, 1, 8192),
+        observation_tokens=LogNormal(40, 1.2, 1, 2048),
+        tool_s=ToolLatency(LogNormal(0.2, 1.0), hang_p=0.005, hang_s=120),
+        sandbox_start_s=LogNormal(0.05, 0.5),
+        sandbox_rss_gb=LogNormal(0.2, 0.4),
+        reward_s=LogNormal(0.05, 0.5),
+        success_beta=(1.0, 1.0),
+        infra_failure_rate=0.0,
+        sources={"all": "WORKLOADS.md, scenario math-python"},
+    ),
+}
+
+
+# --- workload files --------------------------------------------------------------------------
+
+
+def parse_dist(value: Any, where: str) -> Dist:
+    if isinstance(value, int | float):
+        return Constant(float(value))
+    if not isinstance(value, dict) or len(value) != 1:
+        raise ValueError(f"{where}: a distribution is {{lognormal: ...}}, {{constant: x}} or "
+                         f"{{mixture: [...]}}, got {value!r}")  # fmt: skip
+    ((kind, spec),) = value.items()
+    if kind == "constant":
+        return Constant(float(spec))
+    if kind == "lognormal":
+        if not isinstance(spec, dict) or not {"median", "sigma"} <= spec.keys():
+            raise ValueError(f"{where}: lognormal needs median and sigma, got {spec!r}")
+        unknown = spec.keys() - {"median", "sigma", "min", "max"}
+        if unknown:
+            raise ValueError(f"{where}: unknown lognormal keys {sorted(unknown)}")
+        return LogNormal(**{k: float(v) for k, v in spec.items()})
+    if kind == "mixture":
+        parts = []
+        for i, part in enumerate(spec or []):
+            if not isinstance(part, dict) or "p" not in part:
+                raise ValueError(f"{where}.mixture[{i}]: needs p and one distribution")
+            rest = {k: v for k, v in part.items() if k != "p"}
+            parts.append((float(part["p"]), parse_dist(rest, f"{where}.mixture[{i}]")))
+        if not parts or abs(sum(p for p, _ in parts) - 1) > 1e-6:
+            raise ValueError(f"{where}: mixture probabilities must sum to 1")
+        return Mixture(tuple(parts))
+    raise ValueError(f"{where}: unknown distribution {kind!r}")
+
+
+def load_workload(path: str | Path) -> Workload:
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a workload file is a mapping of Workload fields")
+    base_name = data.pop("base", "swe-long")
+    if base_name not in SCENARIOS:
+        raise ValueError(f"{path}: base: unknown scenario {base_name!r}")
+    base = SCENARIOS[base_name]
+    fields = {f.name: f for f in dataclasses.fields(Workload)}
+    changes: dict[str, Any] = {"name": data.pop("name", Path(path).stem)}
+    for key, value in data.items():
+        where = f"{path}: {key}"
+        if key not in fields:
+            raise ValueError(f"{where}: unknown field; fields: {', '.join(fields)}")
+        current = getattr(base, key)
+        if key == "turns":
+            spec = dict(value)
+            if "prompt_median" in spec:
+                spec["prompt_median"] = parse_dist(spec["prompt_median"], f"{where}.prompt_median")
+            changes[key] = Turns(**spec)
+        elif key == "tool_s":
+            spec = dict(value)
+            for k in ("body", "heavy"):
+                if k in spec:
+                    spec[k] = parse_dist(spec[k], f"{where}.{k}")
+            changes[key] = ToolLatency(**spec)
+        elif isinstance(current, LogNormal | Constant | Mixture):
+            changes[key] = parse_dist(value, where)
+        elif key == "success_beta":
+            changes[key] = (float(value[0]), float(value[1]))
+        else:
+            changes[key] = type(current)(value) if current is not None else value
+    return dataclasses.replace(base, **changes)
