@@ -78,3 +78,12 @@ def test_every_policy_gets_speedups_against_the_others() -> None:
         by_name["sync"]["mean_step_s"] / by_name["venus"]["mean_step_s"]
     )
     assert "speedup_vs_async" in by_name["sync"]
+
+
+def test_offloading_stops_at_the_host_memory_and_what_does_not_fit_is_dropped() -> None:
+    no_host = dataclasses.replace(TIGHT, host_kv_bytes_per_gpu=0.0)
+    roomy_host = run("venus", cost=TIGHT)
+    full_host = run("venus", cost=no_host)
+    assert roomy_host["offload_bytes"] > 0 and roomy_host["reprefill_tokens"] == 0
+    assert full_host["offload_bytes"] == 0 and full_host["reprefill_tokens"] > 0
+    assert full_host["mean_step_s"] > roomy_host["mean_step_s"]

@@ -80,6 +80,7 @@ class CostModel:
     reserved_bytes: float = 6 * GB  # activations, CUDA graphs, fragmentation [A]
     memory_fraction: float = 0.9  # of HBM the engine takes [A]
     transfer_latency_s: float = 1e-3  # fixed cost of one host<->device copy [A]
+    host_kv_bytes_per_gpu: float = 128 * GB  # host RAM for offloaded KV: half of 2 TB / 8 GPUs [A]
     train_mfu: float = 0.40  # WORKLOADS.md: 35-45 % [A]
     weight_sync_bytes_per_s: float = 25 * GB  # trainer -> engines broadcast [A]
     weight_sync_fixed_s: float = 2.0  # pause, gather, reload [A]
@@ -100,6 +101,11 @@ class CostModel:
         if free <= 0:
             raise ValueError(f"{self.model.name} does not fit {self.tp} x {self.gpu.name}")
         return int(free / (self.model.kv_bytes_per_token / self.tp))
+
+    @property
+    def host_capacity_tokens(self) -> int:
+        """KV tokens one engine can keep in host memory."""
+        return int(self.host_kv_bytes_per_gpu * self.tp / self.model.kv_bytes_per_token)
 
     def decode_step_s(self, batch: int, context_tokens: float) -> float:
         """One decode iteration of `batch` requests whose contexts sum to `context_tokens`."""

@@ -15,8 +15,11 @@ same plan until a member finishes its action or a request arrives; an arrival wa
 iteration in flight, as on a real engine), so a scenario of millions of tokens runs in seconds.
 
 Simplifications (each a bias the same for every policy): a group's members do not share their
-prompt's KV (it is 3 % of a swe-long context); host memory for offloaded KV is unbounded; KV
-survives weight updates (no version salt); sandboxes are charged their whole RSS, unshared.
+prompt's KV (it is 3 % of a swe-long context); KV survives weight updates (no version salt);
+sandboxes are charged their whole RSS, unshared. Host memory for offloaded KV is bounded
+(`CostModel.host_kv_bytes_per_gpu`); when it is full, what would be offloaded is dropped. Copies
+to host are charged to the iteration that makes them, loads to the one that admits the request
+(neither is overlapped with compute: conservative for the policies that offload).
 """
 
 from __future__ import annotations
@@ -164,6 +167,9 @@ class _Engine:
     def __init__(self, sim: Simulation, index: int) -> None:
         self.sim, self.index = sim, index
         self.capacity = sim.cost.kv_capacity_tokens // sim.config.page_size
+        self.host_capacity = sim.cost.host_capacity_tokens  # tokens
+        self.host_used = 0
+        self._transfer_s = 0.0  # device-to-host copies made while planning this iteration
         self.running: dict[str, _Request] = {}
         self.waiting: list[_Request] = []
         self.idle: dict[str, _Idle] = {}  # trajectory id -> its KV between turns
@@ -185,7 +191,9 @@ class _Engine:
     def finish_trajectory(self, tid: str) -> None:
         # Nobody reads it again (group members do not share KV here): free at no cost, as the
         # first eviction of any policy would.
-        self.idle.pop(tid, None)
+        entry = self.idle.pop(tid, None)
+        if entry is not None and entry.on_host:
+            self.host_used -= entry.tokens
 
     def _interrupt(self) -> None:
         """A request arrived during merged decode iterations: they stop after the one in flight,
@@ -206,16 +214,26 @@ class _Engine:
         running = sum(self._pages(r.computed) for r in self.running.values())
         return running + sum(self._pages(e.tokens) for e in self.idle.values() if not e.on_host)
 
-    def _view(self, req: _Request, priority: int) -> RequestView:
-        if req.rid in self.running:
-            held = self._pages(req.computed)
-            todo = req.prefill_left or 1
-            return RequestView(req.rid, priority, req.arrival, req.computed, todo, held, held)
-        entry = self.idle.get(req.traj.tid)
-        cached = entry.tokens if entry is not None else 0
-        held = self._pages(cached) if entry is not None and not entry.on_host else 0
-        todo = max(req.traj.context - cached, 1)
-        return RequestView(req.rid, priority, req.arrival, cached, todo, held, held)
+    def _views(self, head: list[_Request]) -> tuple[list[RequestView], list[RequestView]]:
+        """The scheduler's snapshot of running requests and the waiting head, as the engine
+        builds it (called at every decision: kept lean)."""
+        ps = self.sim.config.page_size
+        prio = self.sim.priorities
+        running = []
+        for r in self.running.values():
+            held = -(-r.computed // ps)
+            p = prio.get(r.traj.group.gid, BEST_EFFORT)
+            todo = r.prefill_left or 1
+            running.append(RequestView(r.rid, p, r.arrival, r.computed, todo, held, held))
+        waiting = []
+        for r in head:
+            entry = self.idle.get(r.traj.tid)
+            cached = entry.tokens if entry is not None else 0
+            held = -(-cached // ps) if entry is not None and not entry.on_host else 0
+            todo = max(r.traj.context - cached, 1)
+            p = prio.get(r.traj.group.gid, BEST_EFFORT)
+            waiting.append(RequestView(r.rid, p, r.arrival, cached, todo, held, 0))
+        return running, waiting
 
     def _step(self) -> None:
         sim, cfg = self.sim, self.sim.config
@@ -224,11 +242,11 @@ class _Engine:
             sim.clock.at(self.paused_until, self._step)
             return
         sim.counters.decisions += 1
-        priority = sim.priority
-        running = [self._view(r, priority(r.traj.group.gid)) for r in self.running.values()]
-        self.waiting.sort(key=lambda r: (-priority(r.traj.group.gid), r.arrival))
+        prio = sim.priorities
+        if len(self.waiting) > 1:
+            self.waiting.sort(key=lambda r: (-prio.get(r.traj.group.gid, BEST_EFFORT), r.arrival))
         head = self.waiting[: cfg.waiting_head]
-        waiting = [self._view(r, priority(r.traj.group.gid)) for r in head]
+        running, waiting = self._views(head)
         # As the engine counts it: free pages plus every idle page (evictable, a waiting request's
         # own cached context included; its `pages_held` keeps it from being asked for twice).
         free = self.capacity - sum(v.pages_held for v in running)
@@ -267,6 +285,8 @@ class _Engine:
                 prefill = True
             else:
                 decodes.append(req)
+        seconds += self._transfer_s
+        self._transfer_s = 0.0
         context = sum(r.computed for r in decodes)
         n = 1
         if decodes and not prefill and not seconds and not plan.preempt:
@@ -331,6 +351,7 @@ class _Engine:
         if entry is None:
             return 0.0
         if entry.on_host:
+            self.host_used -= entry.tokens
             sim.counters.host_hit_tokens += entry.tokens
             sim.counters.load_bytes += entry.tokens * sim.cost.model.kv_bytes_per_token
             return sim.cost.transfer_s(entry.tokens, to_device=True)
@@ -356,14 +377,24 @@ class _Engine:
             entry = self.idle[cand.key]
             free += self._pages(entry.tokens)
             sim.counters.evictions += 1
-            if sim.retention.offload(cand, now):
+            if sim.retention.offload(cand, now) and self._to_host(entry.tokens):
                 entry.on_host = True
-                sim.counters.offload_bytes += entry.tokens * sim.cost.model.kv_bytes_per_token
             else:
                 del self.idle[cand.key]
                 if not cand.finished:
                     sim.lost_kv[cand.key] = ("eviction", entry.tokens)
         return self.capacity - free
+
+    def _to_host(self, tokens: int) -> bool:
+        """Copies KV to host memory if it has room; the copy's time is charged to the iteration
+        (not overlapped: a conservative choice)."""
+        if self.host_used + tokens > self.host_capacity:
+            return False
+        self.host_used += tokens
+        cost = self.sim.cost
+        self.sim.counters.offload_bytes += tokens * cost.model.kv_bytes_per_token
+        self._transfer_s += cost.transfer_s(tokens, to_device=False)
+        return True
 
     def _preempt(self, req: _Request) -> None:
         """A running request gives its pages up; its KV goes to host or is dropped, by policy,
@@ -374,9 +405,8 @@ class _Engine:
         entry = IdleKV(
             req.traj.tid, req.computed, sim.priority(req.traj.group.gid), now, None, False
         )
-        if req.computed and sim.retention.offload(entry, now):
+        if req.computed and sim.retention.offload(entry, now) and self._to_host(req.computed):
             self.idle[req.traj.tid] = _Idle(req.computed, now, None, False, on_host=True)
-            sim.counters.offload_bytes += req.computed * sim.cost.model.kv_bytes_per_token
         elif req.computed:
             sim.lost_kv[req.traj.tid] = ("preemption", req.computed)
         req.computed = 0
@@ -421,7 +451,7 @@ class Simulation:
         self.staleness: list[int] = []
         self.sandbox_gb_s = 0.0
         self.infra_failures = 0
-        self._priority: dict[str, int] = {}
+        self.priorities: dict[str, int] = {}  # group id -> priority, from the ranking
         self._traj_group: dict[str, str] = {}
         self._arrivals = itertools.count()
         # What the group ranking assumes of a trajectory: its decode speed on a loaded engine
@@ -442,7 +472,7 @@ class Simulation:
     # --- what the engines ask ----------------------------------------------------------------
 
     def priority(self, gid: str) -> int:
-        return self._priority.get(gid, BEST_EFFORT)
+        return self.priorities.get(gid, BEST_EFFORT)
 
     def group_of(self, tid: str) -> str:
         return self._traj_group[tid]
@@ -553,7 +583,7 @@ class Simulation:
             g.masked += 1
         if g.scored + g.masked == self.workload.group_size:
             del self.open[g.gid]
-            self._priority.pop(g.gid, None)
+            self.priorities.pop(g.gid, None)
             if g.scored >= 2:
                 self.ready.append(g)
                 self.group_completion_s.append(self.clock.now - g.started_at)
@@ -576,7 +606,7 @@ class Simulation:
             self.decode_tokens_per_s,
             self.tool_s_per_turn,
         )
-        self._priority = dict(self.group_policy.decide(snap).priority)
+        self.priorities = dict(self.group_policy.decide(snap).priority)
 
     def _maybe_train(self) -> None:
         b = self.workload.prompts_per_batch

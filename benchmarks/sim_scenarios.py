@@ -1,0 +1,114 @@
+"""Every scenario x policy in the simulator, over several seeds: the table of BENCHMARKS.md.
+
+Runs `venusrl.sim` (the real policies on virtual time, WORKLOADS.md's cost model and workloads)
+for each scenario, seed and policy, side by side on the same seeded workload, and prints one JSON
+object: per scenario the workload's parameters and their sources, per seed each policy's figures
+(with its knobs and `speedup_vs_<policy>`), and per policy the mean step time and the smallest and
+largest speedup over the seeds. `--markdown` prints the table instead.
+
+    python benchmarks/sim_scenarios.py [--scenarios swe-short,search-short] [--seeds 0,1,2]
+                                       [--policies sync,async,venus] [--steps 4] [--markdown]
+                                       [--workload FILE]
+
+Simulated time is not wall time: a full `swe-long` run takes minutes of this machine per policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+from typing import Any
+
+from venusrl.sim.executor import POLICIES, SimConfig, simulate
+from venusrl.sim.workloads import SCENARIOS, Workload, load_workload
+
+FIGURES = (
+    "mean_step_s",
+    "gpu_busy",
+    "reprefill_tokens",
+    "group_completion_p99_s",
+    "staleness_mean",
+)
+
+
+def run_scenario(
+    workload: Workload, seeds: list[int], policies: list[str], steps: int
+) -> dict[str, Any]:
+    started = time.monotonic()
+    runs = {
+        seed: simulate(workload, [POLICIES[p] for p in policies], seed, SimConfig(steps=steps))
+        for seed in seeds
+    }
+    summary: dict[str, Any] = {}
+    for i, name in enumerate(policies):
+        per_seed = [runs[s][i] for s in seeds]
+        row: dict[str, Any] = {
+            f: statistics.fmean(r[f] for r in per_seed if r[f] is not None) for f in FIGURES
+        }
+        for other in policies:
+            key = f"speedup_vs_{other}"
+            values = [r[key] for r in per_seed if key in r]
+            if values:
+                row[key] = {"min": min(values), "max": max(values)}
+        summary[name] = row
+    params = {
+        k: (repr(v) if not isinstance(v, int | float | str | dict) else v)
+        for k, v in dataclasses.asdict(workload).items()
+    }
+    return {
+        "workload": params,
+        "wall_s": round(time.monotonic() - started, 1),
+        "summary": summary,
+        "runs": {str(s): r for s, r in runs.items()},
+    }
+
+
+def markdown(results: dict[str, Any], policies: list[str]) -> str:
+    speedups = [f"vs {p}" for p in policies]
+    head = ["scenario", "policy", "step (s)", "GPU busy", "re-prefill tokens", "group p99 (s)",
+            "staleness", *speedups]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for scenario, res in results.items():
+        for name in policies:
+            row = res["summary"][name]
+            cells = [
+                scenario,
+                name,
+                f"{row['mean_step_s']:.0f}",
+                f"{row['gpu_busy']:.0%}",
+                f"{row['reprefill_tokens']:.3g}",
+                f"{row['group_completion_p99_s']:.0f}",
+                f"{row['staleness_mean']:.2f}",
+            ]
+            for other in policies:
+                s = row.get(f"speedup_vs_{other}")
+                cells.append(f"{s['min']:.2f}-{s['max']:.2f}x" if s else "")
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--scenarios", default="swe-short,search-short,math-python")
+    p.add_argument("--workload", help="a workload YAML file instead of the scenarios")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--policies", default="sync,async,venus")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--markdown", action="store_true")
+    args = p.parse_args()
+    policies = args.policies.split(",")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    workloads = (
+        [load_workload(args.workload)]
+        if args.workload
+        else [SCENARIOS[name] for name in args.scenarios.split(",")]
+    )
+    results = {w.name: run_scenario(w, seeds, policies, args.steps) for w in workloads}
+    print(markdown(results, policies) if args.markdown else json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
