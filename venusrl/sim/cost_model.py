@@ -4,7 +4,7 @@ One rollout engine is one model on `tp` GPUs. Decode is memory-bound (every step
 weights and the resident KV of the batch), prefill compute-bound (GEMMs over the new tokens plus
 attention over the prefix), host<->device KV copies are bound by PCIe, and a trainer step by
 FLOPs at a model FLOPs utilisation. Constants tagged [V] were read in a public source, [D] derived
-from one, [A] are assumptions to calibrate (`venusrl sim --calibrate` fits them to our engine).
+from one, [A] are assumptions to calibrate against measurements (not done yet: no GPU here).
 """
 
 from __future__ import annotations
