@@ -68,10 +68,19 @@ def test_expert_episode_is_one_token_record_that_was_never_retokenised(model_dir
             sb = await pool.create(GuessNumber.template.name, setup=task.setup)
             env = GuessNumber(task, sb)
             limits = LoopLimits(max_context=8192)
-            return await run_episode(env, policy, fmt, SamplingParams(), limits, "t0", "g0", "p0")
+            return await run_episode(
+                env, policy, fmt, SamplingParams(), limits, "t0", "g0", "p0",
+                on_turn=lambda t: progress.append((len(t.turn_starts), t.model_tokens)),
+            )  # fmt: skip
 
+    progress: list[tuple[int, int]] = []
     traj = asyncio.run(main())
     assert traj.finish is Finish.DONE and traj.reward == 1.0 and traj.tool_calls >= 3
+    # The coordinator's view of the member moves on after every model turn.
+    assert [turns for turns, _ in progress] == list(range(1, len(policy.outputs) + 1))
+    assert [tokens for _, tokens in progress] == [
+        sum(len(o) for o in policy.outputs[:i]) for i in range(1, len(policy.outputs) + 1)
+    ]
     # Each request carried the record so far, exactly: the previous request, what the model
     # produced, then the observation's tokens.
     for before, out, after in zip(policy.prompts, policy.outputs, policy.prompts[1:], strict=False):

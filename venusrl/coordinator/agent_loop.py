@@ -85,13 +85,16 @@ async def run_episode(
     group_id: str,
     prompt_id: str,
     priority: Callable[[], int] = lambda: 0,
+    on_turn: Callable[[Trajectory], None] = lambda traj: None,
 ) -> Trajectory:
     """One episode. Infrastructure failures end it with `Finish.INFRA` and no reward (the
-    coordinator replaces or masks it); the model's own failures end it normally and are scored."""
+    coordinator replaces or masks it); the model's own failures end it normally and are scored.
+    `on_turn` sees the record after each model turn, before the environment acts on it (the
+    coordinator's progress view of its members)."""
     messages = await env.reset()
     traj = Trajectory.start(trajectory_id, group_id, prompt_id, fmt.prompt_ids(messages))
     try:
-        traj.finish = await _turns(env, generate, fmt, sampling, limits, traj, priority)
+        traj.finish = await _turns(env, generate, fmt, sampling, limits, traj, priority, on_turn)
         traj.reward = float(await asyncio.wait_for(env.reward(), limits.reward_timeout_s))
     except (InfraFailure, TimeoutError) as e:
         traj.finish, traj.failure, traj.reward = Finish.INFRA, f"{type(e).__name__}: {e}", None
@@ -106,6 +109,7 @@ async def _turns(
     limits: LoopLimits,
     traj: Trajectory,
     priority: Callable[[], int],
+    on_turn: Callable[[Trajectory], None],
 ) -> Finish:
     while True:
         room = limits.max_context - len(traj.token_ids)
@@ -120,6 +124,7 @@ async def _turns(
             group_id=traj.group_id,
         )
         traj.add_model_turn(out.token_ids, out.logprobs, out.weight_versions)
+        on_turn(traj)
         result = await asyncio.wait_for(env.step(fmt.text(out.token_ids)), limits.step_timeout_s)
         traj.tool_calls += int(result.info.get("tool_calls", 0))
         if result.done:

@@ -4,9 +4,11 @@ The coordinator opens a group for each task while the staleness bound allows
 (`policy.staleness`), runs its K members as episodes of the agent loop, each in its own sandbox
 forked from the group's warm zygote, and hands the trainer batches of B complete groups.
 
-Priorities: every time a member finishes a turn or an episode, the open groups are re-ranked by
-the critical-group policy (`policy.critical_groups`): the groups that complete the next batch get
-high priority, and every generation request a member sends carries its group's current priority.
+Priorities: the ranking's view of each member follows it turn by turn (tokens and turns so far),
+and every time a member finishes its episode or a group opens or closes, the open groups are
+re-ranked by the critical-group policy (`policy.critical_groups`): the groups that complete the
+next batch get high priority, and every generation request a member sends carries its group's
+current priority. The simulator (`venusrl.sim`) feeds the policy at the same moments.
 
 Failure semantics: an episode that ends in an infrastructure failure (sandbox died or was
 preempted, an engine call failed, a service timed out) is re-run by a replacement member, up to
@@ -232,6 +234,7 @@ class Coordinator:
                         state.group_id,
                         state.task.id,
                         priority=lambda: self._priority.get(state.group_id, BEST_EFFORT),
+                        on_turn=lambda t: self._progress(state, index, t),
                     )
                 except Exception as e:  # an engine call that failed is the platform's fault too
                     traj = Trajectory.start(tid, state.group_id, state.task.id, [])
@@ -249,6 +252,14 @@ class Coordinator:
             state.members[index] = MemberView(True, traj.model_tokens, len(traj.turn_starts))
             self._rerank()
             return
+
+    def _progress(self, state: _OpenGroup, index: int, traj: Trajectory) -> None:
+        """A member finished a model turn: the ranking's view of it moves on (its tokens and
+        turns so far; now waiting on the environment). Re-ranking waits for the next member to
+        finish, as in the simulator, so a turn costs no sort."""
+        state.members[index] = MemberView(
+            False, traj.model_tokens, len(traj.turn_starts), waiting_on_tool=True
+        )
 
     def _rerank(self) -> None:
         groups = [
