@@ -51,6 +51,7 @@ class GpuSpec:
     pcie_h2d: float  # bytes/s host to device (B_pcie)
     pcie_d2h: float
     t_fix: float = 0.8e-3  # s of fixed overhead per engine iteration [A]
+    t_per_request: float = 0.0  # s per request per iteration (sampling, bookkeeping) [A]
 
 
 MODELS = {
@@ -113,7 +114,7 @@ class CostModel:
             return 0.0
         weights = self.model.weight_bytes / (self.tp * self.gpu.bw_weights)
         kv = context_tokens * self.model.kv_bytes_per_token / (self.tp * self.gpu.bw_kv)
-        return self.gpu.t_fix + weights + kv
+        return self.gpu.t_fix + weights + kv + batch * self.gpu.t_per_request
 
     def prefill_s(self, new_tokens: float, prefix_tokens: float) -> float:
         """Computing `new_tokens` after `prefix_tokens` already in KV (one request's chunk)."""
