@@ -100,6 +100,13 @@ def main() -> None:
     p.add_argument("--markdown", action="store_true")
     args = p.parse_args()
     policies = args.policies.split(",")
+    unknown = [
+        n for n in [*policies, *args.scenarios.split(",")] if n not in {*POLICIES, *SCENARIOS}
+    ]
+    if unknown:
+        p.error(
+            f"unknown {unknown}; policies: {', '.join(POLICIES)}; scenarios: {', '.join(SCENARIOS)}"
+        )
     seeds = [int(s) for s in args.seeds.split(",")]
     workloads = (
         [load_workload(args.workload)]

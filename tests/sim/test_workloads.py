@@ -64,6 +64,11 @@ def test_a_workload_file_overrides_its_base_by_field_name(tmp_path: Path) -> Non
         ("action_tokens: {weibull: 3}\n", "unknown distribution"),
         ("reward_s: {mixture: [{p: 0.3, constant: 1}]}\n", "sum to 1"),
         ("base: nope\n", "unknown scenario"),
+        ("turns: {kind: lognormal, sigmaa: 1}\n", "turns: .* is not a valid value"),
+        ("success_beta: [1]\n", "success_beta: needs two numbers"),
+        ("group_size: 1\n", "group_size must be >= 2"),
+        ("prompts_per_batch: many\n", "invalid literal"),
+        ("action_tokens: [unclosed\n", "not valid YAML"),
     ],
 )
 def test_a_bad_workload_file_says_which_field(tmp_path: Path, text: str, message: str) -> None:

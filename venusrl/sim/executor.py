@@ -144,7 +144,6 @@ class _Idle:
     tokens: int
     last_use: float
     pin_deadline: float | None
-    finished: bool
     on_host: bool = False
 
 
@@ -323,7 +322,7 @@ class _Engine:
             req.traj.generated += n
         for req in [r for r in self.running.values() if not r.prefill_left and not r.decode_left]:
             del self.running[req.rid]
-            self.idle[req.traj.tid] = _Idle(req.computed, sim.clock.now, None, False)
+            self.idle[req.traj.tid] = _Idle(req.computed, sim.clock.now, None)
             sim.turn_done(req.traj)
         if self.running or self.waiting:
             self._step()
@@ -365,9 +364,10 @@ class _Engine:
             return used
         sim = self.sim
         now = sim.clock.now
+        # Only live trajectories hold idle KV here (`finish_trajectory` lets go of the rest).
         candidates = [
             IdleKV(tid, e.tokens, sim.priority(sim.group_of(tid)), e.last_use, e.pin_deadline,
-                   e.finished)
+                   finished=False)
             for tid, e in self.idle.items()
             if not e.on_host
         ]  # fmt: skip
@@ -381,8 +381,7 @@ class _Engine:
                 entry.on_host = True
             else:
                 del self.idle[cand.key]
-                if not cand.finished:
-                    sim.lost_kv[cand.key] = ("eviction", entry.tokens)
+                sim.lost_kv[cand.key] = ("eviction", entry.tokens)
         return self.capacity - free
 
     def _to_host(self, tokens: int) -> bool:
@@ -406,7 +405,7 @@ class _Engine:
             req.traj.tid, req.computed, sim.priority(req.traj.group.gid), now, None, False
         )
         if req.computed and sim.retention.offload(entry, now) and self._to_host(req.computed):
-            self.idle[req.traj.tid] = _Idle(req.computed, now, None, False, on_host=True)
+            self.idle[req.traj.tid] = _Idle(req.computed, now, None, on_host=True)
         elif req.computed:
             sim.lost_kv[req.traj.tid] = ("preemption", req.computed)
         req.computed = 0

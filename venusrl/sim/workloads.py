@@ -153,6 +153,29 @@ class Workload:
     infra_failure_rate: float = 0.01  # of trajectories, at a uniform point in time
     sources: dict[str, str] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        counts = (
+            "tp",
+            "rollout_gpus",
+            "train_gpus",
+            "prompts_per_batch",
+            "turn_cap",
+            "context_cap",
+        )
+        problems = [
+            f"{k} must be >= 1, got {getattr(self, k)}" for k in counts if getattr(self, k) < 1
+        ]
+        if self.group_size < 2:
+            problems.append(
+                f"group_size must be >= 2 (GRPO compares members), got {self.group_size}"
+            )
+        if not 0 <= self.infra_failure_rate <= 1:
+            problems.append(f"infra_failure_rate must be in [0, 1], got {self.infra_failure_rate}")
+        if min(self.success_beta) <= 0:
+            problems.append(f"success_beta must be two positive numbers, got {self.success_beta}")
+        if problems:
+            raise ValueError(f"workload {self.name}: " + "; ".join(problems))
+
     def scaled_for(self, **changes: Any) -> Workload:
         return dataclasses.replace(self, **changes)
 
@@ -356,35 +379,50 @@ def parse_dist(value: Any, where: str) -> Dist:
 
 
 def load_workload(path: str | Path) -> Workload:
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a workload file is a mapping of Workload fields")
     base_name = data.pop("base", "swe-long")
     if base_name not in SCENARIOS:
         raise ValueError(f"{path}: base: unknown scenario {base_name!r}")
     base = SCENARIOS[base_name]
-    fields = {f.name: f for f in dataclasses.fields(Workload)}
-    changes: dict[str, Any] = {"name": data.pop("name", Path(path).stem)}
+    fields = {f.name for f in dataclasses.fields(Workload)}
+    changes: dict[str, Any] = {"name": str(data.pop("name", Path(path).stem))}
     for key, value in data.items():
         where = f"{path}: {key}"
         if key not in fields:
-            raise ValueError(f"{where}: unknown field; fields: {', '.join(fields)}")
-        current = getattr(base, key)
-        if key == "turns":
-            spec = dict(value)
-            if "prompt_median" in spec:
-                spec["prompt_median"] = parse_dist(spec["prompt_median"], f"{where}.prompt_median")
-            changes[key] = Turns(**spec)
-        elif key == "tool_s":
-            spec = dict(value)
-            for k in ("body", "heavy"):
-                if k in spec:
-                    spec[k] = parse_dist(spec[k], f"{where}.{k}")
-            changes[key] = ToolLatency(**spec)
-        elif isinstance(current, LogNormal | Constant | Mixture):
-            changes[key] = parse_dist(value, where)
-        elif key == "success_beta":
-            changes[key] = (float(value[0]), float(value[1]))
-        else:
-            changes[key] = type(current)(value) if current is not None else value
-    return dataclasses.replace(base, **changes)
+            raise ValueError(f"{where}: unknown field; fields: {', '.join(sorted(fields))}")
+        try:
+            changes[key] = _field(key, value, getattr(base, key), where)
+        except (TypeError, KeyError, IndexError) as e:
+            raise ValueError(f"{where}: {value!r} is not a valid value ({e})") from None
+    try:
+        return dataclasses.replace(base, **changes)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def _field(key: str, value: Any, current: Any, where: str) -> Any:
+    if key == "turns":
+        spec = dict(value)
+        if "prompt_median" in spec:
+            spec["prompt_median"] = parse_dist(spec["prompt_median"], f"{where}.prompt_median")
+        return Turns(**spec)
+    if key == "tool_s":
+        spec = dict(value)
+        for k in ("body", "heavy"):
+            if k in spec:
+                spec[k] = parse_dist(spec[k], f"{where}.{k}")
+        return ToolLatency(**spec)
+    if isinstance(current, LogNormal | Constant | Mixture):
+        return parse_dist(value, where)
+    if key == "success_beta":
+        if not isinstance(value, list | tuple) or len(value) != 2:
+            raise ValueError(f"{where}: needs two numbers [a, b], got {value!r}")
+        return (float(value[0]), float(value[1]))
+    if isinstance(current, dict):
+        return {str(k): str(v) for k, v in dict(value).items()}
+    return type(current)(value)
