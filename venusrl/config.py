@@ -39,7 +39,13 @@ class EngineConfig(_Section):
         4096, ge=2, description="pages in the device tier (page 0 is reserved as padding)"
     )
     host_kv_pages: int = Field(
-        0, ge=0, description="pages in the host tier, the target of KVCache.offload"
+        0, ge=0, description="pages in the host tier, where evicted KV is offloaded"
+    )
+    retention: Literal["lru", "trajectory"] = Field(
+        "trajectory",
+        description="which idle KV leaves the device first and whether it is offloaded or"
+        " dropped (policy.kv_retention): lru drops the least recently used; trajectory keeps"
+        " the KV of trajectories waiting on a tool and offloads it rather than drop it",
     )
     max_running: int = Field(256, ge=1, description="most requests decoded in one batch")
     token_budget: int = Field(
@@ -66,7 +72,9 @@ class ServerConfig(_Section):
 class RolloutConfig(_Section):
     """Groups, batches and the agent loop (`venusrl train`)."""
 
-    env: Literal["guess_number", "swe_mini"] = Field("guess_number", description="built-in task")
+    env: Literal["guess_number", "swe_mini", "agent_workload"] = Field(
+        "guess_number", description="built-in task (agent_workload: a scheduler benchmark)"
+    )
     group_size: int = Field(8, ge=2, description="K trajectories per task (GRPO group)")
     batch_groups: int = Field(4, ge=1, description="B complete groups per trainer step")
     max_staleness: int = Field(1, ge=0, description="0 = synchronous on-policy")
@@ -76,6 +84,12 @@ class RolloutConfig(_Section):
     max_tokens_per_turn: int = Field(48, ge=1)
     max_context: int = Field(1024, ge=16)
     group_timeout_s: float = Field(900.0, gt=0)
+    tool_wait_pin_s: float = Field(
+        5.0,
+        ge=0,
+        description="how long the engine keeps a trajectory's KV for it while it waits on a tool"
+        " (engine.retention=trajectory)",
+    )
 
 
 class TrainerSection(_Section):

@@ -219,9 +219,94 @@ def test_kv_offload_and_load_round_trip_preserves_pages() -> None:
     pages = kv.device_pages.allocate(3)
     data = torch.randn(2, 2, 2, 3, 3, 4)
     kv.device_kv[:, :, :, pages] = data
-    host = kv.offload(pages)
-    assert kv.device_pages.num_free == kv.device_pages.capacity
-    back = kv.load(host)
+    host = kv.to_host(pages)
+    kv.device_pages.free(pages)
+    kv.device_kv.zero_()
+    back = kv.to_device(host)
+    assert back is not None
+    kv.free_host(host)
     torch.testing.assert_close(kv.device_kv[:, :, :, back], data)
     assert kv.host_pages.num_free == kv.host_pages.capacity
+    assert kv.to_device(kv.to_host(back) * 3) is None  # more than the device has free
     kv.check()
+
+
+def play_turns(
+    engine: Engine, prompts: list[list[int]], turns: int, wait_on_tools: bool
+) -> list[list[int]]:
+    """Multi-turn trajectories, all in flight together: each turn generates, then a fixed
+    observation is appended; between turns the trajectory waits on a (pretend) tool."""
+    contexts = [list(p) for p in prompts]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    for turn in range(turns):
+        ids = [
+            engine.add_request(
+                ctx,
+                GREEDY,
+                trajectory_id=f"t{i}",
+                priority=i % 2,
+                expected_wait_s=60.0 if wait_on_tools else None,
+            ).request_id
+            for i, ctx in enumerate(contexts)
+        ]
+        drain(engine)
+        for i, rid in enumerate(ids):
+            out = engine.pop_finished(rid).token_ids
+            outputs[i] += out
+            contexts[i] += [*out, 400 + turn, 401 + i, 402]  # the observation
+    for i in range(len(prompts)):
+        engine.end_trajectory(f"t{i}")
+    engine.check()
+    return outputs
+
+
+@pytest.mark.parametrize("retention", ["lru", "trajectory"])
+def test_offloaded_and_preempted_kv_gives_the_same_greedy_outputs(
+    tiny_qwen3: Path, retention: str
+) -> None:
+    prompts = [list(range(100 + 7 * i, 130 + 7 * i)) for i in range(6)]
+    reference = play_turns(
+        engine_for(tiny_qwen3, prefix_cache=False, device_kv_pages=256), prompts, 3, False
+    )
+    # Room for about a third of the contexts: every turn evicts, offloads and preempts.
+    engine = engine_for(
+        tiny_qwen3, device_kv_pages=60, host_kv_pages=400, retention=retention, max_context=96
+    )
+    assert play_turns(engine, prompts, 3, wait_on_tools=True) == reference
+    stats = engine.stats
+    assert stats.preemptions > 0
+    if retention == "trajectory":
+        assert stats.host_hit_tokens > 0 and engine.tree.offloaded_pages > 0
+    else:
+        assert stats.host_hit_tokens == 0 and stats.reprefill_tokens["evicted"] > 0
+    engine.flush_cache()
+    engine.check()
+    assert engine.kv.host_pages.num_free == engine.kv.host_pages.capacity
+
+
+def test_a_trajectory_waiting_on_a_tool_finds_its_kv_where_lru_computes_it_again(
+    tiny_qwen3: Path,
+) -> None:
+    def second_turn(retention: str) -> Engine:
+        engine = engine_for(
+            tiny_qwen3, device_kv_pages=40, host_kv_pages=64, retention=retention, max_context=150
+        )
+        context = list(range(100, 160))  # 15 pages
+        first = engine.generate([context], GREEDY)[0]  # no trajectory: nobody owns it
+        context += first.token_ids
+        r = engine.add_request(
+            context, GREEDY, trajectory_id="waiting", priority=1, expected_wait_s=60.0
+        )
+        drain(engine)
+        # Meanwhile other work needs the whole device: the waiting KV has to leave it.
+        engine.generate([list(range(200, 340))], SamplingParams(max_tokens=4, temperature=0))
+        context += [*engine.pop_finished(r.request_id).token_ids, 7, 8, 9]
+        engine.add_request(context, GREEDY, trajectory_id="waiting", priority=1)
+        drain(engine)
+        return engine
+
+    ours, lru = second_turn("trajectory"), second_turn("lru")
+    assert sum(ours.stats.reprefill_tokens.values()) == 0
+    assert ours.stats.host_hit_tokens >= 80  # its 72+12-token context, whole pages
+    assert lru.stats.reprefill_tokens["evicted"] >= 80
+    assert lru.stats.host_hit_tokens == 0

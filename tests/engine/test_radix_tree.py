@@ -12,33 +12,84 @@ from venusrl.engine.radix_tree import PrefixMatch, RadixNode, RadixTree
 PAGE = 2
 # Tiny alphabet and lengths so that sequences share prefixes often.
 sequences = st.lists(st.integers(0, 2), min_size=0, max_size=12)
+namespaces = st.sampled_from([None, "v1"])
+owners = st.sampled_from([None, "t0", "t1", "t2"])
 operations = st.lists(
     st.one_of(
-        st.tuples(st.just("insert"), sequences, st.sampled_from([None, "v1"])),
-        st.tuples(st.just("lock"), sequences, st.sampled_from([None, "v1"])),
-        st.tuples(st.just("unlock"), st.integers(0, 50), st.none()),
-        st.tuples(st.just("evict"), st.integers(0, 8), st.none()),
+        st.tuples(st.just("insert"), sequences, namespaces, owners),
+        st.tuples(st.just("match"), sequences, namespaces, st.none()),
+        st.tuples(st.just("lock"), sequences, namespaces, st.none()),
+        st.tuples(st.just("unlock"), st.integers(0, 50), st.none(), st.none()),
+        st.tuples(st.just("evict"), st.integers(0, 8), st.none(), st.none()),
+        st.tuples(st.just("pin"), st.sampled_from(["t0", "t1", "t2"]), st.none(), st.none()),
+        st.tuples(st.just("end"), st.sampled_from(["t0", "t1", "t2"]), st.none(), st.none()),
+        st.tuples(st.just("flush"), st.none(), st.none(), st.none()),
     ),
     max_size=40,
 )
 
 
-@settings(max_examples=200, deadline=None)
-@given(operations)
-def test_tree_and_allocator_invariants_hold_after_every_operation(ops: list) -> None:
-    alloc = PageAllocator(64, reserved=1)
-    tree = RadixTree(PAGE)
+class Tiers:
+    """The tree's host tier without KV data: two allocators, so leaks and double frees show."""
+
+    def __init__(self, device: PageAllocator, host_pages: int) -> None:
+        self.device = device
+        self.host = PageAllocator(host_pages)
+
+    def host_free(self) -> int:
+        return self.host.num_free
+
+    def to_host(self, device_pages: list[int]) -> list[int]:
+        return self.host.allocate(len(device_pages))
+
+    def to_device(self, host_pages: list[int]) -> list[int] | None:
+        if len(host_pages) > self.device.num_free:
+            return None
+        return self.device.allocate(len(host_pages))
+
+    def free_host(self, host_pages: list[int]) -> None:
+        self.host.free(host_pages)
+
+
+def retention_tree(alloc: PageAllocator, host_pages: int, pinned: set[str]) -> RadixTree:
+    """A tree ranked as the engine ranks it: nodes of pinned owners last, offloaded when owned."""
+    return RadixTree(
+        PAGE,
+        eviction_key=lambda n: (bool(n.owners & pinned), n.last_access),
+        offload_if=lambda n: bool(n.owners),
+        tiers=Tiers(alloc, host_pages),
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(operations, st.integers(0, 12))
+def test_tree_and_allocators_invariants_hold_after_every_operation(
+    ops: list, host_pages: int
+) -> None:
+    alloc = PageAllocator(24, reserved=1)
+    pinned: set[str] = set()
+    tree = retention_tree(alloc, host_pages, pinned)
+    tiers = tree.tiers
+    assert isinstance(tiers, Tiers)
     locks: list[RadixNode] = []
-    for op, arg, namespace in ops:
+    ends: dict[str, RadixNode] = {}
+    for op, arg, namespace, owner in ops:
         if op == "insert":
             n = len(arg) // PAGE
             if n > alloc.num_free:
                 continue
             own = alloc.allocate(n)
-            kept = tree.insert(arg, own, namespace).pages
-            alloc.free([p for p, k in zip(own, kept, strict=True) if p != k])
-            assert tree.cached_pages(arg, namespace) == len(kept)
-            assert tree.match(arg, namespace).pages == kept
+            m = tree.insert(arg, own, namespace, owner)
+            alloc.free([p for p, k in zip(own, m.pages, strict=True) if p != k])
+            assert tree.cached(arg, namespace) == (len(m.pages), 0)
+            assert tree.match(arg, namespace).pages == m.pages
+            if owner is not None:
+                ends[owner] = m.node
+        elif op == "match":
+            before = tree.cached(arg, namespace)
+            m = tree.match(arg, namespace)
+            assert before.device_pages + m.loaded_pages == len(m.pages)
+            assert len(m.pages) <= sum(before)
         elif op == "lock":
             m = tree.match(arg, namespace)
             tree.lock(m.node)
@@ -47,23 +98,63 @@ def test_tree_and_allocator_invariants_hold_after_every_operation(ops: list) -> 
             tree.unlock(locks.pop(arg % len(locks)))
         elif op == "evict":
             alloc.free(tree.evict(arg))
+        elif op == "pin":
+            pinned.add(arg)
+        elif op == "end" and arg in ends:
+            tree.disown(ends.pop(arg), arg)
+            pinned.discard(arg)
+        elif op == "flush":
+            alloc.free(tree.flush())
         tree.check()
         alloc.check()
-        # Every page is either free or in the tree, never both.
-        cached = tree.all_pages()
-        assert len(cached) + alloc.num_free == alloc.capacity
+        tiers.host.check()
+        # Every page of either tier is free or in the tree, never both.
+        assert len(tree.all_pages()) + alloc.num_free == alloc.capacity
+        assert len(tree.all_host_pages()) + tiers.host.num_free == tiers.host.capacity
     for node in locks:
         tree.unlock(node)
-    alloc.free(tree.evict(tree.evictable_pages))
+    alloc.free(tree.flush())
     tree.check()
     assert alloc.num_free == alloc.capacity and tree.all_pages() == []
+    assert tiers.host.num_free == tiers.host.capacity
+
+
+def test_owned_kv_is_offloaded_and_a_match_loads_it_back() -> None:
+    alloc = PageAllocator(16, reserved=1)
+    tree = retention_tree(alloc, host_pages=8, pinned=set())
+    own = alloc.allocate(3)
+    tree.insert([1, 2, 3, 4, 5, 6], own, owner="t0")
+    tree.insert([7, 8], alloc.allocate(1))  # nobody owns it: dropped
+    alloc.free(tree.evict(16))
+    assert alloc.num_free == alloc.capacity and tree.host_pages == 3
+    assert tree.cached([1, 2, 3, 4, 5, 6, 9]) == (0, 3)
+    assert tree.cached([7, 8]) == (0, 0)
+    m = tree.match([1, 2, 3, 4, 5, 6, 9])
+    assert len(m.pages) == 3 and m.loaded_pages == 3 and tree.host_pages == 0
+    tree.check()
+
+
+def test_a_full_host_tier_drops_colder_nodes_to_take_a_warmer_one() -> None:
+    alloc = PageAllocator(16, reserved=1)
+    pinned = {"hot"}
+    tree = retention_tree(alloc, host_pages=2, pinned=pinned)
+    tree.insert([1, 2, 3, 4], alloc.allocate(2), owner="cold")
+    alloc.free(tree.evict(2))  # offloaded: the host tier is full now
+    tree.insert([5, 6, 7, 8], alloc.allocate(2), owner="hot")
+    alloc.free(tree.evict(2))  # hot outranks cold: cold is dropped from host to make room
+    assert tree.cached([5, 6, 7, 8, 0]) == (0, 2)
+    assert tree.cached([1, 2, 3, 4, 0]) == (0, 0)
+    tree.insert([1, 2, 3, 4], alloc.allocate(2), owner="cold")
+    alloc.free(tree.evict(2))  # colder than what the host holds: dropped
+    assert tree.cached([1, 2, 3, 4, 0]) == (0, 0)
+    tree.check()
 
 
 def test_match_is_page_granular_and_splits_nodes() -> None:
     tree = RadixTree(page_size=4)
     tree.insert(list(range(12)), [1, 2, 3])
     probe = [0, 1, 2, 3, 4, 5, 6, 7, 99, 9, 10, 11]
-    assert tree.cached_pages(probe) == 2
+    assert tree.cached(probe) == (2, 0)
     assert len(tree.nodes()) == 1  # counting is read-only: no split yet
     m: PrefixMatch = tree.match(probe)
     assert m.pages == [1, 2] and len(tree.nodes()) == 2

@@ -213,6 +213,22 @@ def test_native_generate_returns_tokens_logprobs_and_versions(server: str) -> No
     assert all(lp <= 0 for lp in out["logprobs"])
 
 
+def test_a_trajectory_keeps_its_kv_across_a_tool_wait_and_ends_over_http(server: str) -> None:
+    body = {
+        "input_ids": list(range(340, 380)),
+        "trajectory_id": "waits",
+        "expected_wait_s": 30.0,
+        "sampling_params": {"max_tokens": 4, "temperature": 0},
+    }
+    r = httpx.post(f"{server}/generate", json=body, headers=auth(), timeout=60)
+    assert r.status_code == 200, r.text
+    body["input_ids"] = body["input_ids"] + r.json()["token_ids"] + [5, 6, 7]  # the observation
+    r = httpx.post(f"{server}/generate", json=body, headers=auth(), timeout=60)
+    assert r.status_code == 200 and r.json()["cached_tokens"] >= 40, r.text
+    r = httpx.post(f"{server}/end_trajectory", json={"trajectory_id": "waits"}, headers=auth())
+    assert r.status_code == 200, r.text
+
+
 @pytest.mark.parametrize(
     ("path", "body", "status", "words"),
     [
@@ -231,6 +247,9 @@ def test_native_generate_returns_tokens_logprobs_and_versions(server: str) -> No
             "max_tokenz",
         ),
         ("/generate", {"input_ids": [], "sampling_params": {}}, 400, "input_ids"),
+        ("/generate", {"input_ids": [1], "expected_wait_s": -1}, 400, "expected_wait_s"),
+        ("/generate", {"input_ids": [1], "expected_wait_s": 1}, 400, "trajectory_id"),
+        ("/end_trajectory", {}, 400, "trajectory_id"),
         ("/update_weights", {"path": "/nonexistent"}, 400, "not a directory"),
         ("/update_weights", {"path": "/etc"}, 400, "no *.safetensors"),
         ("/generate", {"input_ids": [1, 2], "sampling_params": {"top_k": 1.5}}, 400, "top_k"),

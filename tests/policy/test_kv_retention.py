@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from venusrl.policy.critical_groups import BEST_EFFORT, HIGH
-from venusrl.policy.kv_retention import IdleKV, LruRetention, TrajectoryRetention
+from venusrl.policy.kv_retention import IdleKV, LruRetention, TrajectoryRetention, eviction_order
 
 
 def kv(key: str, priority: int = HIGH, last_use: float = 0.0, pin: float | None = None,
@@ -14,7 +14,7 @@ def kv(key: str, priority: int = HIGH, last_use: float = 0.0, pin: float | None 
 def test_lru_evicts_the_least_recently_used_and_always_drops() -> None:
     idle = [kv("new", last_use=5.0, pin=100.0), kv("old", last_use=1.0), kv("mid", last_use=3.0)]
     policy = LruRetention()
-    assert [e.key for e in policy.eviction_order(idle, now=6.0)] == ["old", "mid", "new"]
+    assert [e.key for e in eviction_order(policy, idle, now=6.0)] == ["old", "mid", "new"]
     assert not any(policy.offload(e, now=6.0) for e in idle)
 
 
@@ -28,7 +28,7 @@ def test_tool_waiting_high_priority_kv_leaves_last_and_is_offloaded_not_dropped(
         kv("finished", HIGH, last_use=9.9, finished=True),
     ]
     policy = TrajectoryRetention()
-    order = [e.key for e in policy.eviction_order(idle, now)]
+    order = [e.key for e in eviction_order(policy, idle, now)]
     assert order == ["finished", "low", "pinned-low", "expired-high", "pinned-high"]
     by_key = {e.key: e for e in idle}
     assert policy.offload(by_key["pinned-high"], now)
@@ -37,5 +37,5 @@ def test_tool_waiting_high_priority_kv_leaves_last_and_is_offloaded_not_dropped(
 
 def test_among_pinned_kv_the_owner_due_back_last_leaves_first() -> None:
     idle = [kv("soon", pin=11.0), kv("late", pin=30.0)]
-    order = TrajectoryRetention().eviction_order(idle, now=10.0)
+    order = eviction_order(TrajectoryRetention(), idle, now=10.0)
     assert [e.key for e in order] == ["late", "soon"]

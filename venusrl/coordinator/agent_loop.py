@@ -73,6 +73,7 @@ class LoopLimits:
     max_tokens_per_turn: int = 256
     reward_timeout_s: float = 120.0
     step_timeout_s: float = 300.0  # one environment step (its tool calls bound themselves)
+    expected_tool_s: float | None = None  # sent with each turn: the engine's KV retention pin
 
 
 async def run_episode(
@@ -116,12 +117,14 @@ async def _turns(
         if room < 1:
             return Finish.CONTEXT_CAP
         params = dataclasses.replace(sampling, max_tokens=min(limits.max_tokens_per_turn, room))
+        hint = {} if limits.expected_tool_s is None else {"expected_wait_s": limits.expected_tool_s}
         out = await generate(
             list(traj.token_ids),
             params,
             priority=priority(),
             trajectory_id=traj.trajectory_id,
             group_id=traj.group_id,
+            **hint,
         )
         traj.add_model_turn(out.token_ids, out.logprobs, out.weight_versions)
         on_turn(traj)

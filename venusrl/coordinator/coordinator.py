@@ -21,9 +21,10 @@ dropped (counted). Every wait is bounded: a group that does not complete within
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -105,8 +106,12 @@ class Coordinator:
         limits: LoopLimits,
         config: CoordinatorConfig,
         weight_version: Callable[[], int],
+        end_trajectory: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
+        """`end_trajectory` tells the engine that an episode is over, so that the KV it kept
+        for the trajectory between turns can go."""
         self.env, self.tasks, self.pool = env, tasks, pool
+        self.end_trajectory = end_trajectory
         self.generate, self.fmt, self.sampling, self.limits = generate, fmt, sampling, limits
         self.config = config
         self.weight_version = weight_version
@@ -241,6 +246,11 @@ class Coordinator:
                     traj.finish, traj.failure = Finish.INFRA, f"{type(e).__name__}: {e}"
                 finally:
                     await sandbox.close()
+                    if self.end_trajectory is not None:
+                        # A hint for the engine's cache: an engine that cannot take it (down,
+                        # restarting) has lost that KV anyway.
+                        with contextlib.suppress(Exception):
+                            await self.end_trajectory(tid)
             if traj.finish is Finish.INFRA:
                 state.infra_failures += 1
                 self.stats.infra_failures += 1

@@ -15,15 +15,26 @@ request is therefore the same as prefilling it, served mostly from the prefix ca
 Ownership of device pages (checked by `check()`): each page is free, owned by the radix tree, or
 owned by exactly one running request. A request's first `num_shared_pages` pages are the tree's,
 kept alive by a lock on `tree_node`.
+
+Idle KV (DESIGN.md seed 000 section 3): between two turns of a trajectory, its KV stays in the
+tree, unlocked. When pages run short the tree evicts in the order of a retention policy
+(`policy.kv_retention`, `engine.retention`) that sees each node's owners: whether their episodes
+are over (`end_trajectory`), their priority, and the retention pin a request sets for the tool
+wait that follows it (`expected_wait_s`, the coordinator's estimate of when the tool answers).
+Where the policy says so and the host tier has room, the KV is offloaded rather than dropped; a
+later match loads it back (a host hit) instead of computing it again (a re-prefill, counted by
+cause). A preempted request's full pages go the same way.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
+import time
 import uuid
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -40,7 +51,7 @@ from venusrl.engine.host_malloc import keep_freed_memory_in_heap
 from venusrl.engine.kv_cache import KVCache
 from venusrl.engine.model import CausalLM
 from venusrl.engine.model_dir import iter_safetensors, load_model
-from venusrl.engine.radix_tree import RadixTree
+from venusrl.engine.radix_tree import PrefixMatch, RadixNode, RadixTree
 from venusrl.engine.request import GenerationOutput, Request, SamplingParams, Status
 from venusrl.engine.sampler import sample
 from venusrl.engine.tokenizer import Tokenizer
@@ -50,6 +61,7 @@ from venusrl.policy.engine_schedule import (
     RequestView,
     pages_for,
 )
+from venusrl.policy.kv_retention import IdleKV, LruRetention, RetentionPolicy, TrajectoryRetention
 
 # Decode rows sharing a prefix attend it once (cascade attention) when that saves reading at
 # least this many KV tokens per layer; below it one fused SDPA call over all pages is cheaper.
@@ -75,10 +87,26 @@ class EngineStats:
     generated_tokens: int = 0
     preemptions: int = 0
     finished: int = 0
+    # Where admitted requests found their prefix, in tokens (every admission, resumes included).
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0  # loaded back from the host tier
+    # Tokens whose KV the engine had computed and then lost, computed again; by cause:
+    # "evicted" (dropped while idle between turns), "preempted" (dropped after a preemption).
+    reprefill_tokens: Counter[str] = field(default_factory=Counter)
 
     @property
     def prefix_hit_ratio(self) -> float:
         return self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass
+class TrajectoryState:
+    """What the engine knows of a trajectory between its requests, for KV retention."""
+
+    priority: int = 0
+    pin_deadline: float | None = None  # while it waits on a tool: when the answer is expected
+    node: RadixNode | None = None  # the end of its cached context
+    cached_ids: list[int] = field(default_factory=list)  # the context that was cached (pages)
 
 
 class Engine:
@@ -88,8 +116,10 @@ class Engine:
         config: EngineConfig | None = None,
         tokenizer: Tokenizer | None = None,
         scheduler: PriorityScheduler | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cfg = cfg = config or EngineConfig()
+        self.clock = clock
         if cfg.threads is not None:
             torch.set_num_threads(cfg.threads)
         if torch.device(cfg.device).type == "cpu":
@@ -110,7 +140,16 @@ class Engine:
             dtype=DTYPES[cfg.dtype],
             device=self.device,
         )
-        self.tree = RadixTree(ps)
+        self.retention: RetentionPolicy = (
+            TrajectoryRetention() if cfg.retention == "trajectory" else LruRetention()
+        )
+        self.trajectories: dict[str, TrajectoryState] = {}
+        self.tree = RadixTree(
+            ps,
+            eviction_key=lambda node: self.retention.rank(self._idle_kv(node), self.clock()),
+            offload_if=lambda node: self.retention.offload(self._idle_kv(node), self.clock()),
+            tiers=self.kv,
+        )
         self.max_context = min(
             cfg.max_context or mc.max_position_embeddings, mc.max_position_embeddings
         )
@@ -147,7 +186,12 @@ class Engine:
         priority: int = 0,
         trajectory_id: str | None = None,
         group_id: str | None = None,
+        expected_wait_s: float | None = None,
     ) -> Request:
+        """Queue a request. `expected_wait_s`: after this turn the trajectory waits on a tool,
+        expected back within that time; its KV is pinned until then (what a pin is worth is the
+        retention policy's call). The trajectory's next request ends the wait; `end_trajectory`
+        says no request will follow."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
         vocab = self.model.config.vocab_size
@@ -161,6 +205,10 @@ class Engine:
                 f"prompt has {len(prompt)} tokens; the context limit is {self.max_context} "
                 "and at least one token must be generated"
             )
+        if expected_wait_s is not None and not expected_wait_s >= 0:
+            raise RequestError(f"expected_wait_s must be >= 0, got {expected_wait_s}")
+        if expected_wait_s is not None and trajectory_id is None:
+            raise RequestError("expected_wait_s needs a trajectory_id: whose KV is to be kept?")
         if params.stop and self.tokenizer is None:
             raise RequestError(
                 "stop strings need a tokenizer; this model has none (use stop_token_ids)"
@@ -183,10 +231,36 @@ class Engine:
             group_id=group_id,
             namespace=self.weight_version if self.cfg.salt_cache_by_version else None,
             generator=generator,
+            expected_wait_s=expected_wait_s,
         )
+        if trajectory_id is not None:
+            t = self.trajectories.setdefault(trajectory_id, TrajectoryState())
+            t.priority, t.pin_deadline = priority, None  # the tool has answered
+            if t.cached_ids and prompt[: len(t.cached_ids)] == t.cached_ids:
+                r.expected_cached = len(t.cached_ids)
         self.requests[request_id] = r
         self._enqueue(r)
         return r
+
+    def end_trajectory(self, trajectory_id: str) -> None:
+        """The trajectory's episode is over: no request reads its KV again, except siblings
+        that share a prefix with it (they own those nodes too)."""
+        t = self.trajectories.pop(trajectory_id, None)
+        if t is not None and t.node is not None:
+            self.tree.disown(t.node, trajectory_id)
+
+    def _idle_kv(self, node: RadixNode) -> IdleKV:
+        """A tree node as the retention policy sees it: through the state of its owners."""
+        live = [self.trajectories[o] for o in node.owners if o in self.trajectories]
+        pins = [t.pin_deadline for t in live if t.pin_deadline is not None]
+        return IdleKV(
+            key="",
+            tokens=len(node.key),
+            priority=max((t.priority for t in live), default=0),
+            last_use=node.last_access,
+            pin_deadline=max(pins) if pins else None,
+            finished=not live,
+        )
 
     def abort(self, request_id: str) -> bool:
         r = self.requests.get(request_id)
@@ -266,7 +340,8 @@ class Engine:
         prefilling = [r for r in self.running if r.tokens_to_compute > 1]
         waiting = []
         for r in self.waiting[: 2 * self.cfg.max_running]:
-            cached = self._cached_prefix_len(r)
+            on_device, on_host = self._cached_prefix(r)
+            cached = (on_device + on_host) * ps
             key, in_flight = None, False
             if self.cfg.prefix_cache and r.num_tokens - cached > ps:
                 head = r.all_ids[: cached + ps]
@@ -284,7 +359,7 @@ class Engine:
                     r.arrival,
                     cached,
                     r.num_tokens - cached,
-                    pages_held=cached // ps,
+                    pages_held=on_device,  # host pages need device pages to load into
                     pages_releasable=0,
                     prefix_key=key,
                     prefix_in_flight=in_flight,
@@ -309,11 +384,12 @@ class Engine:
             node = node.parent
         return pages
 
-    def _cached_prefix_len(self, r: Request) -> int:
+    def _cached_prefix(self, r: Request) -> tuple[int, int]:
+        """Pages of the request's prefix cached on device, then on host."""
         if not self.cfg.prefix_cache:
-            return 0
+            return 0, 0
         # At least the last token is computed, to produce the logits of the next one.
-        return self.tree.cached_pages(r.all_ids[: r.num_tokens - 1], r.namespace) * self.page_size
+        return self.tree.cached(r.all_ids[: r.num_tokens - 1], r.namespace)
 
     def _build_batch(self, work: Sequence[tuple[Request, int]]) -> StepBatch:
         """Pack the step's tokens; `work` lists decode (single-token) entries first."""
@@ -440,13 +516,18 @@ class Engine:
     def _admit(self, r: Request) -> None:
         self.waiting.remove(r)
         if self.cfg.prefix_cache:
-            match = self.tree.match(r.all_ids[: r.num_tokens - 1], r.namespace)
+            match = self._match(r)
             if match.pages:
                 self.tree.lock(match.node)
                 r.tree_node = match.node
                 r.pages = list(match.pages)
                 r.num_shared_pages = len(match.pages)
                 r.num_computed = len(match.pages) * self.page_size
+            self.stats.host_hit_tokens += match.loaded_pages * self.page_size
+            self.stats.device_hit_tokens += r.num_computed - match.loaded_pages * self.page_size
+        if r.expected_cached > r.num_computed:
+            cause = "preempted" if r.admissions else "evicted"
+            self.stats.reprefill_tokens[cause] += r.expected_cached - r.num_computed
         r.admissions += 1
         if r.admissions == 1:
             r.cached_prompt_tokens = min(r.num_computed, len(r.prompt_ids))
@@ -455,16 +536,33 @@ class Engine:
         r.status = Status.RUNNING
         self.running.append(r)
 
+    def _match(self, r: Request) -> PrefixMatch:
+        """The request's cached prefix on device, its host part loaded back (room is made for
+        it by evicting other nodes, with the device part locked meanwhile)."""
+        ids, ns = r.all_ids[: r.num_tokens - 1], r.namespace
+        match = self.tree.match(ids, ns)
+        on_host = self.tree.cached(ids, ns).host_pages
+        if on_host:
+            self.tree.lock(match.node)
+            self._make_room(on_host)
+            self.tree.unlock(match.node)
+            more = self.tree.match(ids, ns)
+            match = PrefixMatch(more.node, more.pages, match.loaded_pages + more.loaded_pages)
+        return match
+
+    def _make_room(self, pages: int) -> bool:
+        alloc = self.kv.device_pages
+        if pages > alloc.num_free:
+            alloc.free(self.tree.evict(pages - alloc.num_free))
+        return pages <= alloc.num_free
+
     def _reserve_pages(self, r: Request, n: int) -> bool:
         need = pages_for(r.num_computed + n, self.page_size) - len(r.pages)
         if need <= 0:
             return True
-        alloc = self.kv.device_pages
-        if need > alloc.num_free:
-            alloc.free(self.tree.evict(need - alloc.num_free))
-        if need > alloc.num_free:
+        if not self._make_room(need):
             return False
-        r.pages.extend(alloc.allocate(need))
+        r.pages.extend(self.kv.device_pages.allocate(need))
         return True
 
     def _cache_prefix(self, r: Request) -> None:
@@ -473,7 +571,7 @@ class Engine:
         if full <= r.num_shared_pages:
             return
         tokens = r.all_ids[: full * self.page_size]
-        match = self.tree.insert(tokens, r.pages[:full], r.namespace)
+        match = self.tree.insert(tokens, r.pages[:full], r.namespace, r.trajectory_id)
         tree_pages = match.pages
         duplicates = [
             own
@@ -492,6 +590,10 @@ class Engine:
     def _release_kv(self, r: Request) -> None:
         if self.cfg.prefix_cache:
             self._cache_prefix(r)
+            r.expected_cached = r.num_shared_pages * self.page_size
+            t = self.trajectories.get(r.trajectory_id) if r.trajectory_id else None
+            if t is not None and r.tree_node is not None:
+                t.node, t.cached_ids = r.tree_node, r.all_ids[: r.expected_cached]
         self.kv.device_pages.free(r.pages[r.num_shared_pages :])
         if r.tree_node is not None:
             self.tree.unlock(r.tree_node)
@@ -504,6 +606,9 @@ class Engine:
         self._enqueue(r)
 
     def _finish(self, r: Request, reason: str) -> None:
+        t = self.trajectories.get(r.trajectory_id) if r.trajectory_id else None
+        if t is not None and r.expected_wait_s is not None and reason != "abort":
+            t.pin_deadline = self.clock() + r.expected_wait_s  # the tool call starts now
         if r.status is Status.RUNNING:
             self.running.remove(r)
             self._release_kv(r)
@@ -536,8 +641,9 @@ class Engine:
         return self.weight_version
 
     def flush_cache(self) -> int:
-        """Evict every unlocked prefix; returns the number of pages freed."""
-        pages = self.tree.evict(self.tree.evictable_pages)
+        """Drop every cached prefix no request holds, on both tiers; returns the number of device
+        pages freed."""
+        pages = self.tree.flush()
         self.kv.device_pages.free(pages)
         return len(pages)
 
@@ -560,6 +666,10 @@ class Engine:
             assert r.status is Status.WAITING and not r.pages and r.tree_node is None
         free = set(self.kv.device_pages.free_page_ids())
         assert not free & set(owners), "a free page is also owned"
+        host = self.tree.all_host_pages()
+        assert len(host) + self.kv.host_pages.num_free == self.kv.host_pages.capacity, (
+            "a host page leaked"
+        )
         assert 0 not in owners, "the padding page is in use"
         assert len(free) + len(owners) == self.kv.device_pages.capacity, "a page leaked"
 

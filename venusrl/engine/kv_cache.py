@@ -6,7 +6,7 @@ reserved as the padding page: batched attention reads it for the unused tail of 
 so it must never hold live data.
 
 On CPU both tiers are host tensors; on CUDA the device tier lives in GPU memory and the host tier
-in pinned memory, so `offload`/`load` are real PCIe copies.
+in pinned memory, so `to_host`/`to_device` are real PCIe copies.
 """
 
 from __future__ import annotations
@@ -109,26 +109,40 @@ class KVCache:
         """K and V of one layer on the device tier: `[2, kv_heads, pages, page_size, head_dim]`."""
         return self.device_kv[layer]
 
-    def offload(self, device_pages: list[int]) -> list[int]:
-        """Copy pages to the host tier and free them on the device; returns host page ids."""
+    # The radix tree's `HostTier`: it moves whole nodes between the tiers.
+
+    def host_free(self) -> int:
+        return self.host_pages.num_free
+
+    def to_host(self, device_pages: list[int]) -> list[int]:
+        """Copy pages to newly allocated host pages; the device pages stay allocated."""
         host = self.host_pages.allocate(len(device_pages))
         if device_pages:
             src = torch.tensor(device_pages, device=self.device)
             dst = torch.tensor(host)
             self.host_kv.index_copy_(3, dst, self.device_kv.index_select(3, src).to("cpu"))
-        self.device_pages.free(device_pages)
         return host
 
-    def load(self, host_pages: list[int]) -> list[int]:
-        """Copy pages back to the device tier and free them on the host; returns device ids."""
+    def to_device(self, host_pages: list[int]) -> list[int] | None:
+        """Copy host pages to newly allocated device pages, or None when too few are free; the
+        host pages stay allocated."""
+        if len(host_pages) > self.device_pages.num_free:
+            return None
         device = self.device_pages.allocate(len(host_pages))
         if host_pages:
             src = torch.tensor(host_pages)
             dst = torch.tensor(device, device=self.device)
             data = self.host_kv.index_select(3, src).to(self.device, non_blocking=True)
             self.device_kv.index_copy_(3, dst, data)
-        self.host_pages.free(host_pages)
         return device
+
+    def free_host(self, host_pages: list[int]) -> None:
+        self.host_pages.free(host_pages)
+
+    def page_bytes(self) -> int:
+        """Bytes of one page, all layers, K and V."""
+        per_page = self.device_kv[:, :, :, 0].numel()
+        return per_page * self.device_kv.element_size()
 
     def check(self) -> None:
         self.device_pages.check()

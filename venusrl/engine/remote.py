@@ -57,6 +57,10 @@ class RemoteEngine:
         except (KeyError, TypeError, ValueError) as e:
             raise RemoteEngineError(f"/generate: malformed reply: {e!r}") from None
 
+    async def end_trajectory(self, trajectory_id: str) -> None:
+        """No request of this trajectory follows: the server may let its KV go."""
+        await self._post("/end_trajectory", {"trajectory_id": trajectory_id})
+
     async def update_weights(self, path: Path, version: int) -> int:
         """The server loads the safetensors directory `path` (it must see the same filesystem)."""
         d = await self._post("/update_weights", {"path": str(path), "version": version})

@@ -95,6 +95,7 @@ class Request:
     trajectory_id: str | None = None
     group_id: str | None = None
     namespace: object = None  # radix-cache namespace, fixed at submission
+    expected_wait_s: float | None = None  # the tool wait after it (KV retention pin)
 
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -103,6 +104,9 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache on admission
     admissions: int = 0  # > 1 after a preemption
+    # Tokens of its prefix the engine had computed before (an earlier turn of its trajectory,
+    # or itself before a preemption): what it finds cached short of that is a re-prefill.
+    expected_cached: int = 0
 
     # KV state. pages[:num_shared_pages] are borrowed from the radix tree and protected by a
     # lock on `tree_node`; the rest are owned by this request.

@@ -5,6 +5,7 @@
     POST /v1/completions         prompt as text or token ids; choices carry `token_ids` too
     POST /v1/chat/completions    the tokenizer's chat template
     POST /generate               token ids + trajectory metadata -> tokens, logprobs, versions
+    POST /end_trajectory         no request of this trajectory follows: its KV may go
     POST /update_weights         load a safetensors directory into the running engine
 
 Every error is a 4xx/5xx with an OpenAI-style body `{"error": {"message", "type", "param"}}`
@@ -126,6 +127,11 @@ class GenerateBody(_Body):
     trajectory_id: str | None = None
     group_id: str | None = None
     priority: int = 0
+    expected_wait_s: float | None = Field(None, ge=0)  # the tool wait after this turn
+
+
+class EndTrajectoryBody(_Body):
+    trajectory_id: str
 
 
 class UpdateWeightsBody(_Body):
@@ -373,6 +379,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             trajectory_id=body.trajectory_id,
             group_id=body.group_id,
             priority=body.priority,
+            expected_wait_s=body.expected_wait_s,
         )
         return {
             "request_id": out.request_id,
@@ -383,6 +390,11 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             "prompt_tokens": len(out.prompt_ids),
             "cached_tokens": out.cached_prompt_tokens,
         }
+
+    @app.post("/end_trajectory")
+    async def end_trajectory(body: EndTrajectoryBody) -> dict[str, Any]:
+        await runner.call(lambda e: e.end_trajectory(body.trajectory_id))
+        return {"trajectory_id": body.trajectory_id}
 
     @app.post("/update_weights")
     async def update_weights(body: UpdateWeightsBody) -> dict[str, Any]:

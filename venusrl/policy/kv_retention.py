@@ -35,8 +35,8 @@ class IdleKV:
 
 
 class RetentionPolicy(Protocol):
-    def eviction_order(self, idle: Sequence[IdleKV], now: float) -> list[IdleKV]:
-        """Candidates, the first to leave the device first."""
+    def rank(self, entry: IdleKV, now: float) -> tuple[int, float]:
+        """Sort key: the smallest leaves the device first."""
         ...
 
     def offload(self, entry: IdleKV, now: float) -> bool:
@@ -44,9 +44,14 @@ class RetentionPolicy(Protocol):
         ...
 
 
+def eviction_order(policy: RetentionPolicy, idle: Sequence[IdleKV], now: float) -> list[IdleKV]:
+    """Candidates, the first to leave the device first."""
+    return sorted(idle, key=lambda e: policy.rank(e, now))
+
+
 class LruRetention:
-    def eviction_order(self, idle: Sequence[IdleKV], now: float) -> list[IdleKV]:
-        return sorted(idle, key=lambda e: e.last_use)
+    def rank(self, entry: IdleKV, now: float) -> tuple[int, float]:
+        return (0, entry.last_use)
 
     def offload(self, entry: IdleKV, now: float) -> bool:
         return False
@@ -62,9 +67,6 @@ class TrajectoryRetention:
         if not pinned:
             return (3, entry.last_use)
         return (4, -(entry.pin_deadline or 0.0))  # the owner due back last leaves first
-
-    def eviction_order(self, idle: Sequence[IdleKV], now: float) -> list[IdleKV]:
-        return sorted(idle, key=lambda e: self.rank(e, now))
 
     def offload(self, entry: IdleKV, now: float) -> bool:
         return not entry.finished

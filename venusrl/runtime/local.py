@@ -62,6 +62,9 @@ class LocalEngine:
         self.engine = AsyncEngine(core).start()
         self.generate = self.engine.generate
 
+    async def end_trajectory(self, trajectory_id: str) -> None:
+        await self.engine.call(lambda e: e.end_trajectory(trajectory_id))
+
     async def publish(self, trainer: GRPOTrainer, run_dir: Path, model_dir: Path) -> None:
         # Runs on the engine's thread between two of its steps: requests in flight keep their
         # KV and record the new version on the tokens they produce from now on.
@@ -78,6 +81,7 @@ class ServedEngine:
     def __init__(self, url: str) -> None:
         self.remote = RemoteEngine(url)
         self.generate = self.remote.generate
+        self.end_trajectory = self.remote.end_trajectory
 
     async def publish(self, trainer: GRPOTrainer, run_dir: Path, model_dir: Path) -> None:
         out = run_dir / "published" / f"v{trainer.version}"
@@ -254,7 +258,11 @@ async def train(
     consumed = set(state.consumed_tasks)
     env = BUILTIN[cfg.rollout.env]
     r = cfg.rollout
-    limits = LoopLimits(max_context=r.max_context, max_tokens_per_turn=r.max_tokens_per_turn)
+    limits = LoopLimits(
+        max_context=r.max_context,
+        max_tokens_per_turn=r.max_tokens_per_turn,
+        expected_tool_s=r.tool_wait_pin_s,
+    )
     metrics: list[dict[str, Any]] = []
     metrics_file = run_dir / "metrics.jsonl"
     # Trainer work runs on one thread of its own, beside the engine's: asyncio's default pool
@@ -355,6 +363,7 @@ async def train(
                     priorities=r.priorities,
                 ),
                 weight_version=lambda: trainer.version,
+                end_trajectory=engine.end_trajectory,
             )
             coordinator.start()
             started = time.monotonic()

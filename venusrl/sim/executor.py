@@ -46,7 +46,13 @@ from venusrl.policy.engine_schedule import (
     RequestView,
     pages_for,
 )
-from venusrl.policy.kv_retention import IdleKV, LruRetention, RetentionPolicy, TrajectoryRetention
+from venusrl.policy.kv_retention import (
+    IdleKV,
+    LruRetention,
+    RetentionPolicy,
+    TrajectoryRetention,
+    eviction_order,
+)
 from venusrl.policy.staleness import StalenessBound
 from venusrl.sim.cost_model import CostModel
 from venusrl.sim.workloads import PromptPlan, TrajectoryPlan, Workload, WorkloadSampler
@@ -371,7 +377,7 @@ class _Engine:
             for tid, e in self.idle.items()
             if not e.on_host
         ]  # fmt: skip
-        for cand in sim.retention.eviction_order(candidates, now):
+        for cand in eviction_order(sim.retention, candidates, now):
             if need <= free:
                 break
             entry = self.idle[cand.key]
