@@ -235,3 +235,29 @@ def test_swe_mini_tests_that_cannot_be_restored_score_zero():
             await sandbox.close()
 
     assert with_pool(SweMini, body) == 0.0
+
+
+def test_agent_workload_runs_its_drawn_turns_and_tool_latencies_whatever_the_model_writes() -> None:
+    from venusrl.envs.builtin.agent_workload import AgentWorkload
+
+    task = next(AgentWorkload.tasks(seed=3))
+    assert next(AgentWorkload.tasks(seed=3)).reference == task.reference  # seeded
+    draws = task.reference["members"]
+
+    async def body(pool: SandboxPool) -> list[tuple[float, list[StepResult]]]:
+        async def member() -> Episode:
+            sandbox = await pool.create(AgentWorkload.template.name)
+            try:
+                return await play(AgentWorkload(task, sandbox), lambda obs: "no tool call at all")
+            finally:
+                await sandbox.close()
+
+        return list(await asyncio.gather(member(), member()))
+
+    episodes = with_pool(AgentWorkload, body)
+    # The two members took the task's first two draws, in some order.
+    expected = sorted((d["reward"], len(d["tool_s"])) for d in draws[:2])
+    assert sorted((reward, len(steps)) for reward, steps in episodes) == expected
+    for _, steps in episodes:
+        assert all(s.info["tool_calls"] == 1 and s.info["tool_errors"] == 0 for s in steps)
+        assert all("<tool_response>" in (s.observation or "") for s in steps[:-1])

@@ -65,6 +65,7 @@ class GroupResult:
     trajectories: list[Trajectory]  # K, in member order; masked ones have reward None
     started_version: int
     infra_failures: int = 0
+    duration_s: float = 0.0  # from opening the group to its last member's end
 
     @property
     def masked(self) -> int:
@@ -181,6 +182,7 @@ class Coordinator:
     async def _run_group(self, task: Task, arrival: int) -> None:
         gid = f"g{next(self._ids)}"
         k = self.config.group_size
+        opened = time.monotonic()
         state = _OpenGroup(gid, task, arrival, self.weight_version(), [MemberView(False)] * k)
         state.results = [None] * k
         self._open[gid] = state
@@ -201,6 +203,7 @@ class Coordinator:
                 [t for t in state.results if t is not None],
                 state.started_version,
                 state.infra_failures,
+                time.monotonic() - opened,
             )
             scored = k - result.masked
             self.stats.masked += result.masked

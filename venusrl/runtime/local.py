@@ -102,6 +102,7 @@ def step_metrics(
     scored = [t.reward for t in trajectories if t.reward is not None]
     wins = [t for t in trajectories if t.reward is not None and t.reward > 0]
     model_versions = [v for t in trajectories for v, m in zip(t.versions, t.mask, strict=True) if m]
+    durations = sorted(g.duration_s for g in batch)
     return {
         "step": step,
         "reward_mean": sum(scored) / len(scored) if scored else None,
@@ -112,6 +113,8 @@ def step_metrics(
             else 0.0
         ),
         "groups": len(batch),
+        "group_s_median": durations[len(durations) // 2] if durations else None,
+        "group_s_max": durations[-1] if durations else None,
         "infra_failures": sum(g.infra_failures for g in batch),
         "masked": sum(g.masked for g in batch),
         "tool_calls_mean": sum(t.tool_calls for t in trajectories) / max(len(trajectories), 1),

@@ -1,7 +1,10 @@
 """Environments that ship with venusrl, by name: small tasks to learn on and to test with."""
 
+from venusrl.envs.builtin.agent_workload import AgentWorkload
 from venusrl.envs.builtin.guess_number import GuessNumber
 from venusrl.envs.builtin.swe_mini import SweMini
 from venusrl.envs.environment import Environment
 
-BUILTIN: dict[str, type[Environment]] = {env.name: env for env in (GuessNumber, SweMini)}
+BUILTIN: dict[str, type[Environment]] = {
+    env.name: env for env in (GuessNumber, SweMini, AgentWorkload)
+}

@@ -1,0 +1,162 @@
+"""End to end: `venusrl train` on an agentic workload under three schedulers, side by side.
+
+Each policy runs the same command (real engine, real sandboxes, real GRPO steps) on the built-in
+`agent_workload` environment: 5-20 turns per episode, tool latencies of WORKLOADS.md's swe-long body
+scaled down for a CPU, observations of ~100 characters, one draw per group member, all seeded, so
+every policy gets the same work. The model is the micro preset with random weights (what it writes
+does not matter here: every turn is a tool call). The device KV pool holds about a third of what the
+trajectories in flight need; the host tier holds all of it.
+
+- `fifo`: synchronous (`max_staleness=0`), groups in arrival order, LRU radix cache: a batch rolls
+  out, then trains, then the next one starts (veRL-like);
+- `overlap`: one version of staleness, groups in arrival order, LRU cache: the next batch's groups
+  fill the engine while the current one finishes, with no group awareness (RollFlash-like);
+- `venus`: one version of staleness, critical groups first, trajectory-aware KV retention (the
+  KV of a trajectory waiting on a tool is pinned and offloaded, not dropped).
+
+Prints one JSON object: per policy `time_to_batches_s` (the training loop's wall time when the
+last batch has trained), group completion time (median and max over the run's groups), staleness,
+and the ratios `speedup_vs_fifo` and `speedup_vs_overlap` of venus. Targets (issue 5): >= 2.0
+and >= 1.3 on a 2-core machine.
+
+    python benchmarks/e2e_scheduler.py [--batches 4] [--groups-per-batch 2] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from venusrl.envs.builtin.agent_workload import AgentWorkload  # noqa: E402
+
+POLICIES: dict[str, list[str]] = {
+    "fifo": ["rollout.max_staleness=0", "rollout.priorities=fifo", "engine.retention=lru"],
+    "overlap": ["rollout.max_staleness=1", "rollout.priorities=fifo", "engine.retention=lru"],
+    "venus": [
+        "rollout.max_staleness=1",
+        "rollout.priorities=critical",
+        "engine.retention=trajectory",
+    ],
+}
+PAGE_SIZE = 8
+MAX_TOKENS_PER_TURN = 24
+TEMPLATE_TOKENS = 40  # chat-template tokens around a turn and its tool response (byte-level)
+SYSTEM_TOKENS = 400  # the system prompt with the tool announced (byte-level tokenizer)
+
+
+def context_tokens(prompt: str, draw: dict[str, Any]) -> int:
+    """A trajectory's final context, in byte-level tokens (one per character, roughly)."""
+    turns = len(draw["tool_s"])
+    observed = sum(draw["observation_chars"])
+    return SYSTEM_TOKENS + len(prompt) + turns * (MAX_TOKENS_PER_TURN + TEMPLATE_TOKENS) + observed
+
+
+def kv_pages(seed: int, groups_in_flight: int, group_size: int, capacity: float) -> tuple[int, int]:
+    """(device pages, host pages): a `capacity` share of what the first groups in flight need."""
+    tasks = itertools.islice(AgentWorkload.tasks(seed), groups_in_flight)
+    need = sum(
+        -(-context_tokens(t.prompt, d) // PAGE_SIZE)
+        for t in tasks
+        for d in t.reference["members"][:group_size]
+    )
+    return int(need * capacity), 2 * need
+
+
+def run_policy(name: str, common: list[str], out: Path, batches: int) -> dict[str, Any]:
+    run_dir = out / name
+    cmd = [sys.executable, "-m", "venusrl.cli", "train", "--run-dir", str(run_dir)]
+    proc = subprocess.run([*cmd, *common, *POLICIES[name]], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name}: venusrl train failed:\n{proc.stderr[-3000:]}")
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    if len(steps) != batches:
+        raise SystemExit(f"{name}: {len(steps)} steps in metrics.jsonl, expected {batches}")
+    medians = [s["group_s_median"] for s in steps]
+    return {
+        "time_to_batches_s": round(steps[-1]["wall_s"], 1),
+        "step_wall_s": [round(s["wall_s"], 1) for s in steps],
+        "group_s_median": round(statistics.median(medians), 2),
+        "group_s_max": round(max(s["group_s_max"] for s in steps), 2),
+        "staleness_mean": round(statistics.fmean(s["staleness_mean"] for s in steps), 3),
+        "knobs": POLICIES[name],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batches", type=int, default=4, help="trainer steps to run")
+    parser.add_argument("--groups-per-batch", type=int, default=2)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--capacity",
+        type=float,
+        default=1 / 3,
+        help="device KV as a share of what the groups in flight need",
+    )
+    parser.add_argument("--policies", default="fifo,overlap,venus")
+    parser.add_argument("--out", type=Path, help="run directories (default: a temporary one)")
+    args = parser.parse_args()  # fmt: skip
+    for flag in ("batches", "groups_per_batch", "group_size"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1")
+    if not 0 < args.capacity <= 1:
+        raise SystemExit("--capacity must be in (0, 1]")
+    policies = [p for p in args.policies.split(",") if p]
+    unknown = sorted(set(policies) - set(POLICIES))
+    if unknown or "venus" not in policies:
+        raise SystemExit(
+            f"--policies: unknown {unknown}; known: {', '.join(POLICIES)} (venus needed)"
+        )
+
+    # Two batches in flight at one version of staleness.
+    device, host = kv_pages(args.seed, 2 * args.groups_per_batch, args.group_size, args.capacity)
+    device = max(device, 4096 // PAGE_SIZE + 1)  # one whole context must fit
+    common = [
+        f"run.seed={args.seed}",
+        f"run.steps={args.batches}",
+        "run.warm_start_episodes=0",
+        "run.preset=micro",
+        "rollout.env=agent_workload",
+        f"rollout.group_size={args.group_size}",
+        f"rollout.batch_groups={args.groups_per_batch}",
+        "rollout.max_context=4096",
+        f"rollout.max_tokens_per_turn={MAX_TOKENS_PER_TURN}",
+        f"engine.page_size={PAGE_SIZE}",
+        f"engine.device_kv_pages={device}",
+        f"engine.host_kv_pages={host}",
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = args.out or Path(tmp)
+        results = {name: run_policy(name, common, out, args.batches) for name in policies}
+    venus = results["venus"]["time_to_batches_s"]
+    report: dict[str, Any] = {
+        "workload": {
+            "batches": args.batches,
+            "groups_per_batch": args.groups_per_batch,
+            "group_size": args.group_size,
+            "seed": args.seed,
+            "device_kv_pages": device,
+            "host_kv_pages": host,
+            "common_overrides": common,
+        },
+        **results,
+    }
+    for base in ("fifo", "overlap"):
+        if base in results:
+            report[f"speedup_vs_{base}"] = round(results[base]["time_to_batches_s"] / venus, 3)
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

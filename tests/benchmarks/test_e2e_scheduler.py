@@ -1,0 +1,49 @@
+"""The end-to-end scheduler benchmark runs `venusrl train` under each policy and reports what it
+claims to report."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0, reason="sandboxes need root for namespaces and cgroups"
+)
+
+
+@pytest.mark.slow
+def test_it_runs_each_policy_to_the_same_number_of_batches_and_reports_ratios(
+    tmp_path: Path,
+) -> None:
+    args = ["--batches", "2", "--groups-per-batch", "1", "--group-size", "2"]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "e2e_scheduler.py"), *args],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    for policy in ("fifo", "overlap", "venus"):
+        res = out[policy]
+        assert len(res["step_wall_s"]) == 2 and res["time_to_batches_s"] > 0
+        assert res["group_s_max"] >= res["group_s_median"] > 0
+    assert out["fifo"]["staleness_mean"] == 0.0  # synchronous: on-policy
+    for base in ("fifo", "overlap"):
+        ratio = out[base]["time_to_batches_s"] / out["venus"]["time_to_batches_s"]
+        assert out[f"speedup_vs_{base}"] == round(ratio, 3)
+
+
+def test_unknown_policies_are_refused_by_name() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "e2e_scheduler.py"), "--policies", "venus,lifo"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode != 0 and "lifo" in proc.stderr
