@@ -310,3 +310,38 @@ def test_a_trajectory_waiting_on_a_tool_finds_its_kv_where_lru_computes_it_again
     assert ours.stats.host_hit_tokens >= 80  # its 72+12-token context, whole pages
     assert lru.stats.reprefill_tokens["evicted"] >= 80
     assert lru.stats.host_hit_tokens == 0
+
+
+def test_best_effort_work_waits_rather_than_push_out_pinned_high_priority_kv(
+    tiny_qwen3: Path,
+) -> None:
+    now = [0.0]
+    engine = Engine(
+        Engine.from_model_dir(tiny_qwen3).model,
+        EngineConfig(page_size=4, device_kv_pages=48, host_kv_pages=64, max_context=150),
+        clock=lambda: now[0],
+    )
+    context = list(range(100, 172))  # 18 pages
+    engine.add_request(context, GREEDY, trajectory_id="hi", priority=1, expected_wait_s=10.0)
+    drain(engine)
+    pinned = engine.tree.evictable_pages
+    assert pinned >= 18
+    # Needs more than the pages left beside the pinned KV.
+    best_effort = engine.add_request(list(range(200, 330)), GREEDY, priority=0)
+    for _ in range(3):
+        engine.step()
+    assert best_effort.num_computed == 0 and engine.tree.offloaded_pages == 0
+    now[0] = 11.0  # the pin has expired: the tool is late, its KV is fair game
+    drain(engine)
+    assert best_effort.finished and engine.tree.offloaded_pages > 0
+
+
+def test_high_priority_work_may_take_the_pinned_room(tiny_qwen3: Path) -> None:
+    engine = engine_for(tiny_qwen3, device_kv_pages=48, host_kv_pages=64, max_context=150)
+    engine.add_request(
+        list(range(100, 172)), GREEDY, trajectory_id="hi", priority=1, expected_wait_s=60.0
+    )
+    drain(engine)
+    urgent = engine.add_request(list(range(200, 330)), GREEDY, priority=1)
+    drain(engine)
+    assert urgent.finished and engine.tree.offloaded_pages > 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from venusrl.policy.engine_schedule import EngineSnapshot, PriorityScheduler, RequestView
 
 
@@ -95,3 +97,22 @@ def test_never_more_running_requests_than_decode_tokens_per_step() -> None:
     waiting = [view(f"w{i}", arrival=10 + i, todo=1) for i in range(5)]
     plan = PriorityScheduler().schedule(snap(running, waiting, free=100, budget=4))
     assert [rid for rid, _ in plan.run] == ["r0", "r1", "r2", "w0"]
+
+
+def test_best_effort_requests_leave_the_reserved_pages_to_high_priority_ones() -> None:
+    reserved = EngineSnapshot(
+        running=[],
+        waiting=[view("high", priority=1, todo=40)],
+        free_pages=12,
+        page_size=4,
+        token_budget=100,
+        max_running=8,
+        reserved_pages=6,
+        reserve_priority=1,
+    )
+    plan = PriorityScheduler().schedule(reserved)
+    assert dict(plan.run) == {"high": 40}  # 10 pages: it may use the reserved ones
+    alone = dataclasses.replace(reserved, waiting=[view("low", priority=0, todo=20)])
+    assert dict(PriorityScheduler().schedule(alone).run) == {"low": 20}  # 5 <= 12 - 6
+    tight = dataclasses.replace(reserved, waiting=[view("low", priority=0, todo=40)])
+    assert PriorityScheduler().schedule(tight).run == ()  # 10 > 12 - 6: it waits

@@ -55,6 +55,7 @@ from venusrl.engine.radix_tree import PrefixMatch, RadixNode, RadixTree
 from venusrl.engine.request import GenerationOutput, Request, SamplingParams, Status
 from venusrl.engine.sampler import sample
 from venusrl.engine.tokenizer import Tokenizer
+from venusrl.policy.critical_groups import HIGH
 from venusrl.policy.engine_schedule import (
     EngineSnapshot,
     PriorityScheduler,
@@ -372,6 +373,30 @@ class Engine:
             page_size=ps,
             token_budget=self.cfg.token_budget,
             max_running=self.cfg.max_running,
+            reserved_pages=self._reserved_pages(running, waiting),
+            reserve_priority=HIGH,
+        )
+
+    def _reserved_pages(self, *views: Sequence[RequestView]) -> int:
+        """Idle device pages of high-priority trajectories within their retention pin: what
+        best-effort work may not evict (trajectory retention only; counted only when some
+        best-effort request is there to be held back)."""
+        if self.cfg.retention != "trajectory" or all(
+            v.priority >= HIGH for vs in views for v in vs
+        ):
+            return 0
+        now = self.clock()
+        pinned = {
+            tid
+            for tid, t in self.trajectories.items()
+            if t.priority >= HIGH and t.pin_deadline is not None and t.pin_deadline > now
+        }
+        if not pinned:
+            return 0
+        return sum(
+            len(n.pages)
+            for n in self.tree.nodes()
+            if not n.on_host and n.lock_ref == 0 and n.owners & pinned
         )
 
     def _releasable_pages(self, r: Request) -> int:

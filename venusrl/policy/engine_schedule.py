@@ -14,6 +14,10 @@ the simulator run the same object.
 3. When pages run short, running requests of *strictly lower* priority are preempted, lowest
    priority and latest arrival first. High-priority work therefore never waits behind
    low-priority work, and requests of equal priority never preempt each other to get in.
+4. Best-effort filling: `reserved_pages` of the free pages (the idle KV of high-priority
+   trajectories waiting on a tool, which the engine would otherwise evict to make room) are off
+   limits to requests below `reserve_priority`. Low-priority work runs in the capacity left over
+   and never pushes that KV out; high-priority work may use it.
 
 With every priority equal it is plain FCFS continuous batching.
 """
@@ -45,6 +49,8 @@ class EngineSnapshot:
     page_size: int
     token_budget: int
     max_running: int
+    reserved_pages: int = 0  # of free_pages, kept for requests of at least reserve_priority
+    reserve_priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -107,7 +113,10 @@ class PriorityScheduler:
             nonlocal free, budget
             n = min(view.tokens_to_compute, budget)
             need = pages_needed(view, n, snap.page_size)
-            if not make_room(need, view, waiting):
+            # Below the reserve priority, the reserved pages are not there to take: such a
+            # request runs in leftover capacity (or in what preempting lower work frees).
+            hold = snap.reserved_pages if view.priority < snap.reserve_priority else 0
+            if not make_room(need + hold if need else 0, view, waiting):
                 return False
             planned[view.request_id] = n
             free -= need

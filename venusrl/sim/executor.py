@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 from venusrl.policy.critical_groups import (
     BEST_EFFORT,
+    HIGH,
     CoordinatorSnapshot,
     CriticalGroups,
     FifoGroups,
@@ -255,15 +256,26 @@ class _Engine:
         # As the engine counts it: free pages plus every idle page (evictable, a waiting request's
         # own cached context included; its `pages_held` keeps it from being asked for twice).
         free = self.capacity - sum(v.pages_held for v in running)
+        reserved, release_at = self._reserved_pages(running, waiting)
         snap = EngineSnapshot(
-            running, waiting, free, cfg.page_size, cfg.token_budget, cfg.max_running
+            running,
+            waiting,
+            free,
+            cfg.page_size,
+            cfg.token_budget,
+            cfg.max_running,
+            reserved_pages=reserved,
+            reserve_priority=HIGH,
         )
         plan = sim.scheduler.schedule(snap)
         for rid in plan.preempt:
             self._preempt(self.running.pop(rid))
         if not plan.run:
-            # Nothing fits: KV frees when a tool returns or a trajectory's KV is let go.
+            # Nothing fits: KV frees when a tool returns or a trajectory's KV is let go, and
+            # reserved KV when its pin expires.
             self.busy = False
+            if release_at is not None:
+                sim.clock.at(release_at, self._kick)
             return
         by_id = {r.rid: r for r in head}
         used = self._device_pages()
@@ -362,6 +374,32 @@ class _Engine:
             return sim.cost.transfer_s(entry.tokens, to_device=True)
         sim.counters.device_hit_tokens += entry.tokens
         return 0.0
+
+    def _reserved_pages(self, *views: list[RequestView]) -> tuple[int, float | None]:
+        """As the engine counts them: idle device pages of high-priority trajectories within their
+        retention pin, off limits to best-effort requests (trajectory retention only); and when
+        the first of those pins expires."""
+        sim = self.sim
+        if sim.policy.retention != "trajectory" or all(
+            v.priority >= HIGH for vs in views for v in vs
+        ):
+            return 0, None
+        now = sim.clock.now
+        pinned = [
+            e
+            for tid, e in self.idle.items()
+            if not e.on_host
+            and e.pin_deadline is not None
+            and e.pin_deadline > now
+            and sim.priority(sim.group_of(tid)) >= HIGH
+        ]
+        pages = sum(self._pages(e.tokens) for e in pinned)
+        return pages, min((e.pin_deadline or now for e in pinned), default=None)
+
+    def _kick(self) -> None:
+        if not self.busy and (self.running or self.waiting):
+            self.busy = True
+            self._step()
 
     def _make_room(self, used: int, need: int) -> int:
         """Evicts idle KV until `need` more pages fit; returns the pages then in use."""
