@@ -46,6 +46,7 @@ from venusrl.engine.attention import (
     PrefixGroup,
     StepBatch,
     causal_mask,
+    needs_prefill_mask,
 )
 from venusrl.engine.host_malloc import keep_freed_memory_in_heap
 from venusrl.engine.kv_cache import KVCache
@@ -438,7 +439,7 @@ class Engine:
                 decoding.append(r)
             else:
                 used = torch.tensor(r.pages[: pages_for(start + n, ps)], device=dev)
-                mask = causal_mask(start, n, group, dev)
+                mask = causal_mask(start, n, group, dev) if needs_prefill_mask(dev) else None
                 prefills.append(PrefillSpan(row, n, used, start + n, mask))
         return StepBatch(
             input_ids=torch.tensor(input_ids, device=dev),
