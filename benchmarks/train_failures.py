@@ -1,0 +1,153 @@
+"""Why does a guess_number policy lose? Plays sampled episodes of a checkpoint, sorts the losses.
+
+Loads a model directory (a run's `checkpoints/step-N`, or the run directory: its latest
+checkpoint), plays `--episodes` episodes through the real engine and real sandboxes at the rollout
+temperature (or greedy with `--temperature 0`), and classifies each lost episode by its first
+departure from binary search:
+
+- `malformed_call`: a turn whose tool call does not parse (or is not a guess);
+- `outside_interval`: a guess outside the interval the observations left;
+- `off_midpoint`: a guess inside that interval but not its midpoint (it may still have won);
+- `no_guess`: the episode ended without a departure (it stopped calling the tool early).
+
+Prints one JSON object: wins, the loss counts by kind, and for `outside_interval` the depth (the
+guess number) at which it happened.
+
+    python benchmarks/train_failures.py RUN_DIR_OR_MODEL_DIR [--episodes 128] [--temperature 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from venusrl.config import load_config  # noqa: E402
+from venusrl.coordinator.agent_loop import ChatFormat, LoopLimits, run_episode  # noqa: E402
+from venusrl.engine.request import SamplingParams  # noqa: E402
+from venusrl.engine.tokenizer import Tokenizer  # noqa: E402
+from venusrl.envs.builtin.guess_number import MAX_GUESSES, GuessNumber, N  # noqa: E402
+from venusrl.envs.pool import SandboxPool  # noqa: E402
+from venusrl.envs.tool_calls import ToolCall, parse_tool_calls  # noqa: E402
+from venusrl.envs.types import GiB  # noqa: E402
+from venusrl.runtime.local import LocalEngine  # noqa: E402
+from venusrl.types import Trajectory  # noqa: E402
+
+
+def model_dir_of(path: Path) -> Path:
+    if (path / "config.json").exists():
+        return path
+    checkpoints = sorted((path / "checkpoints").glob("step-*"))
+    if not checkpoints:
+        raise SystemExit(f"{path}: neither a model directory nor a run directory with checkpoints")
+    return checkpoints[-1]
+
+
+def model_turns(traj: Trajectory, fmt: ChatFormat) -> list[str]:
+    """The text of each model turn of an episode."""
+    bounds = [*traj.turn_starts, len(traj.token_ids)]
+    return [
+        fmt.text([t for t, m in zip(traj.token_ids[a:b], traj.mask[a:b], strict=True) if m])
+        for a, b in itertools.pairwise(bounds)
+    ]
+
+
+def classify(turns: list[str], secret: int) -> tuple[str, int]:
+    """(kind, guess number) of a lost episode's first departure from binary search."""
+    low, high = 1, N
+    for depth, text in enumerate(turns, 1):
+        calls = parse_tool_calls(text)
+        if not calls:
+            return "no_guess", depth
+        call = calls[0]
+        if not isinstance(call, ToolCall) or call.name != "guess" or len(calls) > 1:
+            return "malformed_call", depth
+        n = call.arguments.get("n")
+        if not isinstance(n, int) or not low <= n <= high:
+            return "outside_interval", depth
+        if n != (low + high) // 2:
+            return "off_midpoint", depth
+        if n == secret:
+            break
+        low, high = (n + 1, high) if n < secret else (low, n - 1)
+    return "no_guess", len(turns)
+
+
+async def play(model_dir: Path, episodes: int, temperature: float, seed: int) -> dict[str, Any]:
+    cfg = load_config(None, [f"engine.seed={seed}"])
+    tokenizer = Tokenizer.load(model_dir)
+    if tokenizer is None:
+        raise SystemExit(f"{model_dir} has no tokenizer")
+    fmt = ChatFormat(tokenizer)
+    limits = LoopLimits(cfg.rollout.max_context, cfg.rollout.max_tokens_per_turn)
+    tasks = list(itertools.islice(GuessNumber.tasks(seed + 104729), episodes))
+    slots = asyncio.Semaphore(16)  # sandboxes at a time
+    async with SandboxPool(4 * GiB) as pool:
+        await pool.prepare_template(GuessNumber.template)
+        engine = LocalEngine(model_dir, cfg, 0)
+
+        async def one(i: int) -> tuple[Trajectory, int]:
+            task = tasks[i]
+            async with slots:
+                sandbox = await pool.create(GuessNumber.template.name, setup=task.setup)
+                try:
+                    traj = await run_episode(
+                        GuessNumber(task, sandbox), engine.generate, fmt,
+                        SamplingParams(temperature=temperature), limits, f"e{i}", f"g{i}", task.id,
+                    )  # fmt: skip
+                finally:
+                    await sandbox.close()
+            return traj, int(task.setup.removeprefix("secret = "))
+
+        try:
+            played = await asyncio.gather(*(one(i) for i in range(episodes)))
+        finally:
+            await engine.close()
+    kinds: Counter[str] = Counter()
+    outside_depth: Counter[int] = Counter()
+    wins = 0
+    for traj, secret in played:
+        if traj.reward:
+            wins += 1
+            continue
+        kind, depth = classify(model_turns(traj, fmt), secret)
+        kinds[kind] += 1
+        if kind == "outside_interval":
+            outside_depth[depth] += 1
+    return {
+        "model_dir": str(model_dir),
+        "episodes": episodes,
+        "temperature": temperature,
+        "wins": wins,
+        "losses": dict(kinds.most_common()),
+        "outside_interval_by_guess": {str(k): v for k, v in sorted(outside_depth.items())},
+        "max_guesses": MAX_GUESSES,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("path", type=Path)
+    parser.add_argument("--episodes", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.episodes < 1 or args.temperature < 0:
+        raise SystemExit("--episodes must be >= 1 and --temperature >= 0")
+    torch.set_num_threads(1)
+    result = asyncio.run(play(model_dir_of(args.path), args.episodes, args.temperature, args.seed))
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
