@@ -305,11 +305,14 @@ class Engine:
         for rid, n in plan.run:
             r = self.requests[rid]
             admitting = r.status is Status.WAITING
-            if admitting:
-                self._admit(r)
+            loaded = self._admit(r) if admitting else 0
+            if loaded is None:
+                continue  # its KV is on host and the device has no room for it yet: it waits
             n = min(n, r.tokens_to_compute)
             if n > 0 and self._reserve_pages(r, n):
                 work.append((r, n))
+                if admitting:
+                    self._count_admission(r, loaded)
             elif admitting:
                 # The plan counted pages that earlier admissions took: wait for the next step
                 # rather than hold a running slot with nothing to compute.
@@ -539,18 +542,32 @@ class Engine:
         r.status = Status.WAITING
         bisect.insort(self.waiting, r, key=lambda x: (-x.priority, x.arrival))
 
-    def _admit(self, r: Request) -> None:
-        self.waiting.remove(r)
+    def _admit(self, r: Request) -> int | None:
+        """Moves the request to the running set with its cached prefix; returns how many of its
+        pages were loaded back from host, or None (and leaves it waiting) when part of its prefix
+        is on host and cannot be loaded now: computing that again would waste what was kept."""
+        loaded = 0
         if self.cfg.prefix_cache:
             match = self._match(r)
+            if match is None:
+                return None
             if match.pages:
                 self.tree.lock(match.node)
                 r.tree_node = match.node
                 r.pages = list(match.pages)
                 r.num_shared_pages = len(match.pages)
                 r.num_computed = len(match.pages) * self.page_size
-            self.stats.host_hit_tokens += match.loaded_pages * self.page_size
-            self.stats.device_hit_tokens += r.num_computed - match.loaded_pages * self.page_size
+            loaded = match.loaded_pages
+        self.waiting.remove(r)
+        r.status = Status.RUNNING
+        self.running.append(r)
+        return loaded
+
+    def _count_admission(self, r: Request, loaded_pages: int) -> None:
+        """Statistics of an admission that stuck (a rolled-back one is counted when it runs)."""
+        host = loaded_pages * self.page_size
+        self.stats.host_hit_tokens += host
+        self.stats.device_hit_tokens += r.num_computed - host
         if r.expected_cached > r.num_computed:
             cause = "preempted" if r.admissions else "evicted"
             self.stats.reprefill_tokens[cause] += r.expected_cached - r.num_computed
@@ -559,12 +576,11 @@ class Engine:
             r.cached_prompt_tokens = min(r.num_computed, len(r.prompt_ids))
             self.stats.prompt_tokens += len(r.prompt_ids)
             self.stats.cached_prompt_tokens += r.cached_prompt_tokens
-        r.status = Status.RUNNING
-        self.running.append(r)
 
-    def _match(self, r: Request) -> PrefixMatch:
+    def _match(self, r: Request) -> PrefixMatch | None:
         """The request's cached prefix on device, its host part loaded back (room is made for
-        it by evicting other nodes, with the device part locked meanwhile)."""
+        it by evicting other nodes, with the device part locked meanwhile); None when some of
+        the host part still does not fit."""
         ids, ns = r.all_ids[: r.num_tokens - 1], r.namespace
         match = self.tree.match(ids, ns)
         on_host = self.tree.cached(ids, ns).host_pages
@@ -574,6 +590,8 @@ class Engine:
             self.tree.unlock(match.node)
             more = self.tree.match(ids, ns)
             match = PrefixMatch(more.node, more.pages, match.loaded_pages + more.loaded_pages)
+            if self.tree.cached(ids, ns).host_pages:
+                return None
         return match
 
     def _make_room(self, pages: int) -> bool:
@@ -616,7 +634,7 @@ class Engine:
     def _release_kv(self, r: Request) -> None:
         if self.cfg.prefix_cache:
             self._cache_prefix(r)
-            r.expected_cached = r.num_shared_pages * self.page_size
+            r.expected_cached = max(r.expected_cached, r.num_shared_pages * self.page_size)
             t = self.trajectories.get(r.trajectory_id) if r.trajectory_id else None
             if t is not None and r.tree_node is not None:
                 t.node, t.cached_ids = r.tree_node, r.all_ids[: r.expected_cached]
