@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmarks import run_benchmark
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0, reason="sandboxes need root for namespaces and cgroups"
@@ -23,11 +21,7 @@ def test_it_runs_each_policy_to_the_same_number_of_batches_and_reports_ratios(
     tmp_path: Path,
 ) -> None:
     args = ["--batches", "2", "--groups-per-batch", "1", "--group-size", "2"]
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "e2e_scheduler.py"), *args],
-        capture_output=True,
-        text=True,
-    )
+    proc = run_benchmark("e2e_scheduler.py", *args)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     for policy in ("fifo", "overlap", "venus"):
@@ -41,9 +35,5 @@ def test_it_runs_each_policy_to_the_same_number_of_batches_and_reports_ratios(
 
 
 def test_unknown_policies_are_refused_by_name() -> None:
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "e2e_scheduler.py"), "--policies", "venus,lifo"],
-        capture_output=True,
-        text=True,
-    )
+    proc = run_benchmark("e2e_scheduler.py", "--policies", "venus,lifo")
     assert proc.returncode != 0 and "lifo" in proc.stderr

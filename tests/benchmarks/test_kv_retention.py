@@ -4,11 +4,9 @@ issue 5 asks for, with outputs identical across policies."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.benchmarks import run_benchmark
 
 
 def test_trajectory_retention_reprefills_less_than_lru_with_identical_outputs(
@@ -16,11 +14,7 @@ def test_trajectory_retention_reprefills_less_than_lru_with_identical_outputs(
 ) -> None:
     args = ["--preset", "micro", "--model-dir", str(tmp_path / "model"), "--groups", "1"]
     args += ["--group-size", "4", "--tool-scale", "0.05"]
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "kv_retention.py"), *args],
-        capture_output=True,
-        text=True,
-    )
+    proc = run_benchmark("kv_retention.py", *args)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["outputs_identical"] is True
@@ -35,9 +29,5 @@ def test_trajectory_retention_reprefills_less_than_lru_with_identical_outputs(
 
 
 def test_bad_arguments_are_refused_with_the_flag_named() -> None:
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "kv_retention.py"), "--capacity", "2"],
-        capture_output=True,
-        text=True,
-    )
+    proc = run_benchmark("kv_retention.py", "--capacity", "2")
     assert proc.returncode != 0 and "--capacity" in proc.stderr
