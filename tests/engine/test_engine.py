@@ -345,3 +345,18 @@ def test_high_priority_work_may_take_the_pinned_room(tiny_qwen3: Path) -> None:
     urgent = engine.add_request(list(range(200, 330)), GREEDY, priority=1)
     drain(engine)
     assert urgent.finished and engine.tree.offloaded_pages > 0
+
+
+def test_trajectories_never_ended_by_the_client_are_forgotten_oldest_first(
+    tiny_qwen3: Path,
+) -> None:
+    engine = engine_for(tiny_qwen3)
+    engine.max_trajectories = 3
+    for i in range(5):
+        engine.add_request([1, 2, 3, 4, 5, 6, 7, 8, 9], GREEDY, trajectory_id=f"t{i}")
+        drain(engine)
+    engine.add_request([1, 2, 3], GREEDY, trajectory_id="t2")  # seen again: the most recent
+    engine.add_request([1, 2, 3], GREEDY, trajectory_id="t5")
+    assert list(engine.trajectories) == ["t4", "t2", "t5"]
+    drain(engine)
+    assert all(not n.owners - {"t4", "t2", "t5"} for n in engine.tree.nodes())

@@ -62,6 +62,7 @@ from venusrl.policy.engine_schedule import (
     PriorityScheduler,
     RequestView,
     pages_for,
+    pages_needed,
 )
 from venusrl.policy.kv_retention import IdleKV, LruRetention, RetentionPolicy, TrajectoryRetention
 
@@ -112,6 +113,10 @@ class TrajectoryState:
 
 
 class Engine:
+    # Trajectories remembered for KV retention; past this, the least recently seen is ended (a
+    # client that never calls `end_trajectory` must not grow the table without bound).
+    max_trajectories = 100_000
+
     def __init__(
         self,
         model: CausalLM,
@@ -236,7 +241,10 @@ class Engine:
             expected_wait_s=expected_wait_s,
         )
         if trajectory_id is not None:
-            t = self.trajectories.setdefault(trajectory_id, TrajectoryState())
+            t = self.trajectories.pop(trajectory_id, None) or TrajectoryState()
+            self.trajectories[trajectory_id] = t  # the most recently seen last
+            while len(self.trajectories) > self.max_trajectories:
+                self.end_trajectory(next(iter(self.trajectories)))
             t.priority, t.pin_deadline = priority, None  # the tool has answered
             if t.cached_ids and prompt[: len(t.cached_ids)] == t.cached_ids:
                 r.expected_cached = len(t.cached_ids)
@@ -389,6 +397,10 @@ class Engine:
             v.priority >= HIGH for vs in views for v in vs
         ):
             return 0
+        ps = self.page_size
+        demand = sum(pages_needed(v, v.tokens_to_compute, ps) for vs in views for v in vs)
+        if demand <= self.kv.device_pages.num_free:
+            return 0  # everything fits in free pages: a reservation could not change the plan
         now = self.clock()
         pinned = {
             tid
