@@ -13,6 +13,7 @@ import pytest
 
 from venusrl.envs import SandboxPool
 from venusrl.envs.builtin import BUILTIN
+from venusrl.envs.builtin.agent_workload import AgentWorkload
 from venusrl.envs.builtin.guess_number import (
     MAX_GUESSES,
     BinarySearchExpert,
@@ -61,7 +62,11 @@ def secret_of(task: Task) -> int:
 
 
 def test_builtin_registry_names_each_environment_once():
-    assert {"guess_number": GuessNumber, "swe_mini": SweMini} == BUILTIN
+    assert {
+        "guess_number": GuessNumber,
+        "swe_mini": SweMini,
+        "agent_workload": AgentWorkload,
+    } == BUILTIN
 
 
 @pytest.mark.parametrize("env", [GuessNumber, SweMini])
@@ -238,8 +243,6 @@ def test_swe_mini_tests_that_cannot_be_restored_score_zero():
 
 
 def test_agent_workload_runs_its_drawn_turns_and_tool_latencies_whatever_the_model_writes() -> None:
-    from venusrl.envs.builtin.agent_workload import AgentWorkload
-
     task = next(AgentWorkload.tasks(seed=3))
     assert next(AgentWorkload.tasks(seed=3)).reference == task.reference  # seeded
     draws = task.reference["members"]

@@ -1,7 +1,9 @@
 """Fit the cost model's constants to our own engine, and check them on shapes the fit did not see.
 
 Decode iterations are timed on a grid of (batch, context) and prefill iterations on a grid of
-(new tokens, cached prefix), on the real `Engine` (CPU here; the same code on a GPU when one is
+(new tokens, cached prefix), on the real `Engine`, each the fastest of several runs: on a shared
+machine the slower ones measure the neighbours (medians swung held-back errors from 17 % to 80 %
+between runs), (CPU here; the same code on a GPU when one is
 lent). The cost model's formulas are linear in their unknowns:
 
     decode  = T_fix + W / BW_w + batch * t_request + sum(ctx) * kv / BW_kv
@@ -14,7 +16,6 @@ the relative errors on the held-back shapes say whether the model describes the 
 from __future__ import annotations
 
 import random
-import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -57,7 +58,7 @@ def _engine(model_dir: Path, threads: int, budget: int) -> Engine:
 
 
 def measure_decode(
-    model_dir: Path, batch: int, context: int, threads: int, steps: int = 6
+    model_dir: Path, batch: int, context: int, threads: int, steps: int = 12
 ) -> Sample:
     engine = _engine(model_dir, threads, budget=max(batch * context, 256))
     vocab = engine.model.config.vocab_size
@@ -73,10 +74,10 @@ def measure_decode(
         engine.step()
         times.append(time.perf_counter() - started)
     ctx = sum(len(r.prompt_ids) + len(r.output_ids) for r in reqs)
-    return Sample("decode", batch, ctx, statistics.median(times))
+    return Sample("decode", batch, ctx, min(times))
 
 
-def measure_prefill(model_dir: Path, new: int, prefix: int, threads: int, reps: int = 3) -> Sample:
+def measure_prefill(model_dir: Path, new: int, prefix: int, threads: int, reps: int = 5) -> Sample:
     times = []
     for rep in range(reps):
         engine = _engine(model_dir, threads, budget=max(new + prefix, 256))
@@ -90,32 +91,38 @@ def measure_prefill(model_dir: Path, new: int, prefix: int, threads: int, reps: 
         started = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - started)
-    return Sample("prefill", new, prefix, statistics.median(times))
+    return Sample("prefill", new, prefix, min(times))
 
 
 def fit(model: ModelSpec, samples: Sequence[Sample]) -> CostModel:
-    prefill = [s for s in samples if s.kind == "prefill"]
-    decode = [s for s in samples if s.kind == "decode"]
-    px = np.array([[1.0, s.a, s.a * (s.b + s.a / 2)] for s in prefill])
-    (t_fix, per_new, per_attn), *_ = np.linalg.lstsq(px, [s.seconds for s in prefill], rcond=None)
-    dx = np.array([[1.0, s.a, s.b] for s in decode])
-    (intercept, t_request, per_ctx), *_ = np.linalg.lstsq(
-        dx, [s.seconds for s in decode], rcond=None
-    )
-    t_fix = max(float(t_fix), 1e-6)
+    """One least-squares problem over both kinds, so that T_fix is shared as the formulas share
+    it, in relative terms (each row divided by its measured time): a 5 ms decode weighs as much as
+    a 100 ms prefill. Fitting the kinds apart let a noisy prefill intercept swallow the decode's
+    whole weight-reading term."""
+    rows, times = [], []
+    for s in samples:
+        if s.kind == "decode":
+            rows.append([1.0, 1.0, s.a, s.b, 0.0, 0.0])
+        else:
+            rows.append([1.0, 0.0, 0.0, 0.0, s.a, s.a * (s.b + s.a / 2)])
+        times.append(s.seconds)
+    x = np.array(rows) / np.array(times)[:, None]
+    solution, *_ = np.linalg.lstsq(x, np.ones(len(times)), rcond=None)
+    t_fix, weights_s, t_request, per_ctx, per_new, per_attn = (float(v) for v in solution)
+    t_fix = max(t_fix, 1e-6)
     eps = 1e-12
     gpu = GpuSpec(
         "calibrated",
         hbm_bytes=0.0,
-        bw_weights=model.weight_bytes / max(float(intercept) - t_fix, eps),
-        bw_kv=model.kv_bytes_per_token / max(float(per_ctx), eps),
-        f_gemm=2 * model.params / max(float(per_new), eps),
-        f_attn=model.attention_flops_factor / max(float(per_attn), eps),
+        bw_weights=model.weight_bytes / max(weights_s, eps),
+        bw_kv=model.kv_bytes_per_token / max(per_ctx, eps),
+        f_gemm=2 * model.params / max(per_new, eps),
+        f_attn=model.attention_flops_factor / max(per_attn, eps),
         peak_flops=0.0,
         pcie_h2d=0.0,
         pcie_d2h=0.0,
         t_fix=t_fix,
-        t_per_request=max(float(t_request), 0.0),
+        t_per_request=max(t_request, 0.0),
     )
     return CostModel(model, gpu)
 
