@@ -44,7 +44,11 @@ sys.path.insert(0, str(ROOT))
 
 from venusrl.config import EngineConfig  # noqa: E402
 from venusrl.engine.engine import Engine  # noqa: E402
-from venusrl.engine.model_dir import init_model_dir, read_model_config  # noqa: E402
+from venusrl.engine.model_dir import (  # noqa: E402
+    ModelConfigError,
+    init_model_dir,
+    read_model_config,
+)
 from venusrl.engine.request import SamplingParams  # noqa: E402
 from venusrl.policy.critical_groups import HIGH  # noqa: E402
 from venusrl.sim.workloads import LogNormal  # noqa: E402
@@ -212,7 +216,10 @@ def main() -> None:
 
     model_dir = args.model_dir or ROOT / "runs" / "bench-models" / args.preset
     if not (model_dir / "config.json").exists():
-        init_model_dir(model_dir, args.preset, seed=args.seed)
+        try:
+            init_model_dir(model_dir, args.preset, seed=args.seed)
+        except ModelConfigError as e:
+            raise SystemExit(f"--preset: {e}") from None
     cfg = read_model_config(model_dir)
     workload = make_workload(
         args.seed, args.groups, args.group_size, cfg.vocab_size, args.tool_scale

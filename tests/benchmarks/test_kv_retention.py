@@ -31,3 +31,5 @@ def test_trajectory_retention_reprefills_less_than_lru_with_identical_outputs(
 def test_bad_arguments_are_refused_with_the_flag_named() -> None:
     proc = run_benchmark("kv_retention.py", "--capacity", "2")
     assert proc.returncode != 0 and "--capacity" in proc.stderr
+    proc = run_benchmark("kv_retention.py", "--preset", "huge", "--model-dir", "/nonexistent/m")
+    assert proc.returncode != 0 and "--preset" in proc.stderr and "Traceback" not in proc.stderr

@@ -39,3 +39,12 @@ def test_among_pinned_kv_the_owner_due_back_last_leaves_first() -> None:
     idle = [kv("soon", pin=11.0), kv("late", pin=30.0)]
     order = eviction_order(TrajectoryRetention(), idle, now=10.0)
     assert [e.key for e in order] == ["late", "soon"]
+
+
+def test_only_pinned_high_priority_kv_is_reserved_from_best_effort_work() -> None:
+    policy, now = TrajectoryRetention(), 10.0
+    assert policy.reserved(kv("pinned-high", priority=1, pin=20.0), now)
+    assert not policy.reserved(kv("expired", priority=1, pin=5.0), now)
+    assert not policy.reserved(kv("pinned-low", priority=0, pin=20.0), now)
+    assert not policy.reserved(kv("finished", priority=1, pin=20.0, finished=True), now)
+    assert not LruRetention().reserved(kv("pinned-high", priority=1, pin=20.0), now)

@@ -390,29 +390,22 @@ class Engine:
         )
 
     def _reserved_pages(self, *views: Sequence[RequestView]) -> int:
-        """Idle device pages of high-priority trajectories within their retention pin: what
-        best-effort work may not evict (trajectory retention only; counted only when some
-        best-effort request is there to be held back)."""
-        if self.cfg.retention != "trajectory" or all(
-            v.priority >= HIGH for vs in views for v in vs
-        ):
+        """Idle device pages the retention policy keeps from best-effort work (counted only
+        when some best-effort request is there to be held back and free pages would not do)."""
+        if all(v.priority >= HIGH for vs in views for v in vs):
             return 0
         ps = self.page_size
         demand = sum(pages_needed(v, v.tokens_to_compute, ps) for vs in views for v in vs)
         if demand <= self.kv.device_pages.num_free:
             return 0  # everything fits in free pages: a reservation could not change the plan
         now = self.clock()
-        pinned = {
-            tid
-            for tid, t in self.trajectories.items()
-            if t.priority >= HIGH and t.pin_deadline is not None and t.pin_deadline > now
-        }
-        if not pinned:
-            return 0
         return sum(
             len(n.pages)
             for n in self.tree.nodes()
-            if not n.on_host and n.lock_ref == 0 and n.owners & pinned
+            if not n.on_host
+            and n.lock_ref == 0
+            and n.owners
+            and self.retention.reserved(self._idle_kv(n), now)
         )
 
     def _releasable_pages(self, r: Request) -> int:

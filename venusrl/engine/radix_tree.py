@@ -155,14 +155,12 @@ class RadixTree:
             if child is None:
                 break
             n = self._common_pages(child.key, tokens, offset)
+            if n * ps < len(child.key):
+                child = self._split(child, n)
             if child.on_host:
                 if adopt is not None:
-                    if n * ps < len(child.key):
-                        child = self._split(child, n)
                     self._to_device(child, list(adopt[offset // ps : offset // ps + n]))
                 elif load and self.tiers is not None:
-                    if n * ps < len(child.key):
-                        child = self._split(child, n)
                     device = self.tiers.to_device(child.pages)
                     if device is None:
                         break
@@ -170,8 +168,6 @@ class RadixTree:
                     loaded += n
                 else:
                     break
-            elif n * ps < len(child.key):
-                child = self._split(child, n)
             child.last_access = tick
             pages.extend(child.pages)
             offset += len(child.key)

@@ -43,6 +43,10 @@ class RetentionPolicy(Protocol):
         """Move it to host memory (True) or drop it (False)?"""
         ...
 
+    def reserved(self, entry: IdleKV, now: float) -> bool:
+        """Is it off limits to best-effort work (which then runs in leftover capacity only)?"""
+        ...
+
 
 def eviction_order(policy: RetentionPolicy, idle: Sequence[IdleKV], now: float) -> list[IdleKV]:
     """Candidates, the first to leave the device first."""
@@ -54,6 +58,9 @@ class LruRetention:
         return (0, entry.last_use)
 
     def offload(self, entry: IdleKV, now: float) -> bool:
+        return False
+
+    def reserved(self, entry: IdleKV, now: float) -> bool:
         return False
 
 
@@ -70,3 +77,7 @@ class TrajectoryRetention:
 
     def offload(self, entry: IdleKV, now: float) -> bool:
         return not entry.finished
+
+    def reserved(self, entry: IdleKV, now: float) -> bool:
+        """High-priority KV within its pin: the KV the pin exists to keep."""
+        return self.rank(entry, now)[0] == 4

@@ -380,19 +380,19 @@ class _Engine:
         retention pin, off limits to best-effort requests (trajectory retention only); and when
         the first of those pins expires."""
         sim = self.sim
-        if sim.policy.retention != "trajectory" or all(
-            v.priority >= HIGH for vs in views for v in vs
-        ):
+        if all(v.priority >= HIGH for vs in views for v in vs):
             return 0, None
         now = sim.clock.now
         pinned = [
             e
             for tid, e in self.idle.items()
             if not e.on_host
-            and e.pin_deadline is not None
-            and e.pin_deadline > now
-            and sim.priority(sim.group_of(tid)) >= HIGH
-        ]
+            and sim.retention.reserved(
+                IdleKV(tid, e.tokens, sim.priority(sim.group_of(tid)), e.last_use,
+                       e.pin_deadline, finished=False),
+                now,
+            )
+        ]  # fmt: skip
         pages = sum(self._pages(e.tokens) for e in pinned)
         return pages, min((e.pin_deadline or now for e in pinned), default=None)
 
