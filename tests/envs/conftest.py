@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+from pathlib import Path
 
 import pytest
 
@@ -11,5 +13,43 @@ requires_root = pytest.mark.skipif(
 )
 
 
-def host_process_count() -> int:
-    return sum(name.isdigit() for name in os.listdir("/proc"))
+def our_processes() -> set[int]:
+    """Pids a test may have started: descendants of this process, and every process in a pid
+    namespace other than ours (each sandbox has its own). Counting every process on the host made
+    leak checks fail whenever something unrelated started on the shared CI machine."""
+    own_ns = os.readlink("/proc/self/ns/pid")
+    parent: dict[int, int] = {}
+    foreign: set[int] = set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            ns = os.readlink(f"/proc/{pid}/ns/pid")
+        except OSError:  # exited while we looked
+            continue
+        parent[pid] = int(stat.rsplit(")", 1)[1].split()[1])
+        if ns != own_ns:
+            foreign.add(pid)
+    me = os.getpid()
+    ours = set(foreign)
+    for pid in parent:
+        seen: set[int] = set()
+        p = pid
+        while p > 1 and p not in seen:
+            if p == me:
+                ours.add(pid)
+                break
+            seen.add(p)
+            p = parent.get(p, 0)
+    ours.discard(me)
+    return ours
+
+
+def wait_for_no_new_processes(before: set[int], timeout_s: float) -> set[int]:
+    """The processes started since `before` that are still alive after up to `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while (new := our_processes() - before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return new

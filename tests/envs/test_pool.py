@@ -6,7 +6,6 @@ import asyncio
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from venusrl.envs import (
 from venusrl.envs.cgroups import Cgroup, detect_version
 from venusrl.envs.pool import CGROUP_BASE, RUNTIME_BASE
 
-from .conftest import host_process_count, requires_root
+from .conftest import our_processes, requires_root, wait_for_no_new_processes
 
 pytestmark = requires_root
 MiB = 1 << 20
@@ -50,7 +49,7 @@ def leftovers(pool_name: str) -> list[str]:
 
 
 def test_close_is_idempotent_and_leaves_no_process_cgroup_mount_or_directory() -> None:
-    before = host_process_count()
+    before = our_processes()
 
     async def main() -> str:
         async with SandboxPool(memory_budget_bytes=2 << 30) as pool:
@@ -70,10 +69,7 @@ def test_close_is_idempotent_and_leaves_no_process_cgroup_mount_or_directory() -
 
     name = asyncio.run(main())
     assert leftovers(name) == []
-    deadline = time.monotonic() + 5
-    while host_process_count() > before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert host_process_count() <= before
+    assert wait_for_no_new_processes(before, timeout_s=5) == set()
 
 
 def test_100_concurrent_execs_over_32_sandboxes_complete() -> None:
