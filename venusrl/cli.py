@@ -59,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int)
     _config_args(gen)
 
+    plot = sub.add_parser("plot", help="draw a run's reward, timeline and staleness plots")
+    plot.add_argument("run_dir", help="the run directory of `venusrl train`")
+
     sim = sub.add_parser("sim", help="compare schedulers at cluster scale in simulation")
     what = sim.add_mutually_exclusive_group()
     what.add_argument(
@@ -80,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(args)
         if args.command == "model":
             return _model_init(args)
+        if args.command == "plot":
+            return _plot(args)
         return _generate(args)
     except (ConfigError, ValueError, OSError) as e:
         print(f"venusrl {args.command}: error: {e}", file=sys.stderr)
@@ -106,11 +111,17 @@ def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides, {"model": args.model} if args.model else {})
     console = Console(stderr=True)
 
+    previous_wall_s = 0.0
+
     def show(m: dict[str, Any]) -> None:
+        nonlocal previous_wall_s
         reward = "-" if m["reward_mean"] is None else f"{m['reward_mean']:.3f}"
+        # Model tokens trained per second of the run: the step's tokens over the step's time.
+        rate = m["tokens"] / max(m["wall_s"] - previous_wall_s, 1e-9)
+        previous_wall_s = m["wall_s"]
         console.print(
             f"step {m['step']:4d}  reward {reward}  tool calls {m['tool_calls_mean']:.2f}  "
-            f"staleness {m['staleness_mean']:.2f}  tokens {m['tokens']}  "
+            f"staleness {m['staleness_mean']:.2f}  tokens/s {rate:.0f}  "
             f"sandboxes {m['sandboxes_running']}  infra {m['infra_failures']}  "
             f"{m['wall_s']:.0f} s"
         )
@@ -121,6 +132,16 @@ def _train(args: argparse.Namespace) -> int:
     console.print(f"run directory {run_dir}")
     asyncio.run(train(cfg, run_dir, on_step=show, resume=args.resume, on_message=console.print))
     console.print(f"metrics in {run_dir / 'metrics.jsonl'}")
+    from venusrl.runtime.plots import plot_run
+
+    console.print("plots: " + ", ".join(str(p) for p in plot_run(run_dir)))
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from venusrl.runtime.plots import plot_run
+
+    print(json.dumps({"plots": [str(p) for p in plot_run(Path(args.run_dir))]}))
     return 0
 
 

@@ -25,6 +25,18 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
 
+def _torch_device(value: str) -> str:
+    """A device string torch can parse ("cpu", "cuda", "cuda:1"); whether the device exists is
+    known only where the run starts."""
+    import torch  # only when a device is checked
+
+    try:
+        torch.device(value)
+    except RuntimeError:
+        raise ValueError(f"{value!r} is not a torch device (cpu, cuda, cuda:N, ...)") from None
+    return value
+
+
 class EngineConfig(_Section):
     """The rollout engine: paged KV cache, radix prefix cache, continuous batching."""
 
@@ -61,6 +73,8 @@ class EngineConfig(_Section):
     threads: int | None = Field(None, ge=1, description="torch CPU threads; None leaves torch's")
     seed: int = Field(0, ge=0, description="seed of requests that give none")
 
+    _device = field_validator("device")(_torch_device)
+
 
 class ServerConfig(_Section):
     host: str = "127.0.0.1"
@@ -93,6 +107,9 @@ class RolloutConfig(_Section):
 
 
 class TrainerSection(_Section):
+    device: str = Field(
+        "cpu", description="torch device of the trained model (fp32 weights and AdamW state)"
+    )
     lr: float = Field(2e-4, gt=0)
     clip_eps: float = Field(0.2, gt=0, lt=1)
     entropy_coef: float = Field(0.0, ge=0)
@@ -103,6 +120,8 @@ class TrainerSection(_Section):
     loss_aggregation: Literal["token_mean", "seq_mean"] = Field(
         "token_mean", description="weigh every model token alike, or every trajectory alike"
     )
+
+    _device = field_validator("device")(_torch_device)
 
 
 class SandboxSection(_Section):

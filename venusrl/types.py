@@ -13,6 +13,16 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 
+@dataclass(frozen=True)
+class TurnTimes:
+    """When one turn happened (`time.monotonic()` seconds): the request went to the engine, its
+    tokens came back, the environment finished acting on them (tool calls included)."""
+
+    requested: float
+    generated: float
+    acted: float
+
+
 class Finish(StrEnum):
     DONE = "done"  # the episode ended (the model answered or the task is solved)
     TURN_CAP = "turn_cap"  # the environment's turn limit
@@ -36,6 +46,7 @@ class Trajectory:
     reward: float | None = None
     finish: Finish | None = None
     failure: str | None = None  # what went wrong, for INFRA (and for the record otherwise)
+    turn_times: list[TurnTimes] = field(default_factory=list)  # one per turn the environment ran
 
     @classmethod
     def start(

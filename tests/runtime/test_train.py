@@ -18,6 +18,8 @@ import pytest
 from venusrl.config import load_config
 from venusrl.engine.model_dir import init_model_dir
 from venusrl.runtime.local import train
+from venusrl.runtime.plots import plot_run
+from venusrl.runtime.record import read_records
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
 
@@ -47,6 +49,19 @@ def test_train_writes_one_metrics_line_per_step_within_the_staleness_bound(
             assert key in m
         assert m["groups"] == 2 and 0 <= m["staleness_mean"] <= staleness
     assert (tmp_path / "config.yaml").exists()
+    # Every trajectory trained on is on disk, with its tokens, versions and turn times.
+    records = list(read_records(tmp_path))
+    assert sorted(r["step"] for r in records) == [0] * 4 + [1] * 4 + [2] * 4
+    for r in records:
+        actions = sum(t["action_tokens"] for t in r["turns"])
+        assert sum(r["versions"].values()) == actions > 0
+        assert len(r["turns"]) == len(r["turn_starts"]) >= 1
+        assert all(0 <= int(v) <= 2 for v in r["versions"])
+        for t in r["turns"]:
+            assert 0 <= t["requested"] <= t["generated"] <= t["acted"]
+    plots = plot_run(tmp_path)
+    assert {p.name for p in plots} == {"reward.png", "timeline.png", "staleness.png"}
+    assert all(p.stat().st_size > 1000 for p in plots)
 
 
 def test_kill_9_mid_run_then_resume_completes_with_every_step_once(tmp_path: Path) -> None:
@@ -71,6 +86,9 @@ def test_kill_9_mid_run_then_resume_completes_with_every_step_once(tmp_path: Pat
     lines = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert [m["step"] for m in lines] == [0, 1, 2, 3]
     assert [m["weight_version"] for m in lines] == [1, 2, 3, 4]
+    # The trajectories of the steps redone after the checkpoint are recorded once, not twice.
+    assert sorted(r["step"] for r in read_records(run)) == [s for s in range(4) for _ in range(4)]
+    assert (run / "plots" / "reward.png").exists()
     final = sorted((run / "checkpoints").glob("step-*"))[-1]
     assert final.name == "step-000003" and (final / "model.safetensors").exists()
     # A second plain start refuses to clobber the run.

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -22,7 +23,7 @@ from venusrl.engine.request import GenerationOutput, SamplingParams
 from venusrl.engine.tokenizer import Tokenizer
 from venusrl.envs.environment import Environment
 from venusrl.envs.types import InfraFailure
-from venusrl.types import Finish, Trajectory
+from venusrl.types import Finish, Trajectory, TurnTimes
 
 _MARK = "\ue000"  # a private-use character: where the assistant's text goes in a rendering
 
@@ -118,6 +119,7 @@ async def _turns(
             return Finish.CONTEXT_CAP
         params = dataclasses.replace(sampling, max_tokens=min(limits.max_tokens_per_turn, room))
         hint = {} if limits.expected_tool_s is None else {"expected_wait_s": limits.expected_tool_s}
+        requested = time.monotonic()
         out = await generate(
             list(traj.token_ids),
             params,
@@ -128,7 +130,9 @@ async def _turns(
         )
         traj.add_model_turn(out.token_ids, out.logprobs, out.weight_versions)
         on_turn(traj)
+        generated = time.monotonic()
         result = await asyncio.wait_for(env.step(fmt.text(out.token_ids)), limits.step_timeout_s)
+        traj.turn_times.append(TurnTimes(requested, generated, time.monotonic()))
         traj.tool_calls += int(result.info.get("tool_calls", 0))
         if result.done:
             return Finish.TURN_CAP if result.info.get("truncated") else Finish.DONE

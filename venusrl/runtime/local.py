@@ -38,6 +38,7 @@ from venusrl.engine.tokenizer import CHATML_TEMPLATE, Tokenizer, build_byte_leve
 from venusrl.envs.builtin import BUILTIN
 from venusrl.envs.environment import Environment, Task
 from venusrl.envs.pool import SandboxPool
+from venusrl.runtime import record
 from venusrl.runtime.faults import FailingGenerate, kill_sandboxes
 from venusrl.trainer.checkpoint import (
     RunState,
@@ -147,6 +148,7 @@ def _prepare_run_dir(cfg: Config, run_dir: Path, resume: bool) -> tuple[Path, Ru
         tmp = metrics_file.with_suffix(".tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         tmp.replace(metrics_file)
+        record.truncate_records(run_dir, state.step)
         return checkpoint, state
     if metrics_file.exists():
         raise ValueError(f"{run_dir} already holds a run: pass --resume, or another --run-dir")
@@ -233,7 +235,7 @@ def reference_policy(run_dir: Path, trainer: GRPOTrainer, model_dir: Path) -> Ca
     start), kept in the run directory so that a resumed run is held to the same one."""
     path = run_dir / "reference-model"
     if (path / "model.safetensors").exists():
-        reference = load_model(path)
+        reference = load_model(path, trainer.device)
         reference.requires_grad_(False)
         return reference
     reference = trainer.freeze_reference()
@@ -307,7 +309,7 @@ async def train(
         # Playing the demonstrations, and on a fresh run writing the model and its tokenizer.
         prepare_s = time.monotonic() - prepare_started
         trainer = GRPOTrainer(
-            load_model(model_dir),
+            load_model(model_dir, cfg.trainer.device),
             TrainerConfig(
                 lr=cfg.trainer.lr,
                 clip_eps=cfg.trainer.clip_eps,
@@ -321,7 +323,9 @@ async def train(
             version=state.weight_version,
         )
         if resume:
-            trainer.optimizer.load_state_dict(torch.load(model_dir / "optimizer.pt"))
+            trainer.optimizer.load_state_dict(
+                torch.load(model_dir / "optimizer.pt", map_location=cfg.trainer.device)
+            )
         engine: LocalEngine | ServedEngine = (
             ServedEngine(cfg.run.engine_url)
             if cfg.run.engine_url
@@ -398,6 +402,14 @@ async def train(
                             "sandboxes_running": pool.stats().sandboxes_running,
                             "groups_dropped": coordinator.stats.groups_dropped,
                         },
+                    )
+                    record.append_records(
+                        run_dir,
+                        (
+                            record.trajectory_record(t, step, started)
+                            for g in batch
+                            for t in g.trajectories
+                        ),
                     )
                     with metrics_file.open("a") as f:
                         f.write(json.dumps(line) + "\n")

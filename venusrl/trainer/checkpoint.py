@@ -45,7 +45,7 @@ def write_model_dir(out: Path, model: CausalLM, like: Path) -> None:
     for name in MODEL_FILES:
         if (like / name).exists():
             shutil.copy2(like / name, out / name)
-    weights = {k: v.contiguous().clone() for k, v in model.hf_state_dict().items()}
+    weights = {k: v.to("cpu", copy=True).contiguous() for k, v in model.hf_state_dict().items()}
     save_file(weights, str(out / "model.safetensors"))
 
 
