@@ -118,3 +118,17 @@ def test_a_kl_penalty_needs_a_reference_and_holds_the_policy_near_it(model_dir: 
     trainer = GRPOTrainer(load_model(model_dir), TrainerConfig(kl_coef=0.1))
     with pytest.raises(ValueError, match="reference"):
         trainer.step([record([5, 6], [7], [0.0])], [1.0])
+
+
+def test_the_warm_start_leaves_the_rl_optimizer_state_empty(model_dir: Path) -> None:
+    # Adam's second moments from imitation (large gradients) would shrink every RL update for
+    # hundreds of steps; RL starts with moments of its own.
+    model = load_model(model_dir)
+    trainer = GRPOTrainer(model, TrainerConfig(lr=1e-4))
+    demo = record([5, 6, 7], [20, 21, 22], [0.0] * 3)
+    before = dense_logprobs(model, demo)
+    for _ in range(3):
+        trainer.imitation_step([demo], lr=1e-2)
+    assert sum(dense_logprobs(model, demo)) > sum(before)  # it imitated
+    assert trainer.optimizer.state_dict()["state"] == {}
+    assert trainer.version == 0
