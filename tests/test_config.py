@@ -27,6 +27,8 @@ def test_yaml_and_dotted_overrides_compose(tmp_path: Path) -> None:
         (["engine.page_size=0"], "engine.page_size: Input should be greater than or equal to 1"),
         (["engine.page_size=many"], "engine.page_size"),
         (["engine.dtype=float8"], "engine.dtype"),
+        (["rollout.mix=[{env: guess_number}, {env: guess_number}]"], "appear once in the mix"),
+        (["rollout.mix=[{env: guess, weight: 0}]"], "rollout.mix.0.weight"),
         (["engine.device=gpu0"], "engine.device: Value error, 'gpu0' is not a torch device"),
         (["trainer.device=cdua"], "trainer.device: Value error, 'cdua' is not a torch device"),
         (["trainr.lr=1e-5"], "trainr: unknown key"),

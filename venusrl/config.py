@@ -83,11 +83,28 @@ class ServerConfig(_Section):
     model_name: str | None = Field(None, description="name served at /v1/models; default: dir name")
 
 
+EnvName = Literal["guess_number", "swe_mini", "agent_workload"]
+
+
+class MixEntry(_Section):
+    """One environment of a mixed run (`rollout.mix`)."""
+
+    env: EnvName
+    weight: float = Field(1.0, gt=0, description="share of the groups, relative to the others")
+    group_size: int | None = Field(None, ge=2, description="K; default rollout.group_size")
+    max_turns: int | None = Field(None, ge=1, description="turn cap; default the environment's")
+
+
 class RolloutConfig(_Section):
     """Groups, batches and the agent loop (`venusrl train`)."""
 
-    env: Literal["guess_number", "swe_mini", "agent_workload"] = Field(
-        "guess_number", description="built-in task (agent_workload: a scheduler benchmark)"
+    env: EnvName = Field(
+        "guess_number",
+        description="built-in task when `mix` is empty (agent_workload: a scheduler benchmark)",
+    )
+    mix: list[MixEntry] = Field(
+        default_factory=list,
+        description="several environments in one run, each group drawing one by weight",
     )
     group_size: int = Field(8, ge=2, description="K trajectories per task (GRPO group)")
     batch_groups: int = Field(4, ge=1, description="B complete groups per trainer step")
@@ -104,6 +121,14 @@ class RolloutConfig(_Section):
         description="how long the engine keeps a trajectory's KV for it while it waits on a tool"
         " (engine.retention=trajectory)",
     )
+
+    @field_validator("mix")
+    @classmethod
+    def _distinct_envs(cls, mix: list[MixEntry]) -> list[MixEntry]:
+        names = [entry.env for entry in mix]
+        if len(set(names)) != len(names):
+            raise ValueError(f"each environment may appear once in the mix, got {names}")
+        return mix
 
 
 class TrainerSection(_Section):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from venusrl.policy.critical_groups import (
@@ -102,3 +104,49 @@ def test_synchronous_training_runs_only_the_current_batch() -> None:
     assert bound.may_start(4, 1)
     with pytest.raises(ValueError, match="max_staleness"):
         StalenessBound(4, -1)
+
+
+def test_a_group_the_staleness_bound_makes_due_outranks_a_more_complete_one() -> None:
+    members = tuple(MemberView(done=i < 1) for i in range(8))
+    due = GroupView("due", "prompt-due", 0, members, due=True)
+    decision = CriticalGroups().decide(snapshot([group("almost", 7, arrival=1), due]))
+    assert decision.order == ("due", "almost")
+    assert decision.priority == {"due": HIGH, "almost": BEST_EFFORT}
+
+
+def test_the_batch_takes_due_groups_first_and_waits_for_a_running_due_group() -> None:
+    bound = StalenessBound(batch_groups=2, max_staleness=1)
+    # At version 2, groups started at version 1 are due; ready in completion order.
+    assert bound.batch([2, 1, 2], running=[], weight_version=2) == [1, 0]
+    assert bound.batch([2, 2, 2], running=[1], weight_version=2) is None  # wait for it
+    assert bound.batch([2, 2], running=[2], weight_version=2) == [0, 1]  # nothing due
+    assert bound.batch([1], running=[], weight_version=2) is None  # fewer than B complete
+
+
+@settings(max_examples=300, deadline=None)
+@given(batch=st.integers(1, 4), staleness=st.integers(0, 3), seed=st.integers(0, 2**32))
+def test_no_group_is_trained_more_than_max_staleness_versions_after_it_started(
+    batch: int, staleness: int, seed: int
+) -> None:
+    # Groups start as the bound allows and complete (or are dropped) in an arbitrary order, as
+    # they do when their members' lengths differ; batches form by `StalenessBound.batch`.
+    bound = StalenessBound(batch, staleness)
+    rng = random.Random(seed)
+    placed = 0
+    running: list[int] = []  # started versions of the running groups
+    ready: list[int] = []
+    for version in range(12):
+        n = bound.startable(placed, version)
+        running += [version] * n
+        placed += n
+        while (picked := bound.batch(ready, running, version)) is None:
+            assert running, "every group is complete and still no batch: the bound deadlocked"
+            started = running.pop(rng.randrange(len(running)))
+            if rng.random() < 0.1:  # dropped: its place in a batch is given back
+                placed -= 1
+                running += [version] * bound.startable(placed, version)
+                placed += bound.startable(placed, version)
+            else:
+                ready.append(started)
+        assert all(version - ready[i] <= staleness for i in picked)
+        ready = [v for i, v in enumerate(ready) if i not in set(picked)]

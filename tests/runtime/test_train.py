@@ -56,7 +56,8 @@ def test_train_writes_one_metrics_line_per_step_within_the_staleness_bound(
         actions = sum(t["action_tokens"] for t in r["turns"])
         assert sum(r["versions"].values()) == actions > 0
         assert len(r["turns"]) == len(r["turn_starts"]) >= 1
-        assert all(0 <= int(v) <= 2 for v in r["versions"])
+        trained_at = lines[r["step"]]["weight_version"] - 1
+        assert all(0 <= trained_at - int(v) <= staleness for v in r["versions"])
         for t in r["turns"]:
             assert 0 <= t["requested"] <= t["generated"] <= t["acted"]
     plots = plot_run(tmp_path)
@@ -190,3 +191,28 @@ def test_a_model_path_that_is_not_a_model_directory_is_refused_and_left_alone(
     with pytest.raises(ValueError, match="is not a model directory"):
         asyncio.run(train(cfg, tmp_path / "run"))
     assert not missing.exists()  # no random model written where the user's was expected
+
+
+def test_a_mixed_run_trains_on_every_environment_with_its_own_group_size_and_turn_cap(
+    tmp_path: Path,
+) -> None:
+    mix = (
+        "rollout.mix=[{env: guess_number, weight: 1, group_size: 2, max_turns: 3},"
+        " {env: swe_mini, weight: 1, group_size: 3}]"
+    )
+    cfg = load_config(None, [*SMALL, "run.steps=4", "rollout.batch_groups=3", mix])
+    metrics = asyncio.run(train(cfg, tmp_path))
+    assert all(set(m["by_env"]) <= {"guess_number", "swe_mini"} for m in metrics)
+    records = list(read_records(tmp_path))
+    groups: dict[str, list[dict]] = {}
+    for r in records:
+        groups.setdefault(r["group_id"], []).append(r)
+    sizes = {(rs[0]["env"], len(rs)) for rs in groups.values()}
+    assert sizes == {("guess_number", 2), ("swe_mini", 3)}  # both drawn, each with its K
+    assert all(len(r["turns"]) <= 3 for r in records if r["env"] == "guess_number")
+
+
+def test_a_warm_start_with_no_demonstrator_in_the_mix_is_refused(tmp_path: Path) -> None:
+    cfg = load_config(None, [*SMALL, "rollout.env=swe_mini"])
+    with pytest.raises(ValueError, match="no demonstrator for swe_mini"):
+        asyncio.run(train(cfg, tmp_path))

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from venusrl.coordinator.agent_loop import ChatFormat, Generate, LoopLimits, run_episode
+from venusrl.coordinator.mixing import GroupTask
 from venusrl.engine.request import SamplingParams
 from venusrl.envs.environment import Environment, Task
 from venusrl.envs.pool import SandboxGroup, SandboxPool
@@ -49,7 +50,6 @@ from venusrl.types import Finish, Trajectory
 
 @dataclass(frozen=True)
 class CoordinatorConfig:
-    group_size: int = 8
     batch_groups: int = 4
     max_staleness: int = 1
     max_infra_retries: int = 2
@@ -61,6 +61,7 @@ class CoordinatorConfig:
 @dataclass
 class GroupResult:
     group_id: str
+    env: str  # the environment's name
     task: Task
     trajectories: list[Trajectory]  # K, in member order; masked ones have reward None
     started_version: int
@@ -78,6 +79,7 @@ class GroupResult:
 @dataclass
 class _OpenGroup:
     group_id: str
+    env: type[Environment]
     task: Task
     arrival: int
     started_version: int
@@ -98,8 +100,7 @@ class CoordinatorStats:
 class Coordinator:
     def __init__(
         self,
-        env: type[Environment],
-        tasks: Iterator[Task],
+        tasks: Iterator[GroupTask],
         pool: SandboxPool,
         generate: Generate,
         fmt: ChatFormat,
@@ -109,9 +110,10 @@ class Coordinator:
         weight_version: Callable[[], int],
         end_trajectory: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
-        """`end_trajectory` tells the engine that an episode is over, so that the KV it kept
-        for the trajectory between turns can go."""
-        self.env, self.tasks, self.pool = env, tasks, pool
+        """`tasks`: what each new group plays (`mixing.mixed_tasks`); `end_trajectory` tells the
+        engine that an episode is over, so that the KV it kept for the trajectory between turns
+        can go."""
+        self.tasks, self.pool = tasks, pool
         self.end_trajectory = end_trajectory
         self.generate, self.fmt, self.sampling, self.limits = generate, fmt, sampling, limits
         self.config = config
@@ -122,7 +124,8 @@ class Coordinator:
         self.stats = CoordinatorStats()
         self._open: dict[str, _OpenGroup] = {}
         self._priority: dict[str, int] = {}
-        self._ready: asyncio.Queue[GroupResult] = asyncio.Queue()
+        self._ready: list[GroupResult] = []  # complete groups, in completion order
+        self._changed = asyncio.Event()  # a group completed or was dropped
         self._ids = itertools.count()
         self._tasks: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
@@ -134,18 +137,27 @@ class Coordinator:
         self._launcher = asyncio.create_task(self._launch())
 
     async def next_batch(self) -> list[GroupResult]:
-        """B complete groups, in the order they completed (bounded by `batch_timeout_s`)."""
-        batch: list[GroupResult] = []
+        """B complete groups for the trainer at its current version: every group the staleness
+        bound makes due, then others in the order they completed (`StalenessBound.batch`).
+        Waits at most `batch_timeout_s`."""
         deadline = time.monotonic() + self.config.batch_timeout_s
-        while len(batch) < self.config.batch_groups:
+        version = self.weight_version()
+        while True:
+            self._changed.clear()
+            running = [g.started_version for g in self._open.values()]
+            picked = self.bound.batch([r.started_version for r in self._ready], running, version)
+            if picked is not None:
+                break
             remaining = deadline - time.monotonic()
             try:
-                batch.append(await asyncio.wait_for(self._ready.get(), max(remaining, 0.001)))
+                await asyncio.wait_for(self._changed.wait(), max(remaining, 0.001))
             except TimeoutError:
                 raise TimeoutError(
                     f"no trainer batch within {self.config.batch_timeout_s} s: "
-                    f"{len(batch)} of {self.config.batch_groups} groups complete"
+                    f"{len(self._ready)} of {self.config.batch_groups} groups complete"
                 ) from None
+        batch = [self._ready[i] for i in picked]
+        self._ready = [r for i, r in enumerate(self._ready) if i not in set(picked)]
         self._wake.set()  # the trainer is about to move on: more groups may start soon
         return batch
 
@@ -179,11 +191,13 @@ class Coordinator:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _run_group(self, task: Task, arrival: int) -> None:
+    async def _run_group(self, work: GroupTask, arrival: int) -> None:
         gid = f"g{next(self._ids)}"
-        k = self.config.group_size
+        task, k = work.task, work.group_size
         opened = time.monotonic()
-        state = _OpenGroup(gid, task, arrival, self.weight_version(), [MemberView(False)] * k)
+        state = _OpenGroup(
+            gid, work.env, task, arrival, self.weight_version(), [MemberView(False)] * k
+        )
         state.results = [None] * k
         self._open[gid] = state
         self._rerank()
@@ -191,7 +205,7 @@ class Coordinator:
         try:
             async with asyncio.timeout(self.config.group_timeout_s):
                 group = await self.pool.open_group(
-                    self.env.template.name,
+                    work.env.template.name,
                     priority=self._priority.get(gid, BEST_EFFORT),
                     setup=task.setup,
                     files=task.files,
@@ -199,6 +213,7 @@ class Coordinator:
                 await asyncio.gather(*(self._run_member(state, group, i) for i in range(k)))
             result = GroupResult(
                 gid,
+                work.env.name,
                 task,
                 [t for t in state.results if t is not None],
                 state.started_version,
@@ -211,7 +226,7 @@ class Coordinator:
                 self.stats.groups_dropped += 1
             else:
                 self.stats.groups_completed += 1
-                self._ready.put_nowait(result)
+                self._ready.append(result)
         except (TimeoutError, InfraFailure):
             self.stats.groups_dropped += 1
         finally:
@@ -221,6 +236,7 @@ class Coordinator:
                 await group.close()
             self._rerank()
             self._wake.set()
+            self._changed.set()
 
     async def _run_member(self, state: _OpenGroup, group: SandboxGroup, index: int) -> None:
         while True:
@@ -233,7 +249,7 @@ class Coordinator:
             else:
                 try:
                     traj = await run_episode(
-                        self.env(state.task, sandbox),
+                        state.env(state.task, sandbox),
                         self.generate,
                         self.fmt,
                         self.sampling,
@@ -275,14 +291,21 @@ class Coordinator:
         )
 
     def _rerank(self) -> None:
+        version = self.weight_version()
         groups = [
-            GroupView(g.group_id, g.task.id, g.arrival, tuple(g.members))
+            GroupView(
+                g.group_id,
+                g.task.id,
+                g.arrival,
+                tuple(g.members),
+                self.bound.due(g.started_version, version),
+            )
             for g in self._open.values()
         ]
         snap = CoordinatorSnapshot(
             groups,
             self.config.batch_groups,
-            self._ready.qsize(),
+            len(self._ready),
             self.lengths.predictions([g.prompt_id for g in groups]),
         )
         self._priority = dict(self.policy.decide(snap).priority)

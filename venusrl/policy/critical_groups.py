@@ -42,6 +42,7 @@ class GroupView:
     prompt_id: str
     arrival: int  # order in which the group was opened (lower = older)
     members: tuple[MemberView, ...]
+    due: bool = False  # the staleness bound requires it in the next batch
 
     @property
     def completion(self) -> float:
@@ -87,7 +88,9 @@ class CriticalGroups:
             pred = snap.predictions.get(g.prompt_id, self.default)
             return max(remaining_s(m, pred, snap) for m in g.members)
 
-        ranked = sorted(snap.groups, key=lambda g: (-g.completion, slowest(g), g.arrival))
+        ranked = sorted(
+            snap.groups, key=lambda g: (not g.due, -g.completion, slowest(g), g.arrival)
+        )
         needed = max(snap.batch_groups - snap.complete_groups_waiting, 0)
         order = tuple(g.group_id for g in ranked)
         return GroupPriorities(

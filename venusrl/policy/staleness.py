@@ -1,11 +1,19 @@
-"""Bounded staleness: when a new group may start.
+"""Bounded staleness: when a new group may start, and which complete groups form a batch.
 
 Pure policy (DESIGN.md contract 1), after AReaL's staleness manager. Groups are numbered in the
-order they start; group n lands in trainer batch b = n // B, which the trainer consumes to go from
-weight version b to b + 1. Its tokens are produced with weights of at least the version current
-when it starts, v. For the batch to be at most `max_staleness` versions behind when it is trained:
+order they start; the trainer consumes batches of B groups, batch b taking weights from version b
+to b + 1. A group's tokens are produced with weights of at least the version current when it
+starts, v. Starting is bounded by counting (AReaL's rule):
 
     n // B  <=  v + max_staleness
+
+That alone does not bound a group's staleness when batches take groups in the order they
+complete: a slow group started at v can be overtaken by groups started later and land in batch
+v + 2 (measured: 2 versions behind with max_staleness=1). So each group has a deadline, the
+version `started + max_staleness` by which it must be trained, and a batch takes, earliest
+deadline first, as many groups as the deadlines of the coming batches force it to, waiting for
+those still running (the critical-group ranking runs *due* groups first); its other places go to
+complete groups in completion order, so the batch waits for a slow group only when it must.
 
 `max_staleness = 0` is synchronous on-policy training: only the groups of the batch the trainer is
 waiting for may run. Each token also records the version that produced it, and the trainer
@@ -14,6 +22,7 @@ corrects what is stale with the behaviour logprobs (PPO-style importance ratio).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -36,3 +45,35 @@ class StalenessBound:
         """How many more groups may start now."""
         limit = (weight_version + self.max_staleness + 1) * self.batch_groups
         return max(limit - started_groups, 0)
+
+    def due(self, started_version: int, weight_version: int) -> bool:
+        """Must a group started at `started_version` be in the batch trained at this version?"""
+        return started_version + self.max_staleness <= weight_version
+
+    def batch(
+        self, ready: Sequence[int], running: Sequence[int], weight_version: int
+    ) -> list[int] | None:
+        """The batch to train at `weight_version`, as indexes into `ready` (the started versions
+        of the complete groups, in completion order), or None to wait for more groups.
+        `running`: the started versions of the groups still running."""
+        b, v = self.batch_groups, weight_version
+        if len(ready) < b:
+            return None
+        deadlines = [s + self.max_staleness for s in (*ready, *running)]
+        # Batches v .. v+j hold (j+1)B groups; every group due by v+j must be among them, so this
+        # batch must take at least (groups due by v+j) - jB of them, for every j.
+        must = max(
+            sum(d <= v + j for d in deadlines) - j * b for j in range(self.max_staleness + 1)
+        )
+        must = min(b, max(must, 0))
+        # Earliest deadline first covers every j at once; at equal deadlines a complete group
+        # goes before a running one, so the batch waits only when it has to.
+        candidates = sorted(
+            [(s + self.max_staleness, False, i) for i, s in enumerate(ready)]
+            + [(s + self.max_staleness, True, -1) for s in running]
+        )[:must]
+        if any(is_running for _, is_running, _ in candidates):
+            return None  # a group this batch must take is still running
+        chosen = [i for _, _, i in candidates]
+        taken = set(chosen)
+        return chosen + [i for i in range(len(ready)) if i not in taken][: b - must]

@@ -24,10 +24,11 @@ from typing import Any, TypeVar
 import torch
 import yaml
 
-from venusrl.config import Config
+from venusrl.config import Config, MixEntry
 from venusrl.coordinator.agent_loop import ChatFormat, LoopLimits, run_episode
 from venusrl.coordinator.coordinator import Coordinator, CoordinatorConfig, GroupResult
 from venusrl.coordinator.demonstrations import ScriptedGenerate, retokenize
+from venusrl.coordinator.mixing import EnvShare, mixed_tasks
 from venusrl.engine.async_engine import AsyncEngine
 from venusrl.engine.engine import Engine
 from venusrl.engine.model import CausalLM
@@ -97,8 +98,15 @@ class ServedEngine:
 
 
 def step_metrics(
-    step: int, batch: list[GroupResult], version: int, wall_s: float, extra: dict[str, Any]
+    step: int,
+    batch: list[GroupResult],
+    version: int,
+    wall_s: float,
+    extra: dict[str, Any],
+    by_env: bool = False,
 ) -> dict[str, Any]:
+    """The `metrics.jsonl` line of a step; `by_env` adds each environment's mean reward and group
+    count (a mixed run)."""
     trajectories = [t for g in batch for t in g.trajectories]
     scored = [t.reward for t in trajectories if t.reward is not None]
     wins = [t for t in trajectories if t.reward is not None and t.reward > 0]
@@ -123,7 +131,20 @@ def step_metrics(
         "tool_calls_per_win": sum(t.tool_calls for t in wins) / len(wins) if wins else None,
         "wall_s": wall_s,
         **extra,
+        **({"by_env": _by_env(batch)} if by_env else {}),
     }
+
+
+def _by_env(batch: list[GroupResult]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for name in sorted({g.env for g in batch}):
+        groups = [g for g in batch if g.env == name]
+        scored = [t.reward for g in groups for t in g.trajectories if t.reward is not None]
+        out[name] = {
+            "groups": len(groups),
+            "reward_mean": sum(scored) / len(scored) if scored else None,
+        }
+    return out
 
 
 def _prepare_run_dir(cfg: Config, run_dir: Path, resume: bool) -> tuple[Path, RunState | None]:
@@ -159,21 +180,46 @@ def _prepare_run_dir(cfg: Config, run_dir: Path, resume: bool) -> tuple[Path, Ru
     return (Path(cfg.model) if cfg.model else run_dir / "initial-model"), None
 
 
+def environment_mix(cfg: Config) -> list[EnvShare]:
+    """The run's environments: `rollout.mix`, or `rollout.env` alone."""
+    r = cfg.rollout
+    entries = r.mix or [MixEntry(env=r.env)]
+    return [
+        EnvShare(BUILTIN[e.env], e.weight, e.group_size or r.group_size, e.max_turns)
+        for e in entries
+    ]
+
+
 async def play_demonstrations(
-    cfg: Config, env: type[Environment], pool: SandboxPool, fmt: ChatFormat, limits: LoopLimits
+    cfg: Config, mix: list[EnvShare], pool: SandboxPool, fmt: ChatFormat, limits: LoopLimits
 ) -> list[Trajectory]:
-    """Scripted demonstrations played in real sandboxes through the agent loop."""
-    tasks = list(itertools.islice(env.tasks(cfg.run.seed + 7919), cfg.run.warm_start_episodes))
+    """Scripted demonstrations played in real sandboxes through the agent loop. The environments
+    of the mix that have a demonstrator share `run.warm_start_episodes` by their weights; the
+    others are left to reinforcement learning."""
+    scripted_envs = []
+    for share in mix:
+        env = share.environment()
+        first = next(env.tasks(cfg.run.seed + 7919))
+        if env.demonstrator(first, cfg.run.seed) is not None:
+            scripted_envs.append((share.weight, env))
+    if not scripted_envs:
+        names = ", ".join(share.env.name for share in mix)
+        raise ValueError(f"no demonstrator for {names}: set run.warm_start_episodes=0")
+    total = sum(weight for weight, _ in scripted_envs)
+    work: list[tuple[type[Environment], Task]] = []
+    for weight, env in scripted_envs:
+        n = round(cfg.run.warm_start_episodes * weight / total)
+        work += [(env, t) for t in itertools.islice(env.tasks(cfg.run.seed + 7919), n)]
     policies = {}
-    for i, task in enumerate(tasks):
+    for i, (env, task) in enumerate(work):
         policy = env.demonstrator(task, cfg.run.seed + i)
         if policy is None:
-            raise ValueError(f"{env.name} has no demonstrator: set run.warm_start_episodes=0")
+            raise ValueError(f"{env.name}'s demonstrator has no policy for task {task.id}")
         policies[f"demo-{i}"] = policy
     scripted = ScriptedGenerate(fmt.tokenizer, policies)
     gate = asyncio.Semaphore(16)
 
-    async def play(i: int, task: Task) -> Trajectory:
+    async def play(i: int, env: type[Environment], task: Task) -> Trajectory:
         async with gate:
             sandbox = await pool.create(env.template.name, setup=task.setup, files=task.files)
             try:
@@ -184,7 +230,7 @@ async def play_demonstrations(
             finally:
                 await sandbox.close()
 
-    demos = await asyncio.gather(*(play(i, t) for i, t in enumerate(tasks)))
+    demos = await asyncio.gather(*(play(i, env, t) for i, (env, t) in enumerate(work)))
     return [d for d in demos if d.finish is not Finish.INFRA]
 
 
@@ -230,19 +276,28 @@ def _new_model(
     return [retokenize(d, played_with, new) for d in demos]
 
 
-def reference_policy(run_dir: Path, trainer: GRPOTrainer, model_dir: Path) -> CausalLM:
-    """The KL penalty's reference: the policy reinforcement learning starts from (after the warm
-    start), kept in the run directory so that a resumed run is held to the same one."""
-    path = run_dir / "reference-model"
-    if (path / "model.safetensors").exists():
-        reference = load_model(path, trainer.device)
-        reference.requires_grad_(False)
-        return reference
-    reference = trainer.freeze_reference()
-    tmp = run_dir / ".tmp-reference-model"
+def start_policy(cfg: Config, run_dir: Path) -> Path:
+    """The model directory of the policy reinforcement learning starts from: the warm-started one
+    a fresh run wrote (`start-model/`), else the model the run was given. The KL penalty's
+    reference and the learning benchmark's baseline."""
+    warm = run_dir / "start-model"
+    if (warm / "model.safetensors").exists():
+        return warm
+    return Path(cfg.model) if cfg.model else run_dir / "initial-model"
+
+
+def write_start_policy(run_dir: Path, trainer: GRPOTrainer, model_dir: Path) -> None:
+    tmp = run_dir / ".tmp-start-model"
     shutil.rmtree(tmp, ignore_errors=True)
-    write_model_dir(tmp, reference, model_dir)
-    tmp.rename(path)
+    write_model_dir(tmp, trainer.model, model_dir)
+    tmp.rename(run_dir / "start-model")
+
+
+def reference_policy(cfg: Config, run_dir: Path, device: torch.device) -> CausalLM:
+    """The KL penalty's reference, the start policy, read from disk so that a resumed run is
+    held to the same one."""
+    reference = load_model(start_policy(cfg, run_dir), device)
+    reference.requires_grad_(False)
     return reference
 
 
@@ -261,7 +316,7 @@ async def train(
     fresh = state is None
     state = state or RunState(step=-1, weight_version=0)
     consumed = set(state.consumed_tasks)
-    env = BUILTIN[cfg.rollout.env]
+    mix = environment_mix(cfg)
     r = cfg.rollout
     limits = LoopLimits(
         max_context=r.max_context,
@@ -282,7 +337,8 @@ async def train(
         admission=cfg.sandbox.admission,
         share_pages=cfg.sandbox.share_pages,
     ) as pool:
-        await pool.prepare_template(env.template)
+        for share in mix:
+            await pool.prepare_template(share.env.template)
         demos: list[Trajectory] = []
         prepare_started = time.monotonic()
         if fresh and not cfg.model and not (model_dir / "config.json").exists():
@@ -296,7 +352,7 @@ async def train(
                     max_context=8 * limits.max_context,
                     max_tokens_per_turn=8 * limits.max_tokens_per_turn,
                 )
-                demos = await play_demonstrations(cfg, env, pool, ChatFormat(byte_level), roomy)
+                demos = await play_demonstrations(cfg, mix, pool, ChatFormat(byte_level), roomy)
             demos = await asyncio.to_thread(_new_model, cfg, model_dir, demos, byte_level)
         tokenizer = Tokenizer.load(model_dir)
         if tokenizer is None or tokenizer.chat_template is None:
@@ -305,7 +361,7 @@ async def train(
             )
         fmt = ChatFormat(tokenizer)
         if fresh and cfg.run.warm_start_episodes and not demos:
-            demos = await play_demonstrations(cfg, env, pool, fmt, limits)
+            demos = await play_demonstrations(cfg, mix, pool, fmt, limits)
         # Playing the demonstrations, and on a fresh run writing the model and its tokenizer.
         prepare_s = time.monotonic() - prepare_started
         trainer = GRPOTrainer(
@@ -342,9 +398,10 @@ async def train(
                         f" prepared in {prepare_s:.0f} s; NLL {info['nll_first']:.3f} ->"
                         f" {info['nll_last']:.3f} in {info['wall_s']:.0f} s"
                     )
+                await on_trainer(write_start_policy, run_dir, trainer, model_dir)
                 await engine.publish(trainer, run_dir, model_dir)
             if cfg.trainer.kl_coef:
-                trainer.reference = await on_trainer(reference_policy, run_dir, trainer, model_dir)
+                trainer.reference = await on_trainer(reference_policy, cfg, run_dir, trainer.device)
             generate = engine.generate
             if cfg.faults.engine_errors:
                 generate = FailingGenerate(generate, cfg.faults.engine_errors, cfg.run.seed)
@@ -354,15 +411,13 @@ async def train(
                 else None
             )
             coordinator = Coordinator(
-                env,
-                (t for t in env.tasks(cfg.run.seed) if t.id not in consumed),
+                mixed_tasks(mix, cfg.run.seed, consumed),
                 pool,
                 generate,
                 fmt,
                 SamplingParams(temperature=r.temperature, seed=None),
                 limits,
                 CoordinatorConfig(
-                    group_size=r.group_size,
                     batch_groups=r.batch_groups,
                     max_staleness=r.max_staleness,
                     max_infra_retries=r.max_infra_retries,
@@ -402,11 +457,12 @@ async def train(
                             "sandboxes_running": pool.stats().sandboxes_running,
                             "groups_dropped": coordinator.stats.groups_dropped,
                         },
+                        by_env=len(mix) > 1,
                     )
                     record.append_records(
                         run_dir,
                         (
-                            record.trajectory_record(t, step, started)
+                            record.trajectory_record(t, step, g.env, started)
                             for g in batch
                             for t in g.trajectories
                         ),

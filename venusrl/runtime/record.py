@@ -4,7 +4,7 @@ Each trainer step appends the trajectories of its batch (masked infrastructure f
 so a finished trajectory is on disk once it has been trained on, and a run can be studied, plotted
 or replayed in the simulator afterwards. An object holds:
 
-- `step`, `trajectory_id`, `group_id`, `prompt_id`, `reward` (null when masked), `finish`,
+- `step`, `env`, `trajectory_id`, `group_id`, `prompt_id`, `reward` (null when masked), `finish`,
   `failure`, `tool_calls`;
 - `token_ids` and `turn_starts` (the whole token record; `mask` follows from the turns, see
   `turns`), `versions`: how many model tokens each weight version produced (`{"3": 41}`);
@@ -27,8 +27,9 @@ from venusrl.types import Trajectory
 FILE = "trajectories.jsonl"
 
 
-def trajectory_record(traj: Trajectory, step: int, t0: float) -> dict[str, Any]:
-    """The JSON object of one trajectory; `t0` is the run's start on `time.monotonic()`."""
+def trajectory_record(traj: Trajectory, step: int, env: str, t0: float) -> dict[str, Any]:
+    """The JSON object of one trajectory of environment `env`; `t0` is the run's start on
+    `time.monotonic()`."""
     bounds = [*traj.turn_starts, len(traj.token_ids)]
     turns = []
     for i, (start, end) in enumerate(itertools.pairwise(bounds)):
@@ -45,6 +46,7 @@ def trajectory_record(traj: Trajectory, step: int, t0: float) -> dict[str, Any]:
     versions = Counter(v for v, m in zip(traj.versions, traj.mask, strict=True) if m)
     return {
         "step": step,
+        "env": env,
         "trajectory_id": traj.trajectory_id,
         "group_id": traj.group_id,
         "prompt_id": traj.prompt_id,

@@ -638,7 +638,13 @@ class Simulation:
 
     def _rerank(self) -> None:
         groups = [
-            GroupView(g.gid, g.prompt.prompt_id, g.arrival, tuple(g.members))
+            GroupView(
+                g.gid,
+                g.prompt.prompt_id,
+                g.arrival,
+                tuple(g.members),
+                self.bound.due(g.started_version, self.version),
+            )
             for g in self.open.values()
         ]
         snap = CoordinatorSnapshot(
@@ -652,10 +658,14 @@ class Simulation:
         self.priorities = dict(self.group_policy.decide(snap).priority)
 
     def _maybe_train(self) -> None:
-        b = self.workload.prompts_per_batch
-        if self.trainer_busy or len(self.ready) < b:
+        if self.trainer_busy:
             return
-        batch, self.ready = self.ready[:b], self.ready[b:]
+        running = [g.started_version for g in self.open.values()]
+        picked = self.bound.batch([g.started_version for g in self.ready], running, self.version)
+        if picked is None:
+            return
+        batch = [self.ready[i] for i in picked]
+        self.ready = [g for i, g in enumerate(self.ready) if i not in set(picked)]
         tokens = sum(g.tokens for g in batch)
         sequences = sum(g.sequences for g in batch)
         self.staleness += [self.version - g.started_version for g in batch]

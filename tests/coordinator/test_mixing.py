@@ -1,0 +1,61 @@
+"""Several environments in one run: groups draw them by weight, each with its K and turn cap."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import pytest
+
+from venusrl.coordinator.mixing import EnvShare, mixed_tasks
+from venusrl.envs.builtin import GuessNumber, SweMini
+
+
+def draw(mix: list[EnvShare], n: int, seed: int = 0, skip: set[str] | None = None) -> list:
+    return list(itertools.islice(mixed_tasks(mix, seed, skip or set()), n))
+
+
+def test_groups_draw_environments_in_proportion_to_their_weights() -> None:
+    mix = [EnvShare(GuessNumber, 3.0, 8), EnvShare(SweMini, 1.0, 4)]
+    work = draw(mix, 4000)
+    counts = Counter(w.env.name for w in work)
+    assert counts["guess_number"] / 4000 == pytest.approx(0.75, abs=0.03)
+    assert {w.group_size for w in work if w.env.name == "swe_mini"} == {4}
+    assert {w.group_size for w in work if w.env.name == "guess_number"} == {8}
+    # Each environment's tasks come from its own stream, in order.
+    guess_ids = [w.task.id for w in work if w.env.name == "guess_number"][:3]
+    assert guess_ids == [t.id for t in itertools.islice(GuessNumber.tasks(0), 3)]
+
+
+def test_the_same_seed_gives_the_same_sequence_and_skipped_tasks_are_left_out() -> None:
+    mix = [EnvShare(GuessNumber, 1.0, 8), EnvShare(SweMini, 1.0, 4)]
+    first = [w.task.id for w in draw(mix, 50)]
+    assert first == [w.task.id for w in draw(mix, 50)]
+    resumed = [w.task.id for w in draw(mix, 40, skip=set(first[:10]))]
+    assert resumed == first[10:50]  # a resumed run continues where the trained tasks end
+
+
+def test_a_share_caps_turns_without_changing_the_environment_class() -> None:
+    capped = EnvShare(GuessNumber, 1.0, 8, max_turns=3).environment()
+    assert capped.max_turns == 3 and issubclass(capped, GuessNumber)
+    assert capped.name == GuessNumber.name and GuessNumber.max_turns == 8
+    assert EnvShare(GuessNumber, 1.0, 8).environment() is GuessNumber
+
+
+@pytest.mark.parametrize(
+    ("mix", "words"),
+    [
+        ([], "at least one environment"),
+        ([EnvShare(GuessNumber, 1.0, 8), EnvShare(GuessNumber, 2.0, 4)], "appears twice"),
+    ],
+)
+def test_a_bad_mix_is_refused(mix: list[EnvShare], words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        draw(mix, 1)
+
+
+def test_a_bad_share_is_refused_naming_the_environment() -> None:
+    with pytest.raises(ValueError, match="guess_number: a mix weight"):
+        EnvShare(GuessNumber, 0.0, 8)
+    with pytest.raises(ValueError, match="K >= 2"):
+        EnvShare(GuessNumber, 1.0, 1)

@@ -1,0 +1,67 @@
+"""Several environments in one run (multi-task agentic RL): which environment each group draws.
+
+Each environment of the mix has a weight, a group size K and optionally its own turn cap. Groups
+draw their environment at random in proportion to the weights, from one seeded stream, so a
+resumed run that skips the tasks it already trained on sees the same sequence again.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Container, Iterator, Sequence
+from dataclasses import dataclass
+
+from venusrl.envs.environment import Environment, Task
+
+
+@dataclass(frozen=True)
+class EnvShare:
+    env: type[Environment]
+    weight: float
+    group_size: int
+    max_turns: int | None = None  # None: the environment's own cap
+
+    def __post_init__(self) -> None:
+        if not self.weight > 0:
+            raise ValueError(f"{self.env.name}: a mix weight must be > 0, got {self.weight}")
+        if self.group_size < 2:
+            raise ValueError(f"{self.env.name}: a group needs K >= 2, got {self.group_size}")
+        if self.max_turns is not None and self.max_turns < 1:
+            raise ValueError(f"{self.env.name}: max_turns must be >= 1, got {self.max_turns}")
+
+    def environment(self) -> type[Environment]:
+        """The environment class with this share's turn cap."""
+        if self.max_turns is None or self.max_turns == self.env.max_turns:
+            return self.env
+        # A subclass, not a changed class attribute: two shares of one environment may differ.
+        return type(self.env.__name__, (self.env,), {"max_turns": self.max_turns})
+
+
+@dataclass(frozen=True)
+class GroupTask:
+    """One group's work: the environment its K members play and the task they share."""
+
+    env: type[Environment]
+    task: Task
+    group_size: int
+
+
+def mixed_tasks(
+    mix: Sequence[EnvShare], seed: int, skip: Container[str] = ()
+) -> Iterator[GroupTask]:
+    """An endless stream of group tasks drawn from `mix`; tasks whose id is in `skip` (trained
+    on before a resume) are drawn but not yielded."""
+    if not mix:
+        raise ValueError("an environment mix needs at least one environment")
+    names = [share.env.name for share in mix]
+    if len(set(names)) != len(names):
+        raise ValueError(f"an environment appears twice in the mix: {names}")
+    rng = random.Random(seed)
+    streams = [share.env.tasks(seed) for share in mix]
+    envs = [share.environment() for share in mix]
+    weights = [share.weight for share in mix]
+    while True:
+        i = rng.choices(range(len(mix)), weights)[0] if len(mix) > 1 else 0
+        task = next(streams[i])
+        if task.id not in skip:
+            yield GroupTask(envs[i], task, mix[i].group_size)
