@@ -10,12 +10,21 @@ reward of the first and the last `--window` steps and their difference (`gain`),
 tool calls of the episodes that won (the task is multi-turn only if that stays >= 3); then the
 smallest gain and the longest wall time over the seeds.
 
-    python benchmarks/train_learning.py [--seeds 0,1,2] [--window 5] [-- extra k=v overrides]
+A window of 5 steps holds only 20 groups, and a group's reward depends on its secret as much as on
+the policy, so `gain` is noisy (about +-0.1 between runs). With `--eval-episodes N` (default 256)
+each run's start policy (`start-model/`, after the warm start) and its final checkpoint also play
+the same N tasks at the training temperature (`train_failures.py`), after the run and outside its
+wall time: `eval_start`, `eval_final` and `eval_gain` are what reinforcement learning changed,
+measured on identical tasks.
+
+    python benchmarks/train_learning.py [--seeds 0,1,2] [--window 5] [--eval-episodes 256]
+        [-- extra k=v overrides]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import subprocess
@@ -24,6 +33,25 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def evaluate(run_dir: Path, episodes: int) -> dict[str, Any]:
+    """Win rates of the start policy and the final checkpoint on the same sampled tasks."""
+    from train_failures import play  # the sibling benchmark: plays a checkpoint's episodes
+
+    final = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
+    start = asyncio.run(play(run_dir / "start-model", episodes, 1.0, seed=0))
+    end = asyncio.run(play(final, episodes, 1.0, seed=0))
+    return {
+        "eval_episodes": episodes,
+        "eval_start": round(start["wins"] / episodes, 3),
+        "eval_final": round(end["wins"] / episodes, 3),
+        "eval_gain": round((end["wins"] - start["wins"]) / episodes, 3),
+    }
 
 
 def run_seed(seed: int, window: int, overrides: list[str], out: Path) -> dict[str, Any]:
@@ -64,19 +92,33 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--window", type=int, default=5)
+    p.add_argument(
+        "--eval-episodes", type=int, default=256, help="0: no evaluation of start vs final"
+    )
     p.add_argument("--out", type=Path, default=None, help="where the runs go (default: a tmp dir)")
     p.add_argument("overrides", nargs="*", help="config overrides passed to venusrl train")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = args.out or Path(tempfile.mkdtemp(prefix="venusrl-learning-"))
     seeds = [int(s) for s in args.seeds.split(",")]
-    runs = [run_seed(s, args.window, args.overrides, out) for s in seeds]
+    torch.set_num_threads(1)
+    runs = []
+    for seed in seeds:
+        run = run_seed(seed, args.window, args.overrides, out)
+        if args.eval_episodes > 0:
+            run |= evaluate(Path(run["run_dir"]), args.eval_episodes)
+        runs.append(run)
     print(
         json.dumps(
             {
                 "reward": "training reward: sampled episodes (temperature 1), mean per step",
                 "runs": runs,
                 "min_gain": min(r["gain"] for r in runs),
+                **(
+                    {"min_eval_gain": min(r["eval_gain"] for r in runs)}
+                    if args.eval_episodes > 0
+                    else {}
+                ),
                 "max_wall_s": max(r["wall_s"] for r in runs),
             },
             indent=2,
