@@ -45,9 +45,8 @@ def test_synchronous_training_is_on_policy_and_asynchronous_trains_on_older_grou
     sync, asyn = run("sync", steps=4), run("async", steps=4)
     assert sync["steps"] == asyn["steps"] == 4
     assert sync["staleness_max"] == 0
-    # The bound is on when a group may start; one that completes late is trained later still
-    # (the figure is reported, not hidden).
-    assert asyn["staleness_mean"] > 0
+    # A group that completes late is still trained within the bound (batches take due groups).
+    assert asyn["staleness_mean"] > 0 and asyn["staleness_max"] == 1
     # Rollout overlaps training and stragglers: asynchronous is faster per step.
     assert asyn["mean_step_s"] < sync["mean_step_s"]
 
@@ -87,3 +86,13 @@ def test_offloading_stops_at_the_host_memory_and_what_does_not_fit_is_dropped() 
     assert roomy_host["offload_bytes"] > 0 and roomy_host["reprefill_tokens"] == 0
     assert full_host["offload_bytes"] == 0 and full_host["reprefill_tokens"] > 0
     assert full_host["mean_step_s"] > roomy_host["mean_step_s"]
+
+
+def test_admission_control_holds_trajectories_back_and_thrashes_less_than_lru_alone() -> None:
+    sim = Simulation(SMALL, POLICIES["concur"], 0, SimConfig(steps=3), TIGHT)
+    concur = sim.run()
+    lru = run("async", cost=TIGHT)
+    assert concur["steps"] == 3
+    assert 0 < concur["reprefill_after_eviction"] < lru["reprefill_after_eviction"]
+    assert all(e.window >= 1 for e in sim.engines)
+    assert concur["knobs"]["admission"]["initial_window"] == 8  # its knobs are printed

@@ -27,10 +27,12 @@ from __future__ import annotations
 import heapq
 import itertools
 import statistics
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from venusrl.policy.agent_admission import AimdAdmission, CacheSignal
 from venusrl.policy.critical_groups import (
     BEST_EFFORT,
     HIGH,
@@ -68,6 +70,7 @@ class SimPolicy:
     max_staleness: int = 1
     retention: Literal["lru", "trajectory"] = "lru"
     pin_s: float = 5.0  # retention pin while a trajectory waits on a tool (trajectory retention)
+    admission: AimdAdmission | None = None  # agent-level admission control (Concur-like)
 
 
 POLICIES = {
@@ -76,6 +79,9 @@ POLICIES = {
     "sync": SimPolicy("sync", "fifo", 0, "lru"),
     # AReaL / ROLL Flash-like: rollout runs ahead of the trainer by at most one version.
     "async": SimPolicy("async", "fifo", 1, "lru"),
+    # Concur-like: one version of staleness, LRU KV, and active trajectories per engine bounded
+    # by a congestion window on cache signals (policy.agent_admission).
+    "concur": SimPolicy("concur", "fifo", 1, "lru", admission=AimdAdmission()),
     # Ours: critical groups first, tool-waiting KV kept or offloaded, never silently dropped.
     "venus": SimPolicy("venus", "critical", 1, "trajectory"),
 }
@@ -180,6 +186,9 @@ class _Engine:
         self.waiting: list[_Request] = []
         self.idle: dict[str, _Idle] = {}  # trajectory id -> its KV between turns
         self.trajectories = 0  # routed here and not finished (the router's load)
+        self.reprefill_after_eviction = 0  # tokens, for admission control's cache signal
+        admission = sim.policy.admission
+        self.window = admission.initial_window if admission is not None else 0
         self.busy = False  # an iteration is in flight or a decision is due
         self.busy_s = 0.0
         self.paused_until = 0.0
@@ -365,6 +374,7 @@ class _Engine:
                 sim.counters.reprefill_after_preemption += tokens
             else:
                 sim.counters.reprefill_after_eviction += tokens
+                self.reprefill_after_eviction += tokens
         if entry is None:
             return 0.0
         if entry.on_host:
@@ -497,6 +507,8 @@ class Simulation:
         self.priorities: dict[str, int] = {}  # group id -> priority, from the ranking
         self._traj_group: dict[str, str] = {}
         self._arrivals = itertools.count()
+        self._not_admitted: deque[_Traj] = deque()  # first turns held back by admission control
+        self._control_due = False  # a control period of admission control is scheduled
         # What the group ranking assumes of a trajectory: its decode speed on a loaded engine
         # (a batch of its share of the trajectories, each at half its final context on average)
         # and the median tool call; both from draws of the workload, not from this run.
@@ -524,6 +536,7 @@ class Simulation:
 
     def run(self) -> dict[str, Any]:
         self._launch()
+        self._schedule_control()
         self.clock.run(until=lambda: len(self.step_ends) >= self.config.steps)
         if len(self.step_ends) < self.config.steps:
             waiting = sum(len(e.waiting) for e in self.engines)
@@ -564,7 +577,12 @@ class Simulation:
 
     def _request_turn(self, t: _Traj) -> None:
         if t.engine is None:  # sticky: every later turn goes where its KV is
-            t.engine = min(self.engines, key=lambda e: (e.trajectories, e.index))
+            engine = self._route()
+            if engine is None:
+                self._not_admitted.append(t)  # starts when a trajectory ends or a window grows
+                self._schedule_control()
+                return
+            t.engine = engine
             t.engine.trajectories += 1
         action = t.plan.turns[t.turn].action_tokens
         req = _Request(f"{t.tid}-t{t.turn}", t, next(self._arrivals), 0, 0, action)
@@ -608,8 +626,44 @@ class Simulation:
         assert t.engine is not None
         t.engine.finish_trajectory(t.tid)
         t.engine.trajectories -= 1
+        self._admit_waiting()
         self.lost_kv.pop(t.tid, None)
         self.sandbox_gb_s += t.plan.sandbox_rss_gb * (self.clock.now - t.started_at)
+
+    def _route(self) -> _Engine | None:
+        """The engine a new trajectory goes to: the least loaded, if admission control admits
+        one more trajectory there (None: it waits)."""
+        engine = min(self.engines, key=lambda e: (e.trajectories, e.index))
+        admission = self.policy.admission
+        if admission is not None and not admission.admits(engine.trajectories, engine.window):
+            return None
+        return engine
+
+    def _admit_waiting(self) -> None:
+        """Trajectories held back by admission control start, oldest first, while they fit."""
+        while self._not_admitted and self._route() is not None:
+            self._request_turn(self._not_admitted.popleft())
+
+    def _schedule_control(self) -> None:
+        admission = self.policy.admission
+        if admission is not None and not self._control_due:
+            self._control_due = True
+            self.clock.at(self.clock.now + admission.period_s, self._control_admission)
+
+    def _control_admission(self) -> None:
+        """One control period of agent-level admission: each engine's window follows its cache.
+        Periods run while any trajectory is active or waits to start."""
+        admission = self.policy.admission
+        assert admission is not None
+        self._control_due = False
+        for e in self.engines:
+            occupancy = e._device_pages() / max(e.capacity, 1)
+            signal = CacheSignal(occupancy, e.reprefill_after_eviction)
+            e.window = admission.next_window(e.window, signal)
+            e.reprefill_after_eviction = 0
+        self._admit_waiting()
+        if self._not_admitted or any(e.trajectories for e in self.engines):
+            self._schedule_control()
 
     def _scored(self, t: _Traj) -> None:
         self._end_trajectory(t)
