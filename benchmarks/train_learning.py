@@ -101,6 +101,8 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = args.out or Path(tempfile.mkdtemp(prefix="venusrl-learning-"))
     seeds = [int(s) for s in args.seeds.split(",")]
+    if args.eval_episodes < 0:
+        raise SystemExit("--eval-episodes must be >= 0")
     torch.set_num_threads(1)
     runs = []
     for seed in seeds:

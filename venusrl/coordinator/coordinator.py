@@ -157,7 +157,8 @@ class Coordinator:
                     f"{len(self._ready)} of {self.config.batch_groups} groups complete"
                 ) from None
         batch = [self._ready[i] for i in picked]
-        self._ready = [r for i, r in enumerate(self._ready) if i not in set(picked)]
+        taken = set(picked)
+        self._ready = [r for i, r in enumerate(self._ready) if i not in taken]
         self._wake.set()  # the trainer is about to move on: more groups may start soon
         return batch
 

@@ -196,20 +196,18 @@ async def play_demonstrations(
     """Scripted demonstrations played in real sandboxes through the agent loop. The environments
     of the mix that have a demonstrator share `run.warm_start_episodes` by their weights; the
     others are left to reinforcement learning."""
-    scripted_envs = []
+    n_tasks = cfg.run.warm_start_episodes
+    with_demos: list[tuple[float, list[tuple[type[Environment], Task]]]] = []
     for share in mix:
         env = share.environment()
-        first = next(env.tasks(cfg.run.seed + 7919))
-        if env.demonstrator(first, cfg.run.seed) is not None:
-            scripted_envs.append((share.weight, env))
-    if not scripted_envs:
+        tasks = list(itertools.islice(env.tasks(cfg.run.seed + 7919), n_tasks))
+        if tasks and env.demonstrator(tasks[0], cfg.run.seed) is not None:
+            with_demos.append((share.weight, [(env, t) for t in tasks]))
+    if not with_demos:
         names = ", ".join(share.env.name for share in mix)
         raise ValueError(f"no demonstrator for {names}: set run.warm_start_episodes=0")
-    total = sum(weight for weight, _ in scripted_envs)
-    work: list[tuple[type[Environment], Task]] = []
-    for weight, env in scripted_envs:
-        n = round(cfg.run.warm_start_episodes * weight / total)
-        work += [(env, t) for t in itertools.islice(env.tasks(cfg.run.seed + 7919), n)]
+    total = sum(weight for weight, _ in with_demos)
+    work = [w for weight, tasks in with_demos for w in tasks[: round(n_tasks * weight / total)]]
     policies = {}
     for i, (env, task) in enumerate(work):
         policy = env.demonstrator(task, cfg.run.seed + i)

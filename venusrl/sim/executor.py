@@ -719,7 +719,8 @@ class Simulation:
         if picked is None:
             return
         batch = [self.ready[i] for i in picked]
-        self.ready = [g for i, g in enumerate(self.ready) if i not in set(picked)]
+        taken = set(picked)
+        self.ready = [g for i, g in enumerate(self.ready) if i not in taken]
         tokens = sum(g.tokens for g in batch)
         sequences = sum(g.sequences for g in batch)
         self.staleness += [self.version - g.started_version for g in batch]
