@@ -40,7 +40,7 @@ from venusrl.envs.builtin.guess_number import MAX_GUESSES, GuessNumber, N  # noq
 from venusrl.envs.pool import SandboxPool  # noqa: E402
 from venusrl.envs.tool_calls import ToolCall, parse_tool_calls  # noqa: E402
 from venusrl.envs.types import GiB  # noqa: E402
-from venusrl.runtime.local import LocalEngine  # noqa: E402
+from venusrl.runtime.train import LocalEngine  # noqa: E402
 from venusrl.types import Trajectory  # noqa: E402
 
 

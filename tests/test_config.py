@@ -40,6 +40,10 @@ def test_yaml_and_dotted_overrides_compose(tmp_path: Path) -> None:
         (["engine.page_size.x=1"], "engine.page_size is a value, not a section"),
         (["page_size"], "must look like section.key=value"),
         (["=3"], "must look like section.key=value"),
+        (["runtime.kind=slurm"], "runtime.kind"),
+        (["runtime.engines=2"], "runtime.engines > 1 needs runtime.kind=ray"),
+        (["runtime.kind=ray", "run.engine_url=http://x"], "run.engine_url trains against one"),
+        (["runtime.kind=ray", "faults.kill_sandboxes=0.1"], "faults.kill_sandboxes reaches"),
     ],
 )
 def test_bad_keys_and_values_name_the_key_and_the_reason(overrides: list[str], words: str) -> None:

@@ -25,6 +25,11 @@ def main(argv: list[str] | None = None) -> int:
         "--run-dir", help="where config, metrics and checkpoints go (default: runs/train-TIME)"
     )
     train.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
+    train.add_argument(
+        "--runtime",
+        choices=("local", "ray"),
+        help="one process (default), or engines and sandbox pools as Ray actors (runtime.kind)",
+    )
     _config_args(train)
 
     serve = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible + /generate)")
@@ -106,9 +111,12 @@ def _train(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from venusrl.runtime.local import train
+    from venusrl.runtime.train import train
 
-    cfg = load_config(args.config, args.overrides, {"model": args.model} if args.model else {})
+    flags = {"model": args.model, "runtime.kind": args.runtime}
+    cfg = load_config(
+        args.config, args.overrides, {k: v for k, v in flags.items() if v is not None}
+    )
     console = Console(stderr=True)
 
     previous_wall_s = 0.0

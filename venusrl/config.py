@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 
 class ConfigError(ValueError):
@@ -187,6 +194,22 @@ class FaultsSection(_Section):
     engine_errors: float = Field(0.0, ge=0, le=1, description="fraction of engine calls failed")
 
 
+class RuntimeSection(_Section):
+    """Where the roles run: all in this process, or as actors of a Ray cluster."""
+
+    kind: Literal["local", "ray"] = "local"
+    address: str | None = Field(
+        None, description="Ray cluster to join ('auto', 'ray://host:10001'); None starts one here"
+    )
+    namespace: str = Field("venusrl", min_length=1, description="Ray namespace of the actors")
+    engines: int = Field(1, ge=1, description="rollout engines (one actor each)")
+    engine_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves for each engine")
+    engine_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves for each engine")
+    engine_restarts: int = Field(
+        3, ge=0, description="times Ray restarts an engine or environment manager that died"
+    )
+
+
 class Config(_Section):
     model: str | None = Field(None, description="Hugging Face-format model directory")
     engine: EngineConfig = Field(default_factory=EngineConfig)
@@ -196,6 +219,22 @@ class Config(_Section):
     trainer: TrainerSection = Field(default_factory=TrainerSection)
     sandbox: SandboxSection = Field(default_factory=SandboxSection)
     faults: FaultsSection = Field(default_factory=FaultsSection)
+    runtime: RuntimeSection = Field(default_factory=RuntimeSection)
+
+    @model_validator(mode="after")
+    def _runtime_fits(self) -> Config:
+        rt = self.runtime
+        if rt.kind == "local" and rt.engines > 1:
+            raise ValueError("runtime.engines > 1 needs runtime.kind=ray")
+        if rt.kind == "ray" and self.run.engine_url:
+            raise ValueError(
+                "run.engine_url trains against one served engine: use runtime.kind=local"
+            )
+        if rt.kind == "ray" and self.faults.kill_sandboxes:
+            raise ValueError(
+                "faults.kill_sandboxes reaches into a local pool: use runtime.kind=local"
+            )
+        return self
 
 
 def load_config(
@@ -266,6 +305,8 @@ def _describe(error: ValidationError, root: type[BaseModel]) -> str:
             known = _known_keys(root, err["loc"][:-1])
             hint = f"; known keys: {', '.join(known)}" if known else ""
             lines.append(f"{key}: unknown key{hint}")
+        elif not err["loc"]:  # a rule across sections: its message names the keys
+            lines.append(str(err["msg"]).removeprefix("Value error, "))
         else:
             lines.append(f"{key}: {err['msg']} (got {err.get('input')!r})")
     return "invalid config:\n  " + "\n  ".join(lines)

@@ -17,9 +17,9 @@ import pytest
 
 from venusrl.config import load_config
 from venusrl.engine.model_dir import init_model_dir
-from venusrl.runtime.local import train
 from venusrl.runtime.plots import plot_run
 from venusrl.runtime.record import read_records
+from venusrl.runtime.train import train
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
 

@@ -32,7 +32,7 @@ from venusrl.coordinator.agent_loop import ChatFormat, Generate, LoopLimits, run
 from venusrl.coordinator.mixing import GroupTask
 from venusrl.engine.request import SamplingParams
 from venusrl.envs.environment import Environment, Task
-from venusrl.envs.pool import SandboxGroup, SandboxPool
+from venusrl.envs.service import GroupHandle, SandboxService
 from venusrl.envs.types import InfraFailure
 from venusrl.policy.critical_groups import (
     BEST_EFFORT,
@@ -101,7 +101,7 @@ class Coordinator:
     def __init__(
         self,
         tasks: Iterator[GroupTask],
-        pool: SandboxPool,
+        pool: SandboxService,
         generate: Generate,
         fmt: ChatFormat,
         sampling: SamplingParams,
@@ -202,7 +202,7 @@ class Coordinator:
         state.results = [None] * k
         self._open[gid] = state
         self._rerank()
-        group: SandboxGroup | None = None
+        group: GroupHandle | None = None
         try:
             async with asyncio.timeout(self.config.group_timeout_s):
                 group = await self.pool.open_group(
@@ -239,7 +239,7 @@ class Coordinator:
             self._wake.set()
             self._changed.set()
 
-    async def _run_member(self, state: _OpenGroup, group: SandboxGroup, index: int) -> None:
+    async def _run_member(self, state: _OpenGroup, group: GroupHandle, index: int) -> None:
         while True:
             tid = f"{state.group_id}-m{index}-{next(self._ids)}"
             try:

@@ -760,6 +760,15 @@ class SandboxPool:
                 os.lchown(os.path.join(root, name), self.sandbox_uid, self.sandbox_uid)
         return str(where)
 
+    def sandboxes_running(self) -> int:
+        return sum(not e.is_zygote for e in self._running.values())
+
+    def room_bytes(self) -> int:
+        """Memory the pool could still admit into: its budget less what its sandboxes and
+        zygotes hold and what waiting requests declare (what a cluster places groups by)."""
+        held = sum(e.footprint for e in self._running.values())
+        return self.budget_bytes - held - sum(p.declared_bytes for p in self._pending)
+
     def sandboxes(self) -> list[Sandbox]:
         """The live sandboxes, oldest first."""
         return [e.sandbox for e in self._running.values() if e.sandbox is not None]
@@ -779,7 +788,7 @@ class SandboxPool:
             wall_s=wall,
             budget_bytes=self.budget_bytes,
             sandboxes_created=sum(r.ready_at is not None for r in records),
-            sandboxes_running=sum(not e.is_zygote for e in self._running.values()),
+            sandboxes_running=self.sandboxes_running(),
             mean_concurrent=self._live_seconds / wall,
             sandbox_seconds=self._live_seconds,
             physical_gb_seconds=self._physical_byte_seconds / GiB,

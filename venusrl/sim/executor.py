@@ -56,6 +56,7 @@ from venusrl.policy.kv_retention import (
     TrajectoryRetention,
     eviction_order,
 )
+from venusrl.policy.placement import least_loaded
 from venusrl.policy.staleness import StalenessBound
 from venusrl.sim.cost_model import CostModel
 from venusrl.sim.workloads import PromptPlan, TrajectoryPlan, Workload, WorkloadSampler
@@ -633,7 +634,7 @@ class Simulation:
     def _route(self) -> _Engine | None:
         """The engine a new trajectory goes to: the least loaded, if admission control admits
         one more trajectory there (None: it waits)."""
-        engine = min(self.engines, key=lambda e: (e.trajectories, e.index))
+        engine = self.engines[least_loaded([e.trajectories for e in self.engines])]
         admission = self.policy.admission
         if admission is not None and not admission.admits(engine.trajectories, engine.window):
             return None

@@ -1,4 +1,6 @@
-"""`venusrl train` in one process: engine, sandbox pool, coordinator and trainer side by side.
+"""`venusrl train`: engine, sandbox pool, coordinator and trainer, in one process by default;
+with `runtime.kind: ray`, the engines and the sandbox pools are actors of a Ray cluster
+(`runtime.cluster`) and the rest stays as it is.
 
 The loop: the coordinator streams groups through the in-process engine and the sandbox pool;
 each trainer step takes B complete groups, computes group-normalised advantages (masked members
@@ -10,6 +12,7 @@ A run directory holds `config.yaml` and `metrics.jsonl`, one object per step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -19,13 +22,13 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 import yaml
 
 from venusrl.config import Config, MixEntry
-from venusrl.coordinator.agent_loop import ChatFormat, LoopLimits, run_episode
+from venusrl.coordinator.agent_loop import ChatFormat, Generate, LoopLimits, run_episode
 from venusrl.coordinator.coordinator import Coordinator, CoordinatorConfig, GroupResult
 from venusrl.coordinator.demonstrations import ScriptedGenerate, retokenize
 from venusrl.coordinator.mixing import EnvShare, mixed_tasks
@@ -39,6 +42,7 @@ from venusrl.engine.tokenizer import CHATML_TEMPLATE, Tokenizer, build_byte_leve
 from venusrl.envs.builtin import BUILTIN
 from venusrl.envs.environment import Environment, Task
 from venusrl.envs.pool import SandboxPool
+from venusrl.envs.service import SandboxService
 from venusrl.runtime import record
 from venusrl.runtime.faults import FailingGenerate, kill_sandboxes
 from venusrl.trainer.checkpoint import (
@@ -50,6 +54,9 @@ from venusrl.trainer.checkpoint import (
 )
 from venusrl.trainer.trainer import GRPOTrainer, TrainerConfig
 from venusrl.types import Finish, Trajectory
+
+if TYPE_CHECKING:  # ray is imported for Ray runs only
+    from venusrl.runtime.cluster.ray_cluster import RayCluster
 
 GiB = 1 << 30
 T = TypeVar("T")
@@ -95,6 +102,57 @@ class ServedEngine:
 
     async def close(self) -> None:
         await self.remote.close()
+
+
+class RolloutEngine(Protocol):
+    """Where generation requests go and new weights are published: the in-process engine, a
+    served one, or a fleet of engine actors."""
+
+    @property
+    def generate(self) -> Generate: ...
+
+    async def end_trajectory(self, trajectory_id: str) -> None: ...
+
+    async def publish(self, trainer: GRPOTrainer, run_dir: Path, model_dir: Path) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+def sandbox_service(
+    cfg: Config, cluster: RayCluster | None
+) -> contextlib.AbstractAsyncContextManager[SandboxService]:
+    """The run's sandboxes: a pool in this process, or one per node of the cluster."""
+    if cluster is not None:
+        from venusrl.runtime.cluster.sandboxes import ClusterPool
+
+        return ClusterPool(cfg, cluster.nodes())
+    return SandboxPool(
+        int(cfg.sandbox.memory_budget_gib * GiB),
+        admission=cfg.sandbox.admission,
+        share_pages=cfg.sandbox.share_pages,
+    )
+
+
+async def rollout_engine(
+    cfg: Config, model_dir: Path, version: int, cluster: RayCluster | None
+) -> RolloutEngine:
+    if cluster is not None:
+        from venusrl.runtime.cluster.engines import EngineFleet
+
+        return await EngineFleet(cfg, model_dir, version).start()
+    if cfg.run.engine_url:
+        return ServedEngine(cfg.run.engine_url)
+    return LocalEngine(model_dir, cfg, version)
+
+
+def write_cluster_report(run_dir: Path, engine: RolloutEngine, pool: SandboxService) -> None:
+    """`cluster.json`: where trajectories and groups ran, and what restarted."""
+    from venusrl.runtime.cluster.engines import EngineFleet
+    from venusrl.runtime.cluster.sandboxes import ClusterPool
+
+    assert isinstance(engine, EngineFleet) and isinstance(pool, ClusterPool)
+    report = {**engine.report(), **pool.report()}
+    (run_dir / "cluster.json").write_text(json.dumps(report, indent=1))
 
 
 def step_metrics(
@@ -191,7 +249,7 @@ def environment_mix(cfg: Config) -> list[EnvShare]:
 
 
 async def play_demonstrations(
-    cfg: Config, mix: list[EnvShare], pool: SandboxPool, fmt: ChatFormat, limits: LoopLimits
+    cfg: Config, mix: list[EnvShare], pool: SandboxService, fmt: ChatFormat, limits: LoopLimits
 ) -> list[Trajectory]:
     """Scripted demonstrations played in real sandboxes through the agent loop. The environments
     of the mix that have a demonstrator share `run.warm_start_episodes` by their weights; the
@@ -330,11 +388,18 @@ async def train(
     async def on_trainer(fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(trainer_thread, fn, *args)
 
-    async with SandboxPool(
-        int(cfg.sandbox.memory_budget_gib * GiB),
-        admission=cfg.sandbox.admission,
-        share_pages=cfg.sandbox.share_pages,
-    ) as pool:
+    async with contextlib.AsyncExitStack() as roles:
+        cluster = None
+        if cfg.runtime.kind == "ray":
+            try:
+                from venusrl.runtime.cluster.ray_cluster import RayCluster
+            except ModuleNotFoundError as e:
+                raise ValueError(
+                    f"runtime.kind=ray needs Ray ({e}): pip install 'venusrl[ray]'"
+                ) from None
+            cluster = RayCluster(cfg.runtime)
+            roles.callback(cluster.shutdown)
+        pool: SandboxService = await roles.enter_async_context(sandbox_service(cfg, cluster))
         for share in mix:
             await pool.prepare_template(share.env.template)
         demos: list[Trajectory] = []
@@ -380,11 +445,7 @@ async def train(
             trainer.optimizer.load_state_dict(
                 torch.load(model_dir / "optimizer.pt", map_location=cfg.trainer.device)
             )
-        engine: LocalEngine | ServedEngine = (
-            ServedEngine(cfg.run.engine_url)
-            if cfg.run.engine_url
-            else LocalEngine(model_dir, cfg, state.weight_version)
-        )
+        engine = await rollout_engine(cfg, model_dir, state.weight_version, cluster)
         try:
             if demos:
                 info = {"prepare_s": prepare_s, **await on_trainer(imitate, cfg, demos, trainer)}
@@ -403,11 +464,12 @@ async def train(
             generate = engine.generate
             if cfg.faults.engine_errors:
                 generate = FailingGenerate(generate, cfg.faults.engine_errors, cfg.run.seed)
-            killer = (
-                asyncio.create_task(kill_sandboxes(pool, cfg.faults.kill_sandboxes, cfg.run.seed))
-                if cfg.faults.kill_sandboxes
-                else None
-            )
+            killer = None
+            if cfg.faults.kill_sandboxes:
+                assert isinstance(pool, SandboxPool)  # the config allows it on a local run only
+                killer = asyncio.create_task(
+                    kill_sandboxes(pool, cfg.faults.kill_sandboxes, cfg.run.seed)
+                )
             coordinator = Coordinator(
                 mixed_tasks(mix, cfg.run.seed, consumed),
                 pool,
@@ -452,7 +514,7 @@ async def train(
                             "kl": stats.kl,
                             "clip_fraction": stats.clip_fraction,
                             "tokens": stats.tokens,
-                            "sandboxes_running": pool.stats().sandboxes_running,
+                            "sandboxes_running": pool.sandboxes_running(),
                             "groups_dropped": coordinator.stats.groups_dropped,
                         },
                         by_env=len(mix) > 1,
@@ -487,6 +549,8 @@ async def train(
                     killer.cancel()
                 await coordinator.close()
         finally:
+            if cluster is not None:
+                write_cluster_report(run_dir, engine, pool)
             await engine.close()
             trainer_thread.shutdown()
     return metrics

@@ -1,0 +1,114 @@
+"""`runtime.kind=ray`: the same run with its engines and sandbox pools as actors of a real Ray
+cluster of two nodes (two raylets on this machine)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from venusrl.config import load_config
+from venusrl.runtime.record import read_records
+from venusrl.runtime.train import train
+from venusrl.types import Finish
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
+
+NAMESPACE = "venusrl-test"
+RAY_RUN = [
+    "rollout.group_size=2",
+    "rollout.batch_groups=2",
+    "rollout.max_tokens_per_turn=24",
+    "engine.threads=1",
+    "run.warm_start_episodes=16",
+    "run.warm_start_epochs=1",
+    "runtime.kind=ray",
+    "runtime.engines=2",
+    f"runtime.namespace={NAMESPACE}",
+]
+
+
+@pytest.fixture(scope="module")
+def two_nodes() -> Iterator[Cluster]:
+    node = {"num_cpus": 1, "object_store_memory": 256 << 20}
+    cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
+    cluster.add_node(**node)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, namespace=NAMESPACE, logging_level="WARNING")
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def test_two_engines_and_two_pools_keep_each_trajectory_on_one_engine_and_each_group_on_one_node(
+    two_nodes: Cluster, tmp_path: Path
+) -> None:
+    cfg = load_config(None, [*RAY_RUN, "run.steps=3"])
+    metrics = asyncio.run(train(cfg, tmp_path))
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    assert [m["weight_version"] for m in metrics] == [1, 2, 3]
+    report = json.loads((tmp_path / "cluster.json").read_text())
+    # One engine per node (each node has one CPU, each engine asks for one).
+    assert len({e["node"] for e in report["engines"]}) == 2
+    assert len(report["sandbox_nodes"]) == 2
+    # Every trajectory trained on was served by exactly one engine, and both engines served.
+    served = report["served"]
+    trained = [r["trajectory_id"] for r in read_records(tmp_path)]
+    assert len(trained) == 3 * 2 * 2
+    assert all(len(served[tid]) == 1 for tid in trained)
+    assert report["trajectories_on_several_engines"] == []
+    assert all(n > 0 for n in report["trajectories_per_engine"])
+    # Each group's members were forked on one node, and groups went to both nodes.
+    assert report["groups_on_several_nodes"] == 0
+    assert all(n > 0 for n in report["groups_per_node"])
+    assert sum(m["infra_failures"] for m in metrics) == 0
+
+
+def test_a_killed_engine_costs_its_trajectories_as_infrastructure_failures_and_the_run_completes(
+    two_nodes: Cluster, tmp_path: Path
+) -> None:
+    steps = 30  # long enough for Ray to restart the engine and the fleet to route to it again
+    cfg = load_config(None, [*RAY_RUN, f"run.steps={steps}"])
+    killed = threading.Event()
+
+    def kill_engine_after_first_step() -> None:
+        deadline = time.monotonic() + 600
+        metrics = tmp_path / "metrics.jsonl"
+        while time.monotonic() < deadline:
+            if metrics.exists() and metrics.read_text().count("\n") >= 1:
+                # What a crashed worker process looks like to Ray: it restarts the actor.
+                ray.kill(ray.get_actor("engine-0", namespace=NAMESPACE), no_restart=False)
+                killed.set()
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_engine_after_first_step, daemon=True)
+    killer.start()
+    metrics = asyncio.run(train(cfg, tmp_path))
+    killer.join()
+    assert killed.is_set()
+    assert [m["step"] for m in metrics] == list(range(steps))
+    report = json.loads((tmp_path / "cluster.json").read_text())
+    restarted, other = report["engines"]
+    assert (restarted["restarts"], other["restarts"]) == (1, 0)
+    # Back with the current weights, it took new trajectories again.
+    assert restarted["up"] and restarted["new_trajectories_since_start"] > 0
+    # The trajectories engine 0 held were replaced, not scored.
+    assert sum(m["infra_failures"] for m in metrics) >= 1
+    assert report["trajectories_on_several_engines"] == []
+    for r in read_records(tmp_path):
+        assert (r["reward"] is None) == (r["finish"] == Finish.INFRA.value)
+        # The restarted engine was given the current weights before it served again: every
+        # token is within the staleness bound (its start-up weights would be version 0).
+        trained_at = metrics[r["step"]]["weight_version"] - 1
+        assert all(0 <= trained_at - int(v) <= 1 for v in r["versions"])

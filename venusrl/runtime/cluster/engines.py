@@ -1,0 +1,208 @@
+"""N rollout engines as Ray actors, behind one `generate` with sticky routing.
+
+Each actor runs the in-process engine (`AsyncEngine`) in its own worker process, on the CPUs or
+GPUs Ray gives it. The model reaches the actors through the object store (a directory's files),
+so nodes need no shared filesystem; new weights do too: the trainer's tensors are put once and
+every engine fetches them (`publish`), then the version moves on.
+
+Failures: a call to an engine that died raises `EngineLost` (an infrastructure failure for the
+coordinator: the trajectory's KV was on that engine, so the trajectory cannot go on elsewhere
+without its context being prefilled anew, and is replaced). Ray restarts the actor; the fleet
+waits for it, loads the current weights into it, and routes new trajectories to it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from venusrl.config import Config, EngineConfig
+from venusrl.engine.async_engine import AsyncEngine
+from venusrl.engine.engine import Engine
+from venusrl.engine.request import GenerationOutput, SamplingParams
+from venusrl.policy.placement import StickyRouter, least_loaded
+from venusrl.runtime.cluster.ray_cluster import ActorLost, call, until_alive
+from venusrl.trainer.trainer import GRPOTrainer
+
+RESTART_TIMEOUT_S = 300.0
+
+
+class EngineLost(ActorLost):
+    """The engine holding a trajectory died: the trajectory is an infrastructure failure."""
+
+
+class EngineActor:
+    """One rollout engine in a Ray worker process."""
+
+    def __init__(self, model_files: dict[str, bytes], engine: dict[str, Any], version: int) -> None:
+        cfg = EngineConfig.model_validate(engine)
+        torch.set_num_threads(cfg.threads or 1)
+        self._dir = Path(tempfile.mkdtemp(prefix="venusrl-engine-"))
+        for name, data in model_files.items():
+            (self._dir / name).write_bytes(data)
+        core = Engine.from_model_dir(self._dir, cfg)
+        core.weight_version = version
+        self.engine = AsyncEngine(core).start()
+
+    def node_id(self) -> str:
+        return str(ray.get_runtime_context().get_node_id())
+
+    def version(self) -> int:
+        return int(self.engine.engine.weight_version)
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, metadata: dict[str, Any]
+    ) -> GenerationOutput:
+        return await self.engine.generate(prompt_ids, params, **metadata)
+
+    async def end_trajectory(self, trajectory_id: str) -> None:
+        await self.engine.call(lambda e: e.end_trajectory(trajectory_id))
+
+    async def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        # Between two engine steps: requests in flight keep their KV, and their tokens from
+        # here on record the new version.
+        await self.engine.call(lambda e: e.update_weights(weights.items(), version=version))
+
+    def stop(self) -> None:
+        self.engine.stop()
+
+
+def model_files(model_dir: Path) -> dict[str, bytes]:
+    """A model directory's files (config, tokenizer, safetensors), to ship to the actors."""
+    return {p.name: p.read_bytes() for p in sorted(model_dir.iterdir()) if p.is_file()}
+
+
+class EngineFleet:
+    """Where the coordinator's `generate` goes in a Ray run: the same call, N engines."""
+
+    def __init__(self, cfg: Config, model_dir: Path, version: int) -> None:
+        rt = cfg.runtime
+        # Held for the fleet's life: Ray re-runs the constructor with it when an engine restarts.
+        self._model_files = ray.put(model_files(model_dir))
+        self.actors: list[Any] = [
+            ray.remote(EngineActor)
+            .options(
+                name=f"engine-{i}",
+                namespace=rt.namespace,
+                num_cpus=rt.engine_cpus,
+                num_gpus=rt.engine_gpus,
+                max_restarts=rt.engine_restarts,
+                max_task_retries=0,  # a request lost with its engine is the coordinator's call
+            )
+            .remote(self._model_files, cfg.engine.model_dump(), version)
+            for i in range(rt.engines)
+        ]
+        self.router = StickyRouter(len(self.actors))
+        self.up: set[int] = set()
+        self.nodes: list[str] = []
+        self.restarts = [0] * len(self.actors)
+        self.new_trajectories = [0] * len(self.actors)  # first turns, since the last (re)start
+        self.served: dict[str, set[int]] = {}  # trajectory id -> engines that served its turns
+        self._weights: tuple[Any, int] | None = None  # the latest published (object ref, version)
+        self._recovering: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> EngineFleet:
+        self.nodes = list(await asyncio.gather(*(call(a.node_id) for a in self.actors)))
+        self.up = set(range(len(self.actors)))
+        return self
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, **metadata: Any
+    ) -> GenerationOutput:
+        tid = metadata.get("trajectory_id")
+        # A call outside any trajectory has no KV to stick to: the least loaded engine.
+        i = self.router.route(tid, self.up) if tid else least_loaded(self.router.active, self.up)
+        if i not in self.up:
+            raise EngineLost(f"engine {i}, which held trajectory {tid}'s KV, is down")
+        try:
+            out: GenerationOutput = await call(
+                self.actors[i].generate, prompt_ids, params, metadata
+            )
+        except ActorLost as e:
+            self._lost(i)
+            raise EngineLost(f"engine {i} died under trajectory {tid}: {e}") from e
+        if tid and tid not in self.served:
+            self.new_trajectories[i] += 1
+        if tid:
+            self.served.setdefault(tid, set()).add(i)
+        return out
+
+    async def end_trajectory(self, trajectory_id: str) -> None:
+        i = self.router.engine_of(trajectory_id)
+        self.router.end(trajectory_id)
+        if i is not None and i in self.up:
+            with contextlib.suppress(ActorLost):
+                await call(self.actors[i].end_trajectory, trajectory_id)
+
+    async def publish(self, trainer: GRPOTrainer, run_dir: Path, model_dir: Path) -> None:
+        weights = {k: v.detach().cpu() for k, v in trainer.model.hf_state_dict().items()}
+        self._weights = (ray.put(weights), trainer.version)
+        await asyncio.gather(*(self._load_weights(i) for i in sorted(self.up)))
+
+    async def _load_weights(self, i: int) -> None:
+        try:
+            await self._send_weights(i)
+        except ActorLost:
+            self._lost(i)
+
+    async def _send_weights(self, i: int) -> None:
+        if self._weights is not None:
+            ref, version = self._weights
+            await call(self.actors[i].update_weights, ref, version)
+
+    def _lost(self, i: int) -> None:
+        if i not in self.up:
+            return
+        self.up.discard(i)
+        self.restarts[i] += 1
+        self.new_trajectories[i] = 0
+        task = asyncio.ensure_future(self._recover(i))
+        self._recovering.add(task)
+        task.add_done_callback(self._recovering.discard)
+
+    async def _recover(self, i: int) -> None:
+        """Wait for Ray to restart engine i, give it the current weights, route to it again.
+        Trajectories still routed to it were lost with it: their next call fails."""
+        actor = self.actors[i]
+        with contextlib.suppress(ActorLost):  # out of restarts: the engine stays down
+            self.nodes[i] = await until_alive(lambda: call(actor.node_id), RESTART_TIMEOUT_S)
+            while True:
+                version = self._weights[1] if self._weights else None
+                await self._send_weights(i)
+                # A publish during the load went to the engines that were up: catch up.
+                if (self._weights[1] if self._weights else None) == version:
+                    break
+            self.up.add(i)
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "engines": [
+                {
+                    "node": self.nodes[i],
+                    "restarts": self.restarts[i],
+                    "up": i in self.up,
+                    "new_trajectories_since_start": self.new_trajectories[i],
+                }
+                for i in range(len(self.actors))
+            ],
+            "trajectories_per_engine": [
+                sum(i in engines for engines in self.served.values())
+                for i in range(len(self.actors))
+            ],
+            "served": {tid: sorted(engines) for tid, engines in self.served.items()},
+            "trajectories_on_several_engines": sorted(
+                tid for tid, engines in self.served.items() if len(engines) > 1
+            ),
+        }
+
+    async def close(self) -> None:
+        for task in list(self._recovering):
+            task.cancel()
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
