@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from venusrl.types import Finish
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
 
 NAMESPACE = "venusrl-test"
+ON_TWO_ENGINES = ["runtime.kind=ray", "runtime.engines=2", f"runtime.namespace={NAMESPACE}"]
 RAY_RUN = [
     "rollout.group_size=2",
     "rollout.batch_groups=2",
@@ -30,9 +32,7 @@ RAY_RUN = [
     "engine.threads=1",
     "run.warm_start_episodes=16",
     "run.warm_start_epochs=1",
-    "runtime.kind=ray",
-    "runtime.engines=2",
-    f"runtime.namespace={NAMESPACE}",
+    *ON_TWO_ENGINES,
 ]
 
 
@@ -74,6 +74,15 @@ def test_two_engines_and_two_pools_keep_each_trajectory_on_one_engine_and_each_g
     assert sum(m["infra_failures"] for m in metrics) == 0
 
 
+def test_engines_the_cluster_cannot_hold_are_refused_before_any_actor_starts(
+    two_nodes: Cluster, tmp_path: Path
+) -> None:
+    cfg = load_config(None, [*RAY_RUN, "runtime.engines=3"])
+    with pytest.raises(ValueError, match=r"engine_cpus=1\.0 needs 3 CPUs; the cluster has 2"):
+        asyncio.run(train(cfg, tmp_path))
+    assert ray.util.list_named_actors() == []
+
+
 def test_a_killed_engine_costs_its_trajectories_as_infrastructure_failures_and_the_run_completes(
     two_nodes: Cluster, tmp_path: Path
 ) -> None:
@@ -112,3 +121,24 @@ def test_a_killed_engine_costs_its_trajectories_as_infrastructure_failures_and_t
         # token is within the staleness bound (its start-up weights would be version 0).
         trained_at = metrics[r["step"]]["weight_version"] - 1
         assert all(0 <= trained_at - int(v) <= 1 for v in r["versions"])
+
+
+@pytest.mark.slow
+def test_the_cpu_example_learns_on_two_nodes_with_two_engines(
+    two_nodes: Cluster, tmp_path: Path
+) -> None:
+    """The built-in CPU example, every default but the runtime: RL raises the win rate of the
+    policy it starts from, measured on the same 256 sampled tasks (`train_learning.py`'s eval)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from train_failures import play  # plays a checkpoint's episodes
+
+    cfg = load_config(None, ON_TWO_ENGINES)
+    metrics = asyncio.run(train(cfg, tmp_path))
+    assert len(metrics) == cfg.run.steps
+    final = sorted((tmp_path / "checkpoints").glob("step-*"))[-1]
+    start = asyncio.run(play(tmp_path / "start-model", 256, 1.0, seed=0))
+    end = asyncio.run(play(final, 256, 1.0, seed=0))
+    assert end["wins"] > start["wins"], (start["wins"], end["wins"])
+    report = json.loads((tmp_path / "cluster.json").read_text())
+    assert report["trajectories_on_several_engines"] == []
+    assert report["groups_on_several_nodes"] == 0

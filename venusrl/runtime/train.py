@@ -145,13 +145,15 @@ async def rollout_engine(
     return LocalEngine(model_dir, cfg, version)
 
 
-def write_cluster_report(run_dir: Path, engine: RolloutEngine, pool: SandboxService) -> None:
+def write_cluster_report(
+    run_dir: Path, cluster: RayCluster, engine: RolloutEngine, pool: SandboxService
+) -> None:
     """`cluster.json`: where trajectories and groups ran, and what restarted."""
     from venusrl.runtime.cluster.engines import EngineFleet
     from venusrl.runtime.cluster.sandboxes import ClusterPool
 
     assert isinstance(engine, EngineFleet) and isinstance(pool, ClusterPool)
-    report = {**engine.report(), **pool.report()}
+    report = {**engine.report(), **pool.report(), "actor_calls": cluster.actor_calls()}
     (run_dir / "cluster.json").write_text(json.dumps(report, indent=1))
 
 
@@ -399,6 +401,7 @@ async def train(
                 ) from None
             cluster = RayCluster(cfg.runtime)
             roles.callback(cluster.shutdown)
+            cluster.check_room()
         pool: SandboxService = await roles.enter_async_context(sandbox_service(cfg, cluster))
         for share in mix:
             await pool.prepare_template(share.env.template)
@@ -550,7 +553,7 @@ async def train(
                 await coordinator.close()
         finally:
             if cluster is not None:
-                write_cluster_report(run_dir, engine, pool)
+                write_cluster_report(run_dir, cluster, engine, pool)
             await engine.close()
             trainer_thread.shutdown()
     return metrics

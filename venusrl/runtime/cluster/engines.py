@@ -27,10 +27,11 @@ from venusrl.engine.async_engine import AsyncEngine
 from venusrl.engine.engine import Engine
 from venusrl.engine.request import GenerationOutput, SamplingParams
 from venusrl.policy.placement import StickyRouter, least_loaded
-from venusrl.runtime.cluster.ray_cluster import ActorLost, call, until_alive
+from venusrl.runtime.cluster.ray_cluster import ActorLost, at_default_priority, call, until_alive
 from venusrl.trainer.trainer import GRPOTrainer
 
 RESTART_TIMEOUT_S = 300.0
+START_TIMEOUT_S = 600.0  # loading a large model onto a GPU takes a while
 
 
 class EngineLost(ActorLost):
@@ -41,6 +42,7 @@ class EngineActor:
     """One rollout engine in a Ray worker process."""
 
     def __init__(self, model_files: dict[str, bytes], engine: dict[str, Any], version: int) -> None:
+        at_default_priority()
         cfg = EngineConfig.model_validate(engine)
         torch.set_num_threads(cfg.threads or 1)
         self._dir = Path(tempfile.mkdtemp(prefix="venusrl-engine-"))
@@ -108,7 +110,18 @@ class EngineFleet:
         self._recovering: set[asyncio.Task[None]] = set()
 
     async def start(self) -> EngineFleet:
-        self.nodes = list(await asyncio.gather(*(call(a.node_id) for a in self.actors)))
+        try:
+            self.nodes = list(
+                await asyncio.wait_for(
+                    asyncio.gather(*(call(a.node_id) for a in self.actors)), START_TIMEOUT_S
+                )
+            )
+        except TimeoutError:
+            await self.close()
+            raise ValueError(
+                f"the {len(self.actors)} engine actors did not start within {START_TIMEOUT_S:.0f}"
+                " s: is every node's venusrl install importable, and is there room for them?"
+            ) from None
         self.up = set(range(len(self.actors)))
         return self
 

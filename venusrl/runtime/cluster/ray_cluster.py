@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -14,6 +16,10 @@ from ray.exceptions import RayActorError, RayTaskError
 from venusrl.config import RuntimeSection
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+# Actor calls this process made, by method name: each costs the caller ~1 ms of CPU (submission,
+# serialisation), what the Ray runtime adds over one process (`cluster.json`, runtime_overhead.py).
+CALLS: Counter[str] = Counter()
 
 
 class ActorLost(RuntimeError):
@@ -26,6 +32,7 @@ class RayCluster:
 
     def __init__(self, cfg: RuntimeSection) -> None:
         self.cfg = cfg
+        self._calls_at_start = CALLS.copy()
         self._owned = not ray.is_initialized()
         if self._owned:
             ray.init(
@@ -35,20 +42,54 @@ class RayCluster:
                 logging_level=logging.WARNING,
             )
 
+    def check_room(self) -> None:
+        """Refuse, before anything starts, engines the cluster can never hold (Ray would keep
+        them pending forever)."""
+        total = ray.cluster_resources()
+        rt = self.cfg
+        for resource, each in (("CPU", rt.engine_cpus), ("GPU", rt.engine_gpus)):
+            have = total.get(resource, 0.0)
+            if rt.engines * each > have:
+                key = f"runtime.engine_{resource.lower()}s"
+                raise ValueError(
+                    f"runtime.engines={rt.engines} x {key}={each} needs {rt.engines * each:g} "
+                    f"{resource}s; the cluster has {have:g}"
+                )
+
     def nodes(self) -> list[str]:
         """The ids of the nodes that are alive, in a stable order (the head's first)."""
         alive = [n for n in ray.nodes() if n["Alive"]]
         head = ray.get_runtime_context().get_node_id()
         return sorted((n["NodeID"] for n in alive), key=lambda node: (node != head, node))
 
+    def actor_calls(self) -> dict[str, int]:
+        """Actor calls made since this run joined the cluster, by method."""
+        return dict((CALLS - self._calls_at_start).most_common())
+
     def shutdown(self) -> None:
         if self._owned:
             ray.shutdown()
 
 
+def at_default_priority() -> None:
+    """Run this actor's process at niceness 0. Ray starts worker processes at niceness 15, below
+    the driver; the engines and the sandbox pools are the job's critical path (sandboxes inherit
+    their pool's niceness), so they get the priority they have in one process. Linux keeps a
+    nice value per thread: every thread of the process is reset, and threads started later
+    inherit it."""
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            os.setpriority(os.PRIO_PROCESS, int(tid), 0)
+    except PermissionError:
+        log.warning("cannot raise this actor's priority to niceness 0 (needs CAP_SYS_NICE)")
+    except (FileNotFoundError, ProcessLookupError):  # a thread that just ended
+        pass
+
+
 async def call(method: Any, *args: Any) -> Any:
     """`await actor.method.remote(*args)`, with the method's own exception re-raised as it is
     (a sandbox error stays a sandbox error) and a dead actor as `ActorLost`."""
+    CALLS[getattr(method, "_method_name", "?")] += 1
     try:
         return await method.remote(*args)
     except RayTaskError as e:

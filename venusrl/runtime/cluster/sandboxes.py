@@ -28,7 +28,7 @@ from venusrl.envs.pool import SandboxGroup, SandboxPool
 from venusrl.envs.sandbox import Sandbox
 from venusrl.envs.types import ExecResult, SandboxCrashed, TemplateSpec
 from venusrl.policy.placement import most_room
-from venusrl.runtime.cluster.ray_cluster import ActorLost, call, until_alive
+from venusrl.runtime.cluster.ray_cluster import ActorLost, at_default_priority, call, until_alive
 
 GiB = 1 << 30
 RESTART_TIMEOUT_S = 300.0
@@ -47,6 +47,7 @@ class EnvManager:
     """The sandbox pool of one node, as a Ray actor. Sandboxes and groups are named by keys."""
 
     def __init__(self, budget_bytes: int, admission: str, share_pages: bool) -> None:
+        at_default_priority()
         # Sized from the node: the configured budget, but never more than the node can give.
         budget = min(budget_bytes, int(NODE_MEMORY_FRACTION * _available_memory_bytes()))
         self.pool = SandboxPool(budget, admission=admission, share_pages=share_pages)  # type: ignore[arg-type]

@@ -1,0 +1,108 @@
+"""What the Ray runtime costs per trainer step, against one process, on the same CPU example.
+
+Runs `venusrl train` (the built-in CPU example, same seed) with `--runtime local` and with
+`--runtime ray` (one engine actor, one sandbox-pool actor, on a one-node Ray cluster the command
+starts), alternating the order over `--repeats`, each a separate process. A step's time comes from
+the run's own `metrics.jsonl` (`wall_s` at each step's end), over the steps after the first
+(`--skip`, while the first groups fill the pipeline); start-up (Ray, actors, warm start) is
+reported apart, as `startup_s`. A Ray run also reports its actor calls by method (warm-start
+demonstrations included): each costs the driver about a millisecond of CPU. Sampling makes
+the two runtimes' episodes differ in length, so the overhead is given per step and per token.
+
+Prints one JSON object: per runtime the step times and token rates of each repeat, then
+`overhead_per_step` (median Ray step time / median local step time - 1) and
+`overhead_per_token` (median local tokens/s / median Ray tokens/s - 1); the target is <= 0.15.
+
+    python benchmarks/runtime_overhead.py [--steps 20] [--repeats 2] [--seed 0] [k=v ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def run(
+    runtime: str, steps: int, seed: int, skip: int, overrides: list[str], out: Path
+) -> dict[str, Any]:
+    run_dir = out / f"{runtime}-{len(list(out.iterdir()))}"
+    cmd = [
+        sys.executable, "-m", "venusrl.cli", "train", "--run-dir", str(run_dir),
+        "--runtime", runtime, f"run.steps={steps}", f"run.seed={seed}", *overrides,
+    ]  # fmt: skip
+    started = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.monotonic() - started
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    timed = lines[skip:]
+    span = timed[-1]["wall_s"] - lines[skip - 1]["wall_s"] if skip else timed[-1]["wall_s"]
+    cluster = run_dir / "cluster.json"  # Ray runs: what crossed process boundaries
+    calls = json.loads(cluster.read_text())["actor_calls"] if cluster.exists() else {}
+    return {
+        "step_s": round(span / len(timed), 4),
+        "tokens_per_s": round(sum(m["tokens"] for m in timed) / span, 1),
+        "reward_mean": round(statistics.fmean(m["reward_mean"] or 0.0 for m in lines), 3),
+        "startup_s": round(wall - lines[-1]["wall_s"], 1),
+        **({"actor_calls": calls} if calls else {}),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip", type=int, default=2, help="first steps left out of the timing")
+    p.add_argument("--out", type=Path, default=None, help="where the runs go (default: a tmp dir)")
+    p.add_argument("overrides", nargs="*", help="config overrides passed to both runs")
+    args = p.parse_args()
+    if args.steps <= args.skip + 1 or args.repeats < 1 or args.skip < 0:
+        raise SystemExit("need --steps > --skip + 1 >= 1 and --repeats >= 1")
+    out = args.out or Path(tempfile.mkdtemp(prefix="venusrl-runtime-overhead-"))
+    out.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, list[dict[str, Any]]] = {"local": [], "ray": []}
+    for i in range(args.repeats):
+        # Alternate the order: a machine that slows down over time must not favour one side.
+        for runtime in ("local", "ray") if i % 2 == 0 else ("ray", "local"):
+            runs[runtime].append(
+                run(runtime, args.steps, args.seed, args.skip, args.overrides, out)
+            )
+
+    def median(runtime: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs[runtime])
+
+    print(
+        json.dumps(
+            {
+                "steps": args.steps,
+                "timed_steps": args.steps - args.skip,
+                "seed": args.seed,
+                "overrides": args.overrides,
+                **runs,
+                "overhead_per_step": round(
+                    median("ray", "step_s") / median("local", "step_s") - 1, 3
+                ),
+                # None when no step trained a token (every group's rewards equal)
+                "overhead_per_token": (
+                    round(median("local", "tokens_per_s") / median("ray", "tokens_per_s") - 1, 3)
+                    if median("ray", "tokens_per_s") > 0
+                    else None
+                ),
+                "target": 0.15,
+                "runs_in": str(out),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

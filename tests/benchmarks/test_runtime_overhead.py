@@ -1,0 +1,38 @@
+"""The runtime overhead benchmark runs the same example in both runtimes and reports the ratio."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.benchmarks import run_benchmark
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
+
+TINY = [
+    "rollout.group_size=2",
+    "rollout.batch_groups=2",
+    "rollout.max_tokens_per_turn=24",
+    "run.warm_start_episodes=16",
+    "run.warm_start_epochs=1",
+]
+
+
+@pytest.mark.slow
+def test_it_times_both_runtimes_on_the_same_steps_and_reports_the_overhead() -> None:
+    proc = run_benchmark("runtime_overhead.py", "--steps", "5", "--repeats", "1", *TINY)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    local, ray = out["local"][0], out["ray"][0]
+    assert local["step_s"] > 0 and ray["step_s"] > 0
+    assert out["overhead_per_step"] == round(ray["step_s"] / local["step_s"] - 1, 3)
+    # Only the Ray run crosses process boundaries: its engine and sandbox calls are counted.
+    assert "actor_calls" not in local
+    assert ray["actor_calls"]["generate"] > 0 and ray["actor_calls"]["verb"] > 0
+
+
+def test_a_timing_window_with_no_step_is_refused() -> None:
+    proc = run_benchmark("runtime_overhead.py", "--steps", "2", "--skip", "2")
+    assert proc.returncode != 0 and "--steps > --skip + 1" in proc.stderr
