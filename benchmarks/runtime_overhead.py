@@ -6,7 +6,8 @@ starts), alternating the order over `--repeats`, each a separate process. A step
 the run's own `metrics.jsonl` (`wall_s` at each step's end), over the steps after the first
 (`--skip`, while the first groups fill the pipeline); start-up (Ray, actors, warm start) is
 reported apart, as `startup_s`. A Ray run also reports its actor calls by method (warm-start
-demonstrations included): each costs the driver about a millisecond of CPU. Sampling makes
+demonstrations included), and `actor_call_ms` / `actor_call_caller_cpu_ms` time 2,000 calls
+shaped like a turn's `generate` to an actor that does nothing. Sampling makes
 the two runtimes' episodes differ in length, so the overhead is given per step and per token.
 
 Prints one JSON object: per runtime the step times and token rates of each repeat, then
@@ -56,6 +57,42 @@ def run(
     }
 
 
+class _Echo:
+    async def generate(self, prompt_ids: list[int], params: Any, metadata: dict[str, Any]) -> int:
+        return len(prompt_ids)
+
+
+def actor_call_cost(calls: int = 2000) -> dict[str, float]:
+    """What one actor call costs the caller, shaped like a turn's `generate` (a 300-token
+    context, sampling parameters, metadata), on a one-node cluster started for it."""
+    import asyncio
+
+    import ray
+
+    from venusrl.engine.request import SamplingParams
+
+    ray.init(include_dashboard=False, logging_level="WARNING")
+    try:
+        echo = ray.remote(_Echo).options(num_cpus=0).remote()
+        prompt, params = list(range(300)), SamplingParams()
+        meta = {"trajectory_id": "g1-m0-1", "group_id": "g1", "priority": 1}
+
+        async def burst() -> tuple[float, float]:
+            await echo.generate.remote(prompt, params, meta)
+            wall, cpu = time.monotonic(), time.process_time()
+            for _ in range(calls):
+                await echo.generate.remote(prompt, params, meta)
+            return time.monotonic() - wall, time.process_time() - cpu
+
+        wall, cpu = asyncio.run(burst())
+    finally:
+        ray.shutdown()
+    return {
+        "actor_call_ms": round(1000 * wall / calls, 3),
+        "actor_call_caller_cpu_ms": round(1000 * cpu / calls, 3),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=20)
@@ -98,6 +135,7 @@ def main() -> None:
                     else None
                 ),
                 "target": 0.15,
+                **actor_call_cost(),
                 "runs_in": str(out),
             }
         )
