@@ -36,7 +36,7 @@ def run(
     run_dir = out / f"{runtime}-{len(list(out.iterdir()))}"
     cmd = [
         sys.executable, "-m", "venusrl.cli", "train", "--run-dir", str(run_dir),
-        "--runtime", runtime, f"run.steps={steps}", f"run.seed={seed}", *overrides,
+        "--runtime", runtime, *overrides, f"run.steps={steps}", f"run.seed={seed}",
     ]  # fmt: skip
     started = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -49,6 +49,7 @@ def run(
     cluster = run_dir / "cluster.json"  # Ray runs: what crossed process boundaries
     calls = json.loads(cluster.read_text())["actor_calls"] if cluster.exists() else {}
     return {
+        "steps_run": len(lines),
         "step_s": round(span / len(timed), 4),
         "tokens_per_s": round(sum(m["tokens"] for m in timed) / span, 1),
         "reward_mean": round(statistics.fmean(m["reward_mean"] or 0.0 for m in lines), 3),

@@ -8,24 +8,18 @@ import os
 import pytest
 
 from tests.benchmarks import run_benchmark
+from tests.runtime import SMALL
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
-
-TINY = [
-    "rollout.group_size=2",
-    "rollout.batch_groups=2",
-    "rollout.max_tokens_per_turn=24",
-    "run.warm_start_episodes=16",
-    "run.warm_start_epochs=1",
-]
 
 
 @pytest.mark.slow
 def test_it_times_both_runtimes_on_the_same_steps_and_reports_the_overhead() -> None:
-    proc = run_benchmark("runtime_overhead.py", "--steps", "5", "--repeats", "1", *TINY)
+    proc = run_benchmark("runtime_overhead.py", "--steps", "5", "--repeats", "1", *SMALL)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     local, ray = out["local"][0], out["ray"][0]
+    assert local["steps_run"] == ray["steps_run"] == 5  # --steps wins over the config's
     assert local["step_s"] > 0 and ray["step_s"] > 0
     assert out["overhead_per_step"] == round(ray["step_s"] / local["step_s"] - 1, 3)
     # Only the Ray run crosses process boundaries: its engine and sandbox calls are counted.

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.runtime import SMALL
 from venusrl.config import load_config
 from venusrl.engine.model_dir import init_model_dir
 from venusrl.runtime.plots import plot_run
@@ -22,16 +23,6 @@ from venusrl.runtime.record import read_records
 from venusrl.runtime.train import train
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
-
-SMALL = [
-    "run.steps=3",
-    "rollout.group_size=2",
-    "rollout.batch_groups=2",
-    "rollout.max_tokens_per_turn=24",
-    "engine.threads=1",
-    "run.warm_start_episodes=16",
-    "run.warm_start_epochs=1",
-]
 
 
 @pytest.mark.parametrize("staleness", [0, 1])
