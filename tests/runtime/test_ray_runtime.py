@@ -115,6 +115,58 @@ def test_a_killed_engine_costs_its_trajectories_as_infrastructure_failures_and_t
         assert all(0 <= trained_at - int(v) <= 1 for v in r["versions"])
 
 
+def sandbox_processes() -> set[int]:
+    """Processes in a pid namespace other than ours: every sandbox has its own."""
+    own = os.readlink("/proc/self/ns/pid")
+    found = set()
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if os.readlink(f"/proc/{name}/ns/pid") != own:
+                    found.add(int(name))
+            except OSError:  # gone meanwhile
+                pass
+    return found
+
+
+def test_a_killed_sandbox_pool_costs_its_groups_and_comes_back_with_its_templates(
+    two_nodes: Cluster, tmp_path: Path
+) -> None:
+    before = sandbox_processes()
+    steps = 30
+    cfg = load_config(None, [*RAY_RUN, f"run.steps={steps}"])
+    killed = threading.Event()
+
+    def kill_pool_after_first_step() -> None:
+        deadline = time.monotonic() + 600
+        metrics = tmp_path / "metrics.jsonl"
+        while time.monotonic() < deadline:
+            if metrics.exists() and metrics.read_text().count("\n") >= 1:
+                ray.kill(ray.get_actor("sandboxes-1", namespace=NAMESPACE), no_restart=False)
+                killed.set()
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_pool_after_first_step, daemon=True)
+    killer.start()
+    metrics = asyncio.run(train(cfg, tmp_path))
+    killer.join()
+    assert killed.is_set()
+    assert [m["step"] for m in metrics] == list(range(steps))
+    report = json.loads((tmp_path / "cluster.json").read_text())
+    assert report["manager_restarts"] == [0, 1]
+    # Restarted, its templates prepared again, it took new groups.
+    assert report["groups_since_start"][1] > 0
+    assert report["groups_on_several_nodes"] == 0
+    for r in read_records(tmp_path):
+        assert (r["reward"] is None) == (r["finish"] == Finish.INFRA.value)
+    # The killed pool's sandboxes were reaped by its successor; the rest closed with the run.
+    deadline = time.monotonic() + 10
+    while (left := sandbox_processes() - before) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left
+
+
 @pytest.mark.slow
 def test_the_full_size_cpu_example_runs_on_two_nodes_with_two_engines(
     two_nodes: Cluster, tmp_path: Path

@@ -202,6 +202,7 @@ class ClusterPool:
         self.up: set[int] = set()
         self.epochs = [0] * len(nodes)  # restarts per manager: keys of an older epoch are gone
         self.groups_per_node = [0] * len(nodes)
+        self.groups_since_start = [0] * len(nodes)  # since the manager's last (re)start
         self._running = 0
         # (manager, group key) -> the nodes its members' managers reported running them on
         self.member_nodes: dict[tuple[int, str], set[str]] = {}
@@ -230,6 +231,7 @@ class ClusterPool:
         epoch = self.epochs[node]
         key = await self._call(node, epoch, "open_group", template, priority, setup, files)
         self.groups_per_node[node] += 1
+        self.groups_since_start[node] += 1
         return RemoteGroup(self, node, epoch, key)
 
     async def create(
@@ -276,6 +278,7 @@ class ClusterPool:
             return
         self.up.discard(i)
         self.epochs[i] += 1
+        self.groups_since_start[i] = 0
         task = asyncio.ensure_future(self._recover(i))
         self._recovering.add(task)
         task.add_done_callback(self._recovering.discard)
@@ -291,6 +294,7 @@ class ClusterPool:
             "sandbox_nodes": self.nodes,
             "groups_per_node": self.groups_per_node,
             "manager_restarts": self.epochs,
+            "groups_since_start": self.groups_since_start,
             "groups_on_several_nodes": sum(len(n) > 1 for n in self.member_nodes.values()),
         }
 
