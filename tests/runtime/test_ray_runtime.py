@@ -64,6 +64,8 @@ def test_two_engines_and_two_pools_keep_each_trajectory_on_one_engine_and_each_g
     assert report["groups_on_several_nodes"] == 0
     assert all(n > 0 for n in report["groups_per_node"])
     assert sum(m["infra_failures"] for m in metrics) == 0
+    # Each node's own pool made the sandboxes of the groups it took.
+    assert all(pool["sandboxes_created"] > 0 for pool in report["pools"])
 
 
 def test_engines_the_cluster_cannot_hold_are_refused_before_any_actor_starts(

@@ -145,7 +145,7 @@ async def rollout_engine(
     return LocalEngine(model_dir, cfg, version)
 
 
-def write_cluster_report(
+async def write_cluster_report(
     run_dir: Path, cluster: RayCluster, engine: RolloutEngine, pool: SandboxService
 ) -> None:
     """`cluster.json`: where trajectories and groups ran, and what restarted."""
@@ -153,7 +153,7 @@ def write_cluster_report(
     from venusrl.runtime.cluster.sandboxes import ClusterPool
 
     assert isinstance(engine, EngineFleet) and isinstance(pool, ClusterPool)
-    report = {**engine.report(), **pool.report(), "actor_calls": cluster.actor_calls()}
+    report = {**engine.report(), **await pool.report(), "actor_calls": cluster.actor_calls()}
     (run_dir / "cluster.json").write_text(json.dumps(report, indent=1))
 
 
@@ -553,7 +553,7 @@ async def train(
                 await coordinator.close()
         finally:
             if cluster is not None:
-                write_cluster_report(run_dir, cluster, engine, pool)
+                await write_cluster_report(run_dir, cluster, engine, pool)
             await engine.close()
             trainer_thread.shutdown()
     return metrics

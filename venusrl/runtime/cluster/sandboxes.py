@@ -289,14 +289,25 @@ class ClusterPool:
             await until_alive(lambda: call(manager.ready, self.templates), RESTART_TIMEOUT_S)
             self.up.add(i)
 
-    def report(self) -> dict[str, Any]:
+    async def report(self) -> dict[str, Any]:
+        """Placement, restarts, and each node's pool statistics (None for a pool that is down)."""
+        stats = await asyncio.gather(*(self._stats(i) for i in range(len(self.managers))))
         return {
+            "pools": stats,
             "sandbox_nodes": self.nodes,
             "groups_per_node": self.groups_per_node,
             "manager_restarts": self.epochs,
             "groups_since_start": self.groups_since_start,
             "groups_on_several_nodes": sum(len(n) > 1 for n in self.member_nodes.values()),
         }
+
+    async def _stats(self, i: int) -> dict[str, Any] | None:
+        if i not in self.up:
+            return None
+        try:
+            return dict(await call(self.managers[i].stats))
+        except ActorLost:
+            return None
 
     async def close(self) -> None:
         for task in list(self._recovering):
