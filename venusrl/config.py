@@ -205,7 +205,7 @@ class RuntimeSection(_Section):
     engines: int = Field(1, ge=1, description="rollout engines (one actor each)")
     engine_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves for each engine")
     engine_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves for each engine")
-    engine_restarts: int = Field(
+    actor_restarts: int = Field(
         3, ge=0, description="times Ray restarts an engine or environment manager that died"
     )
 

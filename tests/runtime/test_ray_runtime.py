@@ -42,6 +42,26 @@ def two_nodes() -> Iterator[Cluster]:
         cluster.shutdown()
 
 
+class KillAfterFirstStep(threading.Thread):
+    """Kill the named actor, as a crashed worker process would die (Ray restarts it), once the
+    run in `run_dir` has finished its first step."""
+
+    def __init__(self, run_dir: Path, actor: str) -> None:
+        super().__init__(daemon=True)
+        self.run_dir, self.actor, self.killed = run_dir, actor, threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        deadline = time.monotonic() + 600
+        metrics = self.run_dir / "metrics.jsonl"
+        while time.monotonic() < deadline:
+            if metrics.exists() and metrics.read_text().count("\n") >= 1:
+                ray.kill(ray.get_actor(self.actor, namespace=NAMESPACE), no_restart=False)
+                self.killed.set()
+                return
+            time.sleep(0.05)
+
+
 def test_two_engines_and_two_pools_keep_each_trajectory_on_one_engine_and_each_group_on_one_node(
     two_nodes: Cluster, tmp_path: Path
 ) -> None:
@@ -82,24 +102,10 @@ def test_a_killed_engine_costs_its_trajectories_as_infrastructure_failures_and_t
 ) -> None:
     steps = 30  # long enough for Ray to restart the engine and the fleet to route to it again
     cfg = load_config(None, [*RAY_RUN, f"run.steps={steps}"])
-    killed = threading.Event()
-
-    def kill_engine_after_first_step() -> None:
-        deadline = time.monotonic() + 600
-        metrics = tmp_path / "metrics.jsonl"
-        while time.monotonic() < deadline:
-            if metrics.exists() and metrics.read_text().count("\n") >= 1:
-                # What a crashed worker process looks like to Ray: it restarts the actor.
-                ray.kill(ray.get_actor("engine-0", namespace=NAMESPACE), no_restart=False)
-                killed.set()
-                return
-            time.sleep(0.05)
-
-    killer = threading.Thread(target=kill_engine_after_first_step, daemon=True)
-    killer.start()
+    killer = KillAfterFirstStep(tmp_path, "engine-0")
     metrics = asyncio.run(train(cfg, tmp_path))
     killer.join()
-    assert killed.is_set()
+    assert killer.killed.is_set()
     assert [m["step"] for m in metrics] == list(range(steps))
     report = json.loads((tmp_path / "cluster.json").read_text())
     restarted, other = report["engines"]
@@ -137,23 +143,10 @@ def test_a_killed_sandbox_pool_costs_its_groups_and_comes_back_with_its_template
     before = sandbox_processes()
     steps = 30
     cfg = load_config(None, [*RAY_RUN, f"run.steps={steps}"])
-    killed = threading.Event()
-
-    def kill_pool_after_first_step() -> None:
-        deadline = time.monotonic() + 600
-        metrics = tmp_path / "metrics.jsonl"
-        while time.monotonic() < deadline:
-            if metrics.exists() and metrics.read_text().count("\n") >= 1:
-                ray.kill(ray.get_actor("sandboxes-1", namespace=NAMESPACE), no_restart=False)
-                killed.set()
-                return
-            time.sleep(0.05)
-
-    killer = threading.Thread(target=kill_pool_after_first_step, daemon=True)
-    killer.start()
+    killer = KillAfterFirstStep(tmp_path, "sandboxes-1")
     metrics = asyncio.run(train(cfg, tmp_path))
     killer.join()
-    assert killed.is_set()
+    assert killer.killed.is_set()
     assert [m["step"] for m in metrics] == list(range(steps))
     report = json.loads((tmp_path / "cluster.json").read_text())
     assert report["manager_restarts"] == [0, 1]

@@ -27,7 +27,13 @@ from venusrl.engine.async_engine import AsyncEngine
 from venusrl.engine.engine import Engine
 from venusrl.engine.request import GenerationOutput, SamplingParams
 from venusrl.policy.placement import StickyRouter, least_loaded
-from venusrl.runtime.cluster.ray_cluster import ActorLost, at_default_priority, call, until_alive
+from venusrl.runtime.cluster.ray_cluster import (
+    ActorLost,
+    Replicas,
+    at_default_priority,
+    call,
+    until_alive,
+)
 from venusrl.trainer.trainer import GRPOTrainer
 
 RESTART_TIMEOUT_S = 300.0
@@ -94,20 +100,18 @@ class EngineFleet:
                 namespace=rt.namespace,
                 num_cpus=rt.engine_cpus,
                 num_gpus=rt.engine_gpus,
-                max_restarts=rt.engine_restarts,
+                max_restarts=rt.actor_restarts,
                 max_task_retries=0,  # a request lost with its engine is the coordinator's call
             )
             .remote(self._model_files, cfg.engine.model_dump(), version)
             for i in range(rt.engines)
         ]
         self.router = StickyRouter(len(self.actors))
-        self.up: set[int] = set()
+        self.replicas = Replicas(len(self.actors), self._revive)
         self.nodes: list[str] = []
-        self.restarts = [0] * len(self.actors)
         self.new_trajectories = [0] * len(self.actors)  # first turns, since the last (re)start
         self.served: dict[str, set[int]] = {}  # trajectory id -> engines that served its turns
         self._weights: tuple[Any, int] | None = None  # the latest published (object ref, version)
-        self._recovering: set[asyncio.Task[None]] = set()
 
     async def start(self) -> EngineFleet:
         try:
@@ -122,7 +126,7 @@ class EngineFleet:
                 f"the {len(self.actors)} engine actors did not start within {START_TIMEOUT_S:.0f}"
                 " s: is every node's venusrl install importable, and is there room for them?"
             ) from None
-        self.up = set(range(len(self.actors)))
+        self.replicas.up = set(range(len(self.actors)))
         return self
 
     async def generate(
@@ -130,8 +134,9 @@ class EngineFleet:
     ) -> GenerationOutput:
         tid = metadata.get("trajectory_id")
         # A call outside any trajectory has no KV to stick to: the least loaded engine.
-        i = self.router.route(tid, self.up) if tid else least_loaded(self.router.active, self.up)
-        if i not in self.up:
+        up = self.replicas.up
+        i = self.router.route(tid, up) if tid else least_loaded(self.router.active, up)
+        if i not in up:
             raise EngineLost(f"engine {i}, which held trajectory {tid}'s KV, is down")
         try:
             out: GenerationOutput = await call(
@@ -140,23 +145,23 @@ class EngineFleet:
         except ActorLost as e:
             self._lost(i)
             raise EngineLost(f"engine {i} died under trajectory {tid}: {e}") from e
-        if tid and tid not in self.served:
-            self.new_trajectories[i] += 1
         if tid:
+            if tid not in self.served:
+                self.new_trajectories[i] += 1
             self.served.setdefault(tid, set()).add(i)
         return out
 
     async def end_trajectory(self, trajectory_id: str) -> None:
         i = self.router.engine_of(trajectory_id)
         self.router.end(trajectory_id)
-        if i is not None and i in self.up:
+        if i is not None and i in self.replicas.up:
             with contextlib.suppress(ActorLost):
                 await call(self.actors[i].end_trajectory, trajectory_id)
 
     async def publish(self, trainer: GRPOTrainer, run_dir: Path, model_dir: Path) -> None:
         weights = {k: v.detach().cpu() for k, v in trainer.model.hf_state_dict().items()}
         self._weights = (ray.put(weights), trainer.version)
-        await asyncio.gather(*(self._load_weights(i) for i in sorted(self.up)))
+        await asyncio.gather(*(self._load_weights(i) for i in sorted(self.replicas.up)))
 
     async def _load_weights(self, i: int) -> None:
         try:
@@ -170,36 +175,28 @@ class EngineFleet:
             await call(self.actors[i].update_weights, ref, version)
 
     def _lost(self, i: int) -> None:
-        if i not in self.up:
-            return
-        self.up.discard(i)
-        self.restarts[i] += 1
-        self.new_trajectories[i] = 0
-        task = asyncio.ensure_future(self._recover(i))
-        self._recovering.add(task)
-        task.add_done_callback(self._recovering.discard)
+        if self.replicas.lost(i):
+            self.new_trajectories[i] = 0
 
-    async def _recover(self, i: int) -> None:
-        """Wait for Ray to restart engine i, give it the current weights, route to it again.
-        Trajectories still routed to it were lost with it: their next call fails."""
+    async def _revive(self, i: int) -> None:
+        """Wait for Ray to restart engine i and give it the current weights. Trajectories still
+        routed to it were lost with it: their next call fails."""
         actor = self.actors[i]
-        with contextlib.suppress(ActorLost):  # out of restarts: the engine stays down
-            self.nodes[i] = await until_alive(lambda: call(actor.node_id), RESTART_TIMEOUT_S)
-            while True:
-                version = self._weights[1] if self._weights else None
-                await self._send_weights(i)
-                # A publish during the load went to the engines that were up: catch up.
-                if (self._weights[1] if self._weights else None) == version:
-                    break
-            self.up.add(i)
+        self.nodes[i] = await until_alive(lambda: call(actor.node_id), RESTART_TIMEOUT_S)
+        while True:
+            version = self._weights[1] if self._weights else None
+            await self._send_weights(i)
+            # A publish during the load went to the engines that were up: catch up.
+            if (self._weights[1] if self._weights else None) == version:
+                return
 
     def report(self) -> dict[str, Any]:
         return {
             "engines": [
                 {
                     "node": self.nodes[i],
-                    "restarts": self.restarts[i],
-                    "up": i in self.up,
+                    "restarts": self.replicas.restarts[i],
+                    "up": i in self.replicas.up,
                     "new_trajectories_since_start": self.new_trajectories[i],
                 }
                 for i in range(len(self.actors))
@@ -215,7 +212,6 @@ class EngineFleet:
         }
 
     async def close(self) -> None:
-        for task in list(self._recovering):
-            task.cancel()
+        self.replicas.cancel()
         for actor in self.actors:
             ray.kill(actor, no_restart=True)

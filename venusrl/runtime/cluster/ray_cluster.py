@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -110,3 +111,36 @@ async def until_alive(ping: Callable[[], Awaitable[T]], timeout_s: float) -> T:
             if time.monotonic() > deadline:
                 raise
             await asyncio.sleep(0.5)
+
+
+class Replicas:
+    """Which of N restartable actors are up. One found dead is taken out of service and brought
+    back in the background: `revive(i)` waits for Ray's restart and redoes what the owner needs
+    (weights, templates); the actor is up again when it returns, and stays down if it raises
+    `ActorLost` (out of restarts)."""
+
+    def __init__(self, n: int, revive: Callable[[int], Awaitable[None]]) -> None:
+        self.up: set[int] = set()
+        self.restarts = [0] * n
+        self._revive = revive
+        self._reviving: set[asyncio.Future[None]] = set()
+
+    def lost(self, i: int) -> bool:
+        """Take actor i out of service; False if it already was."""
+        if i not in self.up:
+            return False
+        self.up.discard(i)
+        self.restarts[i] += 1
+        task = asyncio.ensure_future(self._back(i))
+        self._reviving.add(task)
+        task.add_done_callback(self._reviving.discard)
+        return True
+
+    async def _back(self, i: int) -> None:
+        with contextlib.suppress(ActorLost):
+            await self._revive(i)
+            self.up.add(i)
+
+    def cancel(self) -> None:
+        for task in list(self._reviving):
+            task.cancel()

@@ -28,7 +28,13 @@ from venusrl.envs.pool import SandboxGroup, SandboxPool
 from venusrl.envs.sandbox import Sandbox
 from venusrl.envs.types import ExecResult, SandboxCrashed, TemplateSpec
 from venusrl.policy.placement import most_room
-from venusrl.runtime.cluster.ray_cluster import ActorLost, at_default_priority, call, until_alive
+from venusrl.runtime.cluster.ray_cluster import (
+    ActorLost,
+    Replicas,
+    at_default_priority,
+    call,
+    until_alive,
+)
 
 GiB = 1 << 30
 RESTART_TIMEOUT_S = 300.0
@@ -191,7 +197,7 @@ class ClusterPool:
                 name=f"sandboxes-{i}",
                 namespace=rt.namespace,
                 num_cpus=0,
-                max_restarts=rt.engine_restarts,
+                max_restarts=rt.actor_restarts,
                 max_task_retries=0,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
             )
@@ -199,18 +205,17 @@ class ClusterPool:
             for i, node in enumerate(nodes)
         ]
         self.templates: list[TemplateSpec] = []
-        self.up: set[int] = set()
-        self.epochs = [0] * len(nodes)  # restarts per manager: keys of an older epoch are gone
+        # Restarts per manager are its epochs: keys made before the latest one are gone.
+        self.replicas = Replicas(len(nodes), self._revive)
         self.groups_per_node = [0] * len(nodes)
         self.groups_since_start = [0] * len(nodes)  # since the manager's last (re)start
         self._running = 0
         # (manager, group key) -> the nodes its members' managers reported running them on
         self.member_nodes: dict[tuple[int, str], set[str]] = {}
-        self._recovering: set[asyncio.Task[None]] = set()
 
     async def __aenter__(self) -> ClusterPool:
         await asyncio.gather(*(call(m.ready, []) for m in self.managers))
-        self.up = set(range(len(self.managers)))
+        self.replicas.up = set(range(len(self.managers)))
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -218,7 +223,9 @@ class ClusterPool:
 
     async def prepare_template(self, spec: TemplateSpec) -> None:
         self.templates.append(spec)
-        await asyncio.gather(*(call(self.managers[i].ready, [spec]) for i in sorted(self.up)))
+        await asyncio.gather(
+            *(call(self.managers[i].ready, [spec]) for i in sorted(self.replicas.up))
+        )
 
     async def open_group(
         self,
@@ -228,7 +235,7 @@ class ClusterPool:
         files: Mapping[str, bytes] | None = None,
     ) -> RemoteGroup:
         node = await self._place()
-        epoch = self.epochs[node]
+        epoch = self.replicas.restarts[node]
         key = await self._call(node, epoch, "open_group", template, priority, setup, files)
         self.groups_per_node[node] += 1
         self.groups_since_start[node] += 1
@@ -242,7 +249,7 @@ class ClusterPool:
         files: Mapping[str, bytes] | None = None,
     ) -> RemoteSandbox:
         node = await self._place()
-        epoch = self.epochs[node]
+        epoch = self.replicas.restarts[node]
         key = await self._call(node, epoch, "create", template, priority, setup, files)
         return RemoteSandbox(self, node, epoch, key)
 
@@ -250,7 +257,7 @@ class ClusterPool:
         return self._running
 
     async def _place(self) -> int:
-        up = sorted(self.up)
+        up = sorted(self.replicas.up)
         if not up:
             raise SandboxCrashed("no environment manager is up")
         rooms = await asyncio.gather(*(self._room(i) for i in up))
@@ -264,7 +271,7 @@ class ClusterPool:
             return -1
 
     async def _call(self, node: int, epoch: int, method: str, *args: Any) -> Any:
-        if node not in self.up or epoch != self.epochs[node]:
+        if node not in self.replicas.up or epoch != self.replicas.restarts[node]:
             raise SandboxCrashed(f"the environment manager on node {node} restarted")
         try:
             result = await call(getattr(self.managers[node], method), *args)
@@ -274,20 +281,14 @@ class ClusterPool:
         return result
 
     def _lost(self, i: int) -> None:
-        if i not in self.up:
-            return
-        self.up.discard(i)
-        self.epochs[i] += 1
-        self.groups_since_start[i] = 0
-        task = asyncio.ensure_future(self._recover(i))
-        self._recovering.add(task)
-        task.add_done_callback(self._recovering.discard)
+        if self.replicas.lost(i):
+            self.groups_since_start[i] = 0
 
-    async def _recover(self, i: int) -> None:
+    async def _revive(self, i: int) -> None:
+        """Wait for Ray to restart manager i; its successor reaps the dead pool's sandboxes when
+        its pool starts, and prepares the run's templates again."""
         manager = self.managers[i]
-        with contextlib.suppress(ActorLost):
-            await until_alive(lambda: call(manager.ready, self.templates), RESTART_TIMEOUT_S)
-            self.up.add(i)
+        await until_alive(lambda: call(manager.ready, self.templates), RESTART_TIMEOUT_S)
 
     async def report(self) -> dict[str, Any]:
         """Placement, restarts, and each node's pool statistics (None for a pool that is down)."""
@@ -296,13 +297,13 @@ class ClusterPool:
             "pools": stats,
             "sandbox_nodes": self.nodes,
             "groups_per_node": self.groups_per_node,
-            "manager_restarts": self.epochs,
+            "manager_restarts": self.replicas.restarts,
             "groups_since_start": self.groups_since_start,
             "groups_on_several_nodes": sum(len(n) > 1 for n in self.member_nodes.values()),
         }
 
     async def _stats(self, i: int) -> dict[str, Any] | None:
-        if i not in self.up:
+        if i not in self.replicas.up:
             return None
         try:
             return dict(await call(self.managers[i].stats))
@@ -310,9 +311,8 @@ class ClusterPool:
             return None
 
     async def close(self) -> None:
-        for task in list(self._recovering):
-            task.cancel()
-        for i in sorted(self.up):
+        self.replicas.cancel()
+        for i in sorted(self.replicas.up):
             with contextlib.suppress(ActorLost):
                 await call(self.managers[i].shutdown)
         for manager in self.managers:
