@@ -17,6 +17,7 @@ from ray.cluster_utils import Cluster
 
 from tests.runtime import SMALL
 from venusrl.config import load_config
+from venusrl.runtime.cluster.ray_cluster import check_reachable
 from venusrl.runtime.record import read_records
 from venusrl.runtime.train import train
 from venusrl.types import Finish
@@ -180,3 +181,12 @@ def test_the_full_size_cpu_example_runs_on_two_nodes_with_two_engines(
     assert report["groups_on_several_nodes"] == 0
     assert all(n > 0 for n in report["trajectories_per_engine"])
     assert all(n > 0 for n in report["groups_per_node"])
+
+
+@pytest.mark.parametrize(
+    ("address", "words"),
+    [("127.0.0.1:1", "nothing answers at 127.0.0.1:1"), ("nonsense", "is not host:port")],
+)
+def test_a_cluster_address_nobody_answers_on_is_an_error_at_once(address: str, words: str) -> None:
+    with pytest.raises(ValueError, match=f"runtime.address: .*{words}"):
+        check_reachable(address)

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -36,6 +37,7 @@ class RayCluster:
         self._calls_at_start = CALLS.copy()
         self._owned = not ray.is_initialized()
         if self._owned:
+            check_reachable(cfg.address)
             ray.init(
                 address=cfg.address,
                 namespace=cfg.namespace,
@@ -85,6 +87,19 @@ def at_default_priority() -> None:
         log.warning("cannot raise this actor's priority to niceness 0 (needs CAP_SYS_NICE)")
     except (FileNotFoundError, ProcessLookupError):  # a thread that just ended
         pass
+
+
+def check_reachable(address: str | None) -> None:
+    """A `host:port` nobody answers on makes `ray.init` retry for minutes: say so at once."""
+    if address is None or address == "auto" or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"runtime.address: {address!r} is not host:port, 'auto' or ray://...")
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as e:
+        raise ValueError(f"runtime.address: nothing answers at {address} ({e})") from None
 
 
 async def call(method: Any, *args: Any) -> Any:
