@@ -6,7 +6,7 @@ hidden 256), fits the cost model's constants by least squares (`venusrl/sim/cali
 prints one JSON object: the constants, each held-back shape's measured and predicted time and
 relative error, and the largest error (the simulator issue's target: within 25 %).
 
-    python benchmarks/sim_calibration.py [--preset tiny] [--threads 1]
+    python benchmarks/sim_calibration.py [--preset tiny] [--threads 1] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -25,14 +25,21 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", default="tiny")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--rounds", type=int, default=3, help="visits of every shape; the fastest counts"
+    )
     p.add_argument("--model-dir", type=Path, help="where the random model goes (default: tmp)")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     out = args.model_dir or Path(tempfile.mkdtemp(prefix="venusrl-calib-")) / args.preset
     if not (out / "config.json").exists():
         init_model_dir(out, preset=args.preset, seed=0)
-    result = calibrate(out, threads=args.threads)
-    print(json.dumps({"preset": args.preset, "threads": args.threads, **result}))
+    result = calibrate(out, threads=args.threads, rounds=args.rounds)
+    print(
+        json.dumps(
+            {"preset": args.preset, "threads": args.threads, "rounds": args.rounds, **result}
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """Fit the cost model's constants to our own engine, and check them on shapes the fit did not see.
 
 Decode iterations are timed on a grid of (batch, context) and prefill iterations on a grid of
-(new tokens, cached prefix), on the real `Engine`, each the fastest of several runs: on a shared
-machine the slower ones measure the neighbours (medians swung held-back errors from 17 % to 80 %
-between runs), (CPU here; the same code on a GPU when one is
-lent). The cost model's formulas are linear in their unknowns:
+(new tokens, cached prefix), on the real `Engine` (CPU here; the same code on a GPU when one is
+lent). Each shape's time is the fastest of several runs, taken in rounds that visit every shape
+in turn: on a shared machine the slower runs measure the neighbours, and a neighbour busy for a
+while would otherwise land on whichever shapes were being timed then (one pass per shape swung
+held-back errors from 17 % to 80 % between runs). The cost model's formulas are linear in their
+unknowns:
 
     decode  = T_fix + W / BW_w + batch * t_request + sum(ctx) * kv / BW_kv
     prefill = T_fix + new * 2 N / F_gemm + A * new * (prefix + new / 2) / F_attn
@@ -77,7 +79,7 @@ def measure_decode(
     return Sample("decode", batch, ctx, min(times))
 
 
-def measure_prefill(model_dir: Path, new: int, prefix: int, threads: int, reps: int = 5) -> Sample:
+def measure_prefill(model_dir: Path, new: int, prefix: int, threads: int, reps: int = 2) -> Sample:
     times = []
     for rep in range(reps):
         engine = _engine(model_dir, threads, budget=max(new + prefix, 256))
@@ -94,6 +96,34 @@ def measure_prefill(model_dir: Path, new: int, prefix: int, threads: int, reps: 
     return Sample("prefill", new, prefix, min(times))
 
 
+def measure(model_dir: Path, shapes: Sequence[tuple[str, int, int]], threads: int,
+            rounds: int) -> list[Sample]:  # fmt: skip
+    """Each shape's fastest time over `rounds` visits of all of them."""
+    best: dict[tuple[str, int, int], Sample] = {}
+    for _ in range(rounds):
+        for shape in shapes:
+            kind, a, b = shape
+            run = measure_decode if kind == "decode" else measure_prefill
+            s = run(model_dir, a, b, threads)
+            if shape not in best or s.seconds < best[shape].seconds:
+                best[shape] = s
+    return [best[shape] for shape in shapes]
+
+
+def nonnegative_least_squares(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """min |x v - y| over v >= 0, by dropping the most negative unknown until none is (enough
+    for six unknowns). Every constant is a time per unit of something, so none can be negative;
+    clamping a negative one after an unconstrained fit moved every prediction that uses it."""
+    free = list(range(x.shape[1]))
+    while True:
+        v = np.zeros(x.shape[1])
+        v[free] = np.linalg.lstsq(x[:, free], y, rcond=None)[0]
+        negative = [i for i in free if v[i] < 0]
+        if not negative:
+            return v
+        free.remove(min(negative, key=lambda i: v[i]))
+
+
 def fit(model: ModelSpec, samples: Sequence[Sample]) -> CostModel:
     """One least-squares problem over both kinds, so that T_fix is shared as the formulas share
     it, in relative terms (each row divided by its measured time): a 5 ms decode weighs as much as
@@ -107,7 +137,7 @@ def fit(model: ModelSpec, samples: Sequence[Sample]) -> CostModel:
             rows.append([1.0, 0.0, 0.0, 0.0, s.a, s.a * (s.b + s.a / 2)])
         times.append(s.seconds)
     x = np.array(rows) / np.array(times)[:, None]
-    solution, *_ = np.linalg.lstsq(x, np.ones(len(times)), rcond=None)
+    solution = nonnegative_least_squares(x, np.ones(len(times)))
     t_fix, weights_s, t_request, per_ctx, per_new, per_attn = (float(v) for v in solution)
     t_fix = max(t_fix, 1e-6)
     eps = 1e-12
@@ -122,7 +152,7 @@ def fit(model: ModelSpec, samples: Sequence[Sample]) -> CostModel:
         pcie_h2d=0.0,
         pcie_d2h=0.0,
         t_fix=t_fix,
-        t_per_request=max(t_request, 0.0),
+        t_per_request=t_request,
     )
     return CostModel(model, gpu)
 
@@ -139,13 +169,13 @@ PREFILL_FIT = [(64, 0), (256, 0), (1024, 0), (64, 512), (256, 1024), (512, 256)]
 PREFILL_HELD = [(128, 0), (512, 0), (128, 256), (384, 512)]
 
 
-def calibrate(model_dir: Path, threads: int = 1) -> dict[str, Any]:
+def calibrate(model_dir: Path, threads: int = 1, rounds: int = 3) -> dict[str, Any]:
     torch.set_num_threads(threads)
     spec = model_spec(model_dir)
-    fit_samples = [measure_decode(model_dir, b, c, threads) for b, c in DECODE_FIT]
-    fit_samples += [measure_prefill(model_dir, n, p, threads) for n, p in PREFILL_FIT]
-    held = [measure_decode(model_dir, b, c, threads) for b, c in DECODE_HELD]
-    held += [measure_prefill(model_dir, n, p, threads) for n, p in PREFILL_HELD]
+    fitting = [("decode", *s) for s in DECODE_FIT] + [("prefill", *s) for s in PREFILL_FIT]
+    held_back = [("decode", *s) for s in DECODE_HELD] + [("prefill", *s) for s in PREFILL_HELD]
+    samples = measure(model_dir, fitting + held_back, threads, rounds)
+    fit_samples, held = samples[: len(fitting)], samples[len(fitting) :]
     cost = fit(spec, fit_samples)
     errors: list[dict[str, Any]] = [
         {"kind": s.kind, "shape": [s.a, s.b], "measured_s": s.seconds,
