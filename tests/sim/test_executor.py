@@ -96,3 +96,31 @@ def test_admission_control_holds_trajectories_back_and_thrashes_less_than_lru_al
     assert 0 < concur["reprefill_after_eviction"] < lru["reprefill_after_eviction"]
     assert all(e.window >= 1 for e in sim.engines)
     assert concur["knobs"]["admission"]["initial_window"] == 8  # its knobs are printed
+
+
+def test_policies_run_side_by_side_in_processes_give_the_figures_of_one_process() -> None:
+    policies = [POLICIES[p] for p in ("sync", "async", "venus")]
+    alone = simulate(SMALL, policies, seed=3, config=SimConfig(steps=3), jobs=1)
+    side_by_side = simulate(SMALL, policies, seed=3, config=SimConfig(steps=3), jobs=3)
+    assert side_by_side == alone
+    assert alone[2]["speedup_vs_sync"] == alone[0]["mean_step_s"] / alone[2]["mean_step_s"]
+
+
+def test_a_scheduler_that_stops_reading_the_waiting_queue_early_sees_the_same_requests() -> None:
+    # The simulator builds waiting views as the scheduler reads them; a scheduler that reads the
+    # whole queue, in order or by index, sees what an eagerly built snapshot would hold.
+    seen: list[tuple[list, list]] = []
+
+    class ReadsEverything(PriorityScheduler):
+        def schedule(self, snap):  # type: ignore[no-untyped-def]
+            iterated = list(snap.waiting)
+            indexed = [snap.waiting[i] for i in range(len(snap.waiting))]
+            seen.append((iterated, indexed))
+            assert snap.waiting[-1:] == iterated[-1:] and snap.waiting[:] == iterated
+            return super().schedule(snap)
+
+    sim = Simulation(SMALL, POLICIES["venus"], 0, SimConfig(steps=2))
+    sim.scheduler = ReadsEverything()
+    assert sim.run() == run("venus", steps=2)
+    assert any(len(iterated) > 1 for iterated, _ in seen)
+    assert all(iterated == indexed for iterated, indexed in seen)

@@ -26,11 +26,14 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import multiprocessing
+import os
 import statistics
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 from venusrl.policy.agent_admission import AimdAdmission, CacheSignal
 from venusrl.policy.critical_groups import (
@@ -176,6 +179,40 @@ class Counters:
     decisions: int = 0
 
 
+class _LazyViews(Sequence[RequestView]):
+    """Views of the waiting head, each built when first read. The scheduler stops at the first
+    request that does not fit, so in a long queue most are never read (building them all took
+    a third of the simulator's time); what it reads is what an eager list would hold."""
+
+    def __init__(self, head: list[_Request], view: Callable[[_Request], RequestView]) -> None:
+        self._head, self._view = head, view
+        self._built: list[RequestView] = []
+
+    def __len__(self) -> int:
+        return len(self._head)
+
+    def __iter__(self) -> Iterator[RequestView]:
+        for i in range(len(self._head)):
+            yield self._get(i)
+
+    @overload
+    def __getitem__(self, i: int) -> RequestView: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[RequestView]: ...
+    def __getitem__(self, i: int | slice) -> RequestView | list[RequestView]:
+        if isinstance(i, slice):
+            return [self._get(j) for j in range(*i.indices(len(self._head)))]
+        if not -len(self._head) <= i < len(self._head):
+            raise IndexError(i)
+        return self._get(i % len(self._head))
+
+    def _get(self, i: int) -> RequestView:
+        built = self._built
+        while len(built) <= i:
+            built.append(self._view(self._head[len(built)]))
+        return built[i]
+
+
 class _Engine:
     def __init__(self, sim: Simulation, index: int) -> None:
         self.sim, self.index = sim, index
@@ -185,6 +222,7 @@ class _Engine:
         self._transfer_s = 0.0  # device-to-host copies made while planning this iteration
         self.running: dict[str, _Request] = {}
         self.waiting: list[_Request] = []
+        self._sorted_for: dict[str, int] | None = None  # the priorities `waiting` is sorted by
         self.idle: dict[str, _Idle] = {}  # trajectory id -> its KV between turns
         self.trajectories = 0  # routed here and not finished (the router's load)
         self.reprefill_after_eviction = 0  # tokens, for admission control's cache signal
@@ -198,6 +236,7 @@ class _Engine:
 
     def submit(self, req: _Request) -> None:
         self.waiting.append(req)
+        self._sorted_for = None
         if not self.busy:
             self.busy = True
             self.sim.clock.at(self.sim.clock.now, self._step)
@@ -227,10 +266,11 @@ class _Engine:
         return pages_for(tokens, self.sim.config.page_size)
 
     def _device_pages(self) -> int:
-        running = sum(self._pages(r.computed) for r in self.running.values())
-        return running + sum(self._pages(e.tokens) for e in self.idle.values() if not e.on_host)
+        ps = self.sim.config.page_size
+        running = sum(-(-r.computed // ps) for r in self.running.values())
+        return running + sum(-(-e.tokens // ps) for e in self.idle.values() if not e.on_host)
 
-    def _views(self, head: list[_Request]) -> tuple[list[RequestView], list[RequestView]]:
+    def _views(self, head: list[_Request]) -> tuple[list[RequestView], Sequence[RequestView]]:
         """The scheduler's snapshot of running requests and the waiting head, as the engine
         builds it (called at every decision: kept lean)."""
         ps = self.sim.config.page_size
@@ -241,15 +281,16 @@ class _Engine:
             p = prio.get(r.traj.group.gid, BEST_EFFORT)
             todo = r.prefill_left or 1
             running.append(RequestView(r.rid, p, r.arrival, r.computed, todo, held, held))
-        waiting = []
-        for r in head:
+
+        def waiting(r: _Request) -> RequestView:
             entry = self.idle.get(r.traj.tid)
             cached = entry.tokens if entry is not None else 0
             held = -(-cached // ps) if entry is not None and not entry.on_host else 0
             todo = max(r.traj.context - cached, 1)
             p = prio.get(r.traj.group.gid, BEST_EFFORT)
-            waiting.append(RequestView(r.rid, p, r.arrival, cached, todo, held, 0))
-        return running, waiting
+            return RequestView(r.rid, p, r.arrival, cached, todo, held, 0)
+
+        return running, _LazyViews(head, waiting)
 
     def _step(self) -> None:
         sim, cfg = self.sim, self.sim.config
@@ -259,8 +300,10 @@ class _Engine:
             return
         sim.counters.decisions += 1
         prio = sim.priorities
-        if len(self.waiting) > 1:
+        # Re-ranking replaces the priorities: sorting is due after that or after an arrival.
+        if self._sorted_for is not prio and len(self.waiting) > 1:
             self.waiting.sort(key=lambda r: (-prio.get(r.traj.group.gid, BEST_EFFORT), r.arrival))
+        self._sorted_for = prio
         head = self.waiting[: cfg.waiting_head]
         running, waiting = self._views(head)
         # As the engine counts it: free pages plus every idle page (evictable, a waiting request's
@@ -287,14 +330,14 @@ class _Engine:
             if release_at is not None:
                 sim.clock.at(release_at, self._kick)
             return
-        by_id = {r.rid: r for r in head}
         used = self._device_pages()
+        ps = cfg.page_size
         seconds, prefill = 0.0, False
         decodes: list[_Request] = []
         for rid, n in plan.run:
             req = self.running.get(rid)
-            if req is None:
-                req = by_id[rid]
+            if req is None:  # admitted: near the head's start (the scheduler admits in order)
+                req = next(r for r in head if r.rid == rid)
                 self.waiting.remove(req)
                 self.running[rid] = req
                 entry = self.idle.get(req.traj.tid)
@@ -303,7 +346,7 @@ class _Engine:
                     loaded = self._pages(req.computed)
                     used = self._make_room(used, loaded) + loaded
             tokens = min(n, req.prefill_left) if req.prefill_left else 1
-            growth = self._pages(req.computed + tokens) - self._pages(req.computed)
+            growth = -(-(req.computed + tokens) // ps) - -(-req.computed // ps)
             used = self._make_room(used, growth) + growth
             if req.prefill_left:
                 seconds += sim.cost.prefill_s(tokens, req.computed)
@@ -386,7 +429,7 @@ class _Engine:
         sim.counters.device_hit_tokens += entry.tokens
         return 0.0
 
-    def _reserved_pages(self, *views: list[RequestView]) -> tuple[int, float | None]:
+    def _reserved_pages(self, *views: Sequence[RequestView]) -> tuple[int, float | None]:
         """As the engine counts them: idle device pages of high-priority trajectories within their
         retention pin, off limits to best-effort requests (trajectory retention only); and when
         the first of those pins expires."""
@@ -465,6 +508,7 @@ class _Engine:
             sim.lost_kv[req.traj.tid] = ("preemption", req.computed)
         req.computed = 0
         self.waiting.append(req)
+        self._sorted_for = None
 
 
 class Simulation:
@@ -779,12 +823,30 @@ def _quantile(sorted_values: list[float], q: float) -> float | None:
 
 
 def simulate(
-    workload: Workload, policies: list[SimPolicy], seed: int = 0, config: SimConfig | None = None
+    workload: Workload,
+    policies: list[SimPolicy],
+    seed: int = 0,
+    config: SimConfig | None = None,
+    jobs: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Each policy on the same seeded workload, with `speedup_vs_<other>` for every other."""
-    results = [Simulation(workload, p, seed, config).run() for p in policies]
+    """Each policy on the same seeded workload, with `speedup_vs_<other>` for every other.
+    The policies run side by side in `jobs` processes (default: one per policy, at most one per
+    core); each run is deterministic, so the figures do not depend on it."""
+    jobs = min(len(policies), jobs or os.cpu_count() or 1)
+    if jobs > 1:
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+            futures = [pool.submit(_run, workload, p, seed, config) for p in policies]
+            results = [f.result() for f in futures]
+    else:
+        results = [_run(workload, p, seed, config) for p in policies]
     for r in results:
         for other in results:
             if other is not r and r["mean_step_s"] and other["mean_step_s"]:
                 r[f"speedup_vs_{other['policy']}"] = other["mean_step_s"] / r["mean_step_s"]
     return results
+
+
+def _run(
+    workload: Workload, policy: SimPolicy, seed: int, config: SimConfig | None
+) -> dict[str, Any]:
+    return Simulation(workload, policy, seed, config).run()
