@@ -8,7 +8,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -19,8 +19,10 @@ from tests.runtime import SMALL
 from venusrl.config import load_config
 from venusrl.engine.model_dir import init_model_dir, load_model
 from venusrl.engine.request import SamplingParams
+from venusrl.envs.types import SandboxCrashed, TemplateSpec
 from venusrl.runtime.cluster.engines import EngineFleet, EngineLost
-from venusrl.runtime.cluster.ray_cluster import check_reachable
+from venusrl.runtime.cluster.ray_cluster import RayCluster, check_reachable
+from venusrl.runtime.cluster.sandboxes import ClusterPool
 from venusrl.runtime.record import read_records
 from venusrl.runtime.train import train
 from venusrl.trainer.trainer import GRPOTrainer, TrainerConfig
@@ -65,6 +67,14 @@ class KillAfterFirstStep(threading.Thread):
                 self.killed.set()
                 return
             time.sleep(0.05)
+
+
+async def fails_soon(error: type[Exception], attempt: Callable[[], Awaitable[object]]) -> None:
+    """`ray.kill` lands asynchronously: calls right after it may still reach the old actor."""
+    with pytest.raises(error):
+        for _ in range(100):
+            await attempt()
+            await asyncio.sleep(0.05)
 
 
 def test_two_engines_and_two_pools_keep_each_trajectory_on_one_engine_and_each_group_on_one_node(
@@ -146,8 +156,9 @@ def test_a_restarted_engine_is_given_the_current_weights_and_serves_new_trajecto
             held = fleet.router.engine_of("held")
             assert held is not None
             ray.kill(fleet.actors[held], no_restart=False)
-            with pytest.raises(EngineLost):
-                await fleet.generate(prompt, two_tokens, trajectory_id="held")
+            await fails_soon(
+                EngineLost, lambda: fleet.generate(prompt, two_tokens, trajectory_id="held")
+            )
             await fleet.end_trajectory("held")
             deadline = time.monotonic() + 300
             while held not in fleet.replicas.up:
@@ -179,11 +190,11 @@ def sandbox_processes() -> set[int]:
     return found
 
 
-def test_a_killed_sandbox_pool_costs_its_groups_and_comes_back_with_its_templates(
+def test_a_killed_sandbox_pool_costs_its_groups_and_the_run_completes(
     two_nodes: Cluster, tmp_path: Path
 ) -> None:
     before = sandbox_processes()
-    steps = 30
+    steps = 10
     cfg = load_config(None, [*RAY_RUN, f"run.steps={steps}"])
     killer = KillAfterFirstStep(tmp_path, "sandboxes-1")
     metrics = asyncio.run(train(cfg, tmp_path))
@@ -192,16 +203,53 @@ def test_a_killed_sandbox_pool_costs_its_groups_and_comes_back_with_its_template
     assert [m["step"] for m in metrics] == list(range(steps))
     report = json.loads((tmp_path / "cluster.json").read_text())
     assert report["manager_restarts"] == [0, 1]
-    # Restarted, its templates prepared again, it took new groups.
-    assert report["groups_since_start"][1] > 0
     assert report["groups_on_several_nodes"] == 0
     for r in read_records(tmp_path):
         assert (r["reward"] is None) == (r["finish"] == Finish.INFRA.value)
-    # The killed pool's sandboxes were reaped by its successor; the rest closed with the run.
+    # The killed pool's sandboxes were reaped (by its successor, or with the run); the rest
+    # closed with the run.
     deadline = time.monotonic() + 10
     while (left := sandbox_processes() - before) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not left
+
+
+def test_a_restarted_sandbox_pool_prepares_its_templates_again_and_takes_new_groups(
+    two_nodes: Cluster,
+) -> None:
+    # The pools on their own, so that the test waits for Ray's restart however long it takes.
+    cfg = load_config(None, RAY_RUN)
+    nodes = RayCluster(cfg.runtime).nodes()
+    before = sandbox_processes()
+
+    async def scenario() -> None:
+        async with ClusterPool(cfg, nodes) as pool:
+            await pool.prepare_template(TemplateSpec(name="t", setup="ANSWER = 42"))
+            groups = [await pool.open_group("t") for _ in range(2)]
+            doomed = next(g for g in groups if g.node == 1)
+            member = await doomed.add()
+            ray.kill(pool.managers[1], no_restart=False)
+            await fails_soon(SandboxCrashed, lambda: member.run_python("print(1)", timeout_s=10))
+            await doomed.close()
+            deadline = time.monotonic() + 300
+            while 1 not in pool.replicas.up:
+                assert time.monotonic() < deadline, "the killed pool never came back"
+                await asyncio.sleep(0.2)
+            # Its successor reaped the dead pool's sandbox and has the template again.
+            new = [await pool.open_group("t") for _ in range(2)]
+            assert 1 in {g.node for g in new}
+            for g in new:
+                out = await (await g.add()).run_python("print(ANSWER)", timeout_s=10)
+                assert out.stdout == b"42\n"
+                await g.close()
+            report = await pool.report()
+            assert report["manager_restarts"] == [0, 1]
+            assert report["groups_since_start"][1] == sum(g.node == 1 for g in new)
+            for g in groups:
+                await g.close()
+
+    asyncio.run(scenario())
+    assert not sandbox_processes() - before
 
 
 @pytest.mark.slow

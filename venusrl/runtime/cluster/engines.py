@@ -138,12 +138,13 @@ class EngineFleet:
         i = self.router.route(tid, up) if tid else least_loaded(self.router.active, up)
         if i not in up:
             raise EngineLost(f"engine {i}, which held trajectory {tid}'s KV, is down")
+        epoch = self.replicas.restarts[i]
         try:
             out: GenerationOutput = await call(
                 self.actors[i].generate, prompt_ids, params, metadata
             )
         except ActorLost as e:
-            self._lost(i)
+            self._lost(i, epoch)
             raise EngineLost(f"engine {i} died under trajectory {tid}: {e}") from e
         if tid:
             if tid not in self.served:
@@ -164,18 +165,19 @@ class EngineFleet:
         await asyncio.gather(*(self._load_weights(i) for i in sorted(self.replicas.up)))
 
     async def _load_weights(self, i: int) -> None:
+        epoch = self.replicas.restarts[i]
         try:
             await self._send_weights(i)
         except ActorLost:
-            self._lost(i)
+            self._lost(i, epoch)
 
     async def _send_weights(self, i: int) -> None:
         if self._weights is not None:
             ref, version = self._weights
             await call(self.actors[i].update_weights, ref, version)
 
-    def _lost(self, i: int) -> None:
-        if self.replicas.lost(i):
+    def _lost(self, i: int, epoch: int) -> None:
+        if self.replicas.lost(i, epoch):
             self.new_trajectories[i] = 0
 
     async def _revive(self, i: int) -> None:

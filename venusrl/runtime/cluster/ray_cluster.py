@@ -140,9 +140,11 @@ class Replicas:
         self._revive = revive
         self._reviving: set[asyncio.Future[None]] = set()
 
-    def lost(self, i: int) -> bool:
-        """Take actor i out of service; False if it already was."""
-        if i not in self.up:
+    def lost(self, i: int, epoch: int) -> bool:
+        """Take actor i out of service after a call made at `epoch` (its restarts then) failed;
+        False if it already was, or if the call was made to an incarnation that is already
+        replaced (a failure that arrives after the restart says nothing of the new one)."""
+        if i not in self.up or epoch != self.restarts[i]:
             return False
         self.up.discard(i)
         self.restarts[i] += 1

@@ -264,10 +264,11 @@ class ClusterPool:
         return up[most_room(rooms)]
 
     async def _room(self, i: int) -> int:
+        epoch = self.replicas.restarts[i]
         try:
             return int(await call(self.managers[i].room))
         except ActorLost:
-            self._lost(i)
+            self._lost(i, epoch)
             return -1
 
     async def _call(self, node: int, epoch: int, method: str, *args: Any) -> Any:
@@ -276,12 +277,12 @@ class ClusterPool:
         try:
             result = await call(getattr(self.managers[node], method), *args)
         except ActorLost as e:
-            self._lost(node)
+            self._lost(node, epoch)
             raise SandboxCrashed(f"the environment manager on node {node} died: {e}") from e
         return result
 
-    def _lost(self, i: int) -> None:
-        if self.replicas.lost(i):
+    def _lost(self, i: int, epoch: int) -> None:
+        if self.replicas.lost(i, epoch):
             self.groups_since_start[i] = 0
 
     async def _revive(self, i: int) -> None:
