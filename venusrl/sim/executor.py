@@ -346,7 +346,7 @@ class _Engine:
                     loaded = self._pages(req.computed)
                     used = self._make_room(used, loaded) + loaded
             tokens = min(n, req.prefill_left) if req.prefill_left else 1
-            growth = -(-(req.computed + tokens) // ps) - -(-req.computed // ps)
+            growth = pages_for(req.computed + tokens, ps) - pages_for(req.computed, ps)
             used = self._make_room(used, growth) + growth
             if req.prefill_left:
                 seconds += sim.cost.prefill_s(tokens, req.computed)
