@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--policies", default="sync,async,venus", help="comma-separated policies")
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--steps", type=int, default=4, help="trainer steps per policy")
+    sim.add_argument(
+        "--jobs", type=int, help="policies simulated at once, one process each (default: cores)"
+    )
     sim.add_argument("--json", action="store_true", help="print one JSON object")
 
     args = parser.parse_args(argv)
@@ -235,8 +238,11 @@ def _sim(args: argparse.Namespace) -> int:
         raise ValueError(f"--policies: unknown {unknown}; known: {', '.join(POLICIES)}")
     if args.steps < 2:
         raise ValueError("--steps must be >= 2 (the first step only fills the pipeline)")
+    if args.jobs is not None and args.jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     started = time.monotonic()
-    results = simulate(workload, [POLICIES[n] for n in names], args.seed, SimConfig(args.steps))
+    policies = [POLICIES[n] for n in names]
+    results = simulate(workload, policies, args.seed, SimConfig(args.steps), args.jobs)
     out = {
         "workload": workload.name,
         "seed": args.seed,

@@ -34,12 +34,16 @@ def test_sim_prints_one_json_object_with_speedups_per_policy(tmp_path: Path) -> 
     assert ours["policy"] == "venus" and ours["steps"] == 3
     assert ours["speedup_vs_sync"] == sync["mean_step_s"] / ours["mean_step_s"]
     assert ours["knobs"]["priorities"] == "critical"  # the knobs are printed with the results
-    table = sim("--workload", str(workload), "--policies", "sync,venus", "--steps", "2")
+    table = sim(
+        "--workload", str(workload), "--policies", "sync,venus", "--steps", "2", "--jobs", "1"
+    )
     assert table.returncode == 0 and "speedup_vs_sync" in table.stdout
 
 
-def test_sim_names_a_bad_policy_or_scenario() -> None:
+def test_sim_names_a_bad_policy_scenario_or_job_count() -> None:
     proc = sim("--scenario", "swe-longg")
     assert proc.returncode == 2 and "swe-longg" in proc.stderr and "swe-long" in proc.stderr
     proc = sim("--scenario", "swe-long", "--policies", "sync,fastest")
     assert proc.returncode == 2 and "fastest" in proc.stderr
+    proc = sim("--scenario", "swe-long", "--jobs", "0")
+    assert proc.returncode == 2 and "--jobs must be >= 1, got 0" in proc.stderr
