@@ -30,6 +30,8 @@ def main() -> None:
     )
     p.add_argument("--model-dir", type=Path, help="where the random model goes (default: tmp)")
     args = p.parse_args()
+    if args.rounds < 1 or args.threads < 1:
+        p.error("--rounds and --threads must be >= 1")
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     out = args.model_dir or Path(tempfile.mkdtemp(prefix="venusrl-calib-")) / args.preset
     if not (out / "config.json").exists():

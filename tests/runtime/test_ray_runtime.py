@@ -69,6 +69,18 @@ class KillAfterFirstStep(threading.Thread):
             time.sleep(0.05)
 
 
+def run_killing(actor: str, run_dir: Path, steps: int = 10) -> tuple[list[dict], dict]:
+    """A run in which `actor` is killed after the first step; it must complete every step.
+    Its metrics and `cluster.json`."""
+    cfg = load_config(None, [*RAY_RUN, f"run.steps={steps}"])
+    killer = KillAfterFirstStep(run_dir, actor)
+    metrics = asyncio.run(train(cfg, run_dir))
+    killer.join()
+    assert killer.killed.is_set()
+    assert [m["step"] for m in metrics] == list(range(steps))
+    return metrics, json.loads((run_dir / "cluster.json").read_text())
+
+
 async def fails_soon(error: type[Exception], attempt: Callable[[], Awaitable[object]]) -> None:
     """`ray.kill` lands asynchronously: calls right after it may still reach the old actor."""
     with pytest.raises(error):
@@ -115,14 +127,7 @@ def test_engines_the_cluster_cannot_hold_are_refused_before_any_actor_starts(
 def test_a_killed_engine_costs_its_trajectories_as_infrastructure_failures_and_the_run_completes(
     two_nodes: Cluster, tmp_path: Path
 ) -> None:
-    steps = 10
-    cfg = load_config(None, [*RAY_RUN, f"run.steps={steps}"])
-    killer = KillAfterFirstStep(tmp_path, "engine-0")
-    metrics = asyncio.run(train(cfg, tmp_path))
-    killer.join()
-    assert killer.killed.is_set()
-    assert [m["step"] for m in metrics] == list(range(steps))
-    report = json.loads((tmp_path / "cluster.json").read_text())
+    metrics, report = run_killing("engine-0", tmp_path)
     restarted, other = report["engines"]
     assert (restarted["restarts"], other["restarts"]) == (1, 0)
     # The trajectories engine 0 held were replaced, not scored.
@@ -194,14 +199,7 @@ def test_a_killed_sandbox_pool_costs_its_groups_and_the_run_completes(
     two_nodes: Cluster, tmp_path: Path
 ) -> None:
     before = sandbox_processes()
-    steps = 10
-    cfg = load_config(None, [*RAY_RUN, f"run.steps={steps}"])
-    killer = KillAfterFirstStep(tmp_path, "sandboxes-1")
-    metrics = asyncio.run(train(cfg, tmp_path))
-    killer.join()
-    assert killer.killed.is_set()
-    assert [m["step"] for m in metrics] == list(range(steps))
-    report = json.loads((tmp_path / "cluster.json").read_text())
+    _, report = run_killing("sandboxes-1", tmp_path)
     assert report["manager_restarts"] == [0, 1]
     assert report["groups_on_several_nodes"] == 0
     for r in read_records(tmp_path):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from venusrl.sim.calibrate import Sample, fit, predict
+from venusrl.sim.calibrate import Sample, calibrate, fit, predict
 from venusrl.sim.cost_model import ModelSpec
 
 MODEL = ModelSpec("tiny", 6e6, 4, 4, 2, 64, 4)
@@ -40,3 +42,8 @@ def test_no_constant_goes_negative_and_the_others_absorb_what_it_cannot() -> Non
         assert predict(cost, s) == pytest.approx(s.seconds, rel=0.1)
     decode = [predict(cost, s) / s.seconds - 1 for s in samples if s.kind == "decode"]
     assert sum(decode) / len(decode) == pytest.approx(0, abs=0.03)  # not all shifted one way
+
+
+def test_zero_rounds_of_measurement_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="rounds must be >= 1, got 0"):
+        calibrate(tmp_path, rounds=0)

@@ -170,6 +170,8 @@ PREFILL_HELD = [(128, 0), (512, 0), (128, 256), (384, 512)]
 
 
 def calibrate(model_dir: Path, threads: int = 1, rounds: int = 3) -> dict[str, Any]:
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     torch.set_num_threads(threads)
     spec = model_spec(model_dir)
     fitting = [("decode", *s) for s in DECODE_FIT] + [("prefill", *s) for s in PREFILL_FIT]

@@ -138,13 +138,11 @@ class EngineFleet:
         i = self.router.route(tid, up) if tid else least_loaded(self.router.active, up)
         if i not in up:
             raise EngineLost(f"engine {i}, which held trajectory {tid}'s KV, is down")
-        epoch = self.replicas.restarts[i]
         try:
-            out: GenerationOutput = await call(
-                self.actors[i].generate, prompt_ids, params, metadata
+            out: GenerationOutput = await self.replicas.call(
+                i, self.replicas.restarts[i], self.actors[i].generate, prompt_ids, params, metadata
             )
         except ActorLost as e:
-            self._lost(i, epoch)
             raise EngineLost(f"engine {i} died under trajectory {tid}: {e}") from e
         if tid:
             if tid not in self.served:
@@ -165,29 +163,23 @@ class EngineFleet:
         await asyncio.gather(*(self._load_weights(i) for i in sorted(self.replicas.up)))
 
     async def _load_weights(self, i: int) -> None:
-        epoch = self.replicas.restarts[i]
-        try:
-            await self._send_weights(i)
-        except ActorLost:
-            self._lost(i, epoch)
+        with contextlib.suppress(ActorLost):  # it is being brought back with these weights
+            await self._send_weights(i, self.replicas.restarts[i])
 
-    async def _send_weights(self, i: int) -> None:
+    async def _send_weights(self, i: int, epoch: int) -> None:
         if self._weights is not None:
             ref, version = self._weights
-            await call(self.actors[i].update_weights, ref, version)
-
-    def _lost(self, i: int, epoch: int) -> None:
-        if self.replicas.lost(i, epoch):
-            self.new_trajectories[i] = 0
+            await self.replicas.call(i, epoch, self.actors[i].update_weights, ref, version)
 
     async def _revive(self, i: int) -> None:
         """Wait for Ray to restart engine i and give it the current weights. Trajectories still
         routed to it were lost with it: their next call fails."""
+        self.new_trajectories[i] = 0
         actor = self.actors[i]
         self.nodes[i] = await until_alive(lambda: call(actor.node_id), RESTART_TIMEOUT_S)
         while True:
             version = self._weights[1] if self._weights else None
-            await self._send_weights(i)
+            await self._send_weights(i, self.replicas.restarts[i])
             # A publish during the load went to the engines that were up: catch up.
             if (self._weights[1] if self._weights else None) == version:
                 return

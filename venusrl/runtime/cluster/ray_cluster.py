@@ -153,6 +153,15 @@ class Replicas:
         task.add_done_callback(self._reviving.discard)
         return True
 
+    async def call(self, i: int, epoch: int, method: Any, *args: Any) -> Any:
+        """`call(method, *args)` on actor i, made at `epoch`; if the actor is dead, it is taken
+        out of service (and brought back) before `ActorLost` reaches the caller."""
+        try:
+            return await call(method, *args)
+        except ActorLost:
+            self.lost(i, epoch)
+            raise
+
     async def _back(self, i: int) -> None:
         with contextlib.suppress(ActorLost):
             await self._revive(i)

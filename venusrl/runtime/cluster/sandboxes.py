@@ -264,30 +264,25 @@ class ClusterPool:
         return up[most_room(rooms)]
 
     async def _room(self, i: int) -> int:
-        epoch = self.replicas.restarts[i]
         try:
-            return int(await call(self.managers[i].room))
-        except ActorLost:
-            self._lost(i, epoch)
+            return int(await self._call(i, self.replicas.restarts[i], "room"))
+        except SandboxCrashed:
             return -1
 
     async def _call(self, node: int, epoch: int, method: str, *args: Any) -> Any:
         if node not in self.replicas.up or epoch != self.replicas.restarts[node]:
             raise SandboxCrashed(f"the environment manager on node {node} restarted")
         try:
-            result = await call(getattr(self.managers[node], method), *args)
+            return await self.replicas.call(
+                node, epoch, getattr(self.managers[node], method), *args
+            )
         except ActorLost as e:
-            self._lost(node, epoch)
             raise SandboxCrashed(f"the environment manager on node {node} died: {e}") from e
-        return result
-
-    def _lost(self, i: int, epoch: int) -> None:
-        if self.replicas.lost(i, epoch):
-            self.groups_since_start[i] = 0
 
     async def _revive(self, i: int) -> None:
         """Wait for Ray to restart manager i; its successor reaps the dead pool's sandboxes when
         its pool starts, and prepares the run's templates again."""
+        self.groups_since_start[i] = 0
         manager = self.managers[i]
         await until_alive(lambda: call(manager.ready, self.templates), RESTART_TIMEOUT_S)
 
