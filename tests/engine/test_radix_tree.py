@@ -81,7 +81,7 @@ def test_tree_and_allocators_invariants_hold_after_every_operation(
             own = alloc.allocate(n)
             m = tree.insert(arg, own, namespace, owner)
             alloc.free([p for p, k in zip(own, m.pages, strict=True) if p != k])
-            assert tree.cached(arg, namespace) == (len(m.pages), 0)
+            assert tree.cached(arg, namespace)[:2] == (len(m.pages), 0)
             assert tree.match(arg, namespace).pages == m.pages
             if owner is not None:
                 ends[owner] = m.node
@@ -127,8 +127,8 @@ def test_owned_kv_is_offloaded_and_a_match_loads_it_back() -> None:
     tree.insert([7, 8], alloc.allocate(1))  # nobody owns it: dropped
     alloc.free(tree.evict(16))
     assert alloc.num_free == alloc.capacity and tree.host_pages == 3
-    assert tree.cached([1, 2, 3, 4, 5, 6, 9]) == (0, 3)
-    assert tree.cached([7, 8]) == (0, 0)
+    assert tree.cached([1, 2, 3, 4, 5, 6, 9])[:2] == (0, 3)
+    assert tree.cached([7, 8])[:2] == (0, 0)
     m = tree.match([1, 2, 3, 4, 5, 6, 9])
     assert len(m.pages) == 3 and m.loaded_pages == 3 and tree.host_pages == 0
     tree.check()
@@ -142,11 +142,11 @@ def test_a_full_host_tier_drops_colder_nodes_to_take_a_warmer_one() -> None:
     alloc.free(tree.evict(2))  # offloaded: the host tier is full now
     tree.insert([5, 6, 7, 8], alloc.allocate(2), owner="hot")
     alloc.free(tree.evict(2))  # hot outranks cold: cold is dropped from host to make room
-    assert tree.cached([5, 6, 7, 8, 0]) == (0, 2)
-    assert tree.cached([1, 2, 3, 4, 0]) == (0, 0)
+    assert tree.cached([5, 6, 7, 8, 0])[:2] == (0, 2)
+    assert tree.cached([1, 2, 3, 4, 0])[:2] == (0, 0)
     tree.insert([1, 2, 3, 4], alloc.allocate(2), owner="cold")
     alloc.free(tree.evict(2))  # colder than what the host holds: dropped
-    assert tree.cached([1, 2, 3, 4, 0]) == (0, 0)
+    assert tree.cached([1, 2, 3, 4, 0])[:2] == (0, 0)
     tree.check()
 
 
@@ -154,10 +154,13 @@ def test_match_is_page_granular_and_splits_nodes() -> None:
     tree = RadixTree(page_size=4)
     tree.insert(list(range(12)), [1, 2, 3])
     probe = [0, 1, 2, 3, 4, 5, 6, 7, 99, 9, 10, 11]
-    assert tree.cached(probe) == (2, 0)
+    assert tree.cached(probe) == (2, 0, 2)  # two pages on device, both evictable
     assert len(tree.nodes()) == 1  # counting is read-only: no split yet
     m: PrefixMatch = tree.match(probe)
     assert m.pages == [1, 2] and len(tree.nodes()) == 2
+    tree.lock(m.node)  # a request reads them: no longer evictable
+    assert tree.cached(probe) == (2, 0, 0)
+    tree.unlock(m.node)
     assert tree.match([0, 1, 2]).pages == []  # less than a page never matches
     tree.check()
 
@@ -187,6 +190,15 @@ def test_lru_evicts_the_least_recently_used_leaf_first() -> None:
     tree.insert([1], [10])
     tree.insert([2], [20])
     tree.match([1])  # touch 1
+    assert tree.evict(1) == [20]
+
+
+def test_a_path_read_to_its_end_counts_as_just_used() -> None:
+    # A request that decoded after its last whole page was cached used that KV until it ended.
+    tree = RadixTree(page_size=1)
+    first = tree.insert([1], [10]).node
+    tree.insert([2], [20])
+    tree.touch(first)
     assert tree.evict(1) == [20]
 
 

@@ -116,3 +116,14 @@ def test_best_effort_requests_leave_the_reserved_pages_to_high_priority_ones() -
     assert dict(PriorityScheduler().schedule(alone).run) == {"low": 20}  # 5 <= 12 - 6
     tight = dataclasses.replace(reserved, waiting=[view("low", priority=0, todo=40)])
     assert PriorityScheduler().schedule(tight).run == ()  # 10 > 12 - 6: it waits
+
+
+def test_a_waiting_request_does_not_count_its_own_cached_pages_as_free() -> None:
+    # 4 free pages, all of them the request's own idle cache (evictable, so counted as free):
+    # admitting it locks them, and its 2 new pages must come from elsewhere.
+    cached = dataclasses.replace(view("w", computed=16, todo=8, held=4), pages_idle=4)
+    assert PriorityScheduler().schedule(snap([], [cached], free=4)).run == ()
+    assert PriorityScheduler().schedule(snap([], [cached], free=6)).run == (("w", 8),)
+    # Pages another running request already holds locked are not in the free count at all.
+    shared = dataclasses.replace(cached, pages_idle=0)
+    assert PriorityScheduler().schedule(snap([], [shared], free=2)).run == (("w", 8),)

@@ -85,7 +85,8 @@ def test_offloading_stops_at_the_host_memory_and_what_does_not_fit_is_dropped() 
     full_host = run("venus", cost=no_host)
     assert roomy_host["offload_bytes"] > 0 and roomy_host["reprefill_tokens"] == 0
     assert full_host["offload_bytes"] == 0 and full_host["reprefill_tokens"] > 0
-    assert full_host["mean_step_s"] > roomy_host["mean_step_s"]
+    # Computing the dropped KV again costs GPU time that loading it back did not.
+    assert full_host["gpu_busy"] > roomy_host["gpu_busy"]
 
 
 def test_admission_control_holds_trajectories_back_and_thrashes_less_than_lru_alone() -> None:

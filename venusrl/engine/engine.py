@@ -52,7 +52,7 @@ from venusrl.engine.host_malloc import keep_freed_memory_in_heap
 from venusrl.engine.kv_cache import KVCache
 from venusrl.engine.model import CausalLM
 from venusrl.engine.model_dir import iter_safetensors, load_model
-from venusrl.engine.radix_tree import PrefixMatch, RadixNode, RadixTree
+from venusrl.engine.radix_tree import Cached, PrefixMatch, RadixNode, RadixTree
 from venusrl.engine.request import GenerationOutput, Request, SamplingParams, Status
 from venusrl.engine.sampler import sample
 from venusrl.engine.tokenizer import Tokenizer
@@ -64,7 +64,13 @@ from venusrl.policy.engine_schedule import (
     pages_for,
     pages_needed,
 )
-from venusrl.policy.kv_retention import IdleKV, LruRetention, RetentionPolicy, TrajectoryRetention
+from venusrl.policy.kv_retention import (
+    IdleKV,
+    LruRetention,
+    RetentionPolicy,
+    TrajectoryRetention,
+    eviction_key,
+)
 
 # Decode rows sharing a prefix attend it once (cascade attention) when that saves reading at
 # least this many KV tokens per layer; below it one fused SDPA call over all pages is cheaper.
@@ -153,7 +159,9 @@ class Engine:
         self.trajectories: dict[str, TrajectoryState] = {}
         self.tree = RadixTree(
             ps,
-            eviction_key=lambda node: self.retention.rank(self._idle_kv(node), self.clock()),
+            eviction_key=lambda node: eviction_key(
+                self.retention, self._idle_kv(node), self.clock()
+            ),
             offload_if=lambda node: self.retention.offload(self._idle_kv(node), self.clock()),
             tiers=self.kv,
         )
@@ -261,10 +269,11 @@ class Engine:
 
     def _idle_kv(self, node: RadixNode) -> IdleKV:
         """A tree node as the retention policy sees it: through the state of its owners."""
-        live = [self.trajectories[o] for o in node.owners if o in self.trajectories]
+        owners = sorted(o for o in node.owners if o in self.trajectories)
+        live = [self.trajectories[o] for o in owners]
         pins = [t.pin_deadline for t in live if t.pin_deadline is not None]
         return IdleKV(
-            key="",
+            key=",".join(owners),
             tokens=len(node.key),
             priority=max((t.priority for t in live), default=0),
             last_use=node.last_access,
@@ -353,7 +362,7 @@ class Engine:
         prefilling = [r for r in self.running if r.tokens_to_compute > 1]
         waiting = []
         for r in self.waiting[: 2 * self.cfg.max_running]:
-            on_device, on_host = self._cached_prefix(r)
+            on_device, on_host, idle = self._cached_prefix(r)
             cached = (on_device + on_host) * ps
             key, in_flight = None, False
             if self.cfg.prefix_cache and r.num_tokens - cached > ps:
@@ -374,6 +383,7 @@ class Engine:
                     r.num_tokens - cached,
                     pages_held=on_device,  # host pages need device pages to load into
                     pages_releasable=0,
+                    pages_idle=idle,
                     prefix_key=key,
                     prefix_in_flight=in_flight,
                 )
@@ -418,10 +428,10 @@ class Engine:
             node = node.parent
         return pages
 
-    def _cached_prefix(self, r: Request) -> tuple[int, int]:
+    def _cached_prefix(self, r: Request) -> Cached:
         """Pages of the request's prefix cached on device, then on host."""
         if not self.cfg.prefix_cache:
-            return 0, 0
+            return Cached(0, 0)
         # At least the last token is computed, to produce the logits of the next one.
         return self.tree.cached(r.all_ids[: r.num_tokens - 1], r.namespace)
 
@@ -639,6 +649,9 @@ class Engine:
     def _release_kv(self, r: Request) -> None:
         if self.cfg.prefix_cache:
             self._cache_prefix(r)
+            if r.tree_node is not None:
+                # Its idle KV was last used now, not when its last whole page was cached.
+                self.tree.touch(r.tree_node)
             r.expected_cached = max(r.expected_cached, r.num_shared_pages * self.page_size)
             t = self.trajectories.get(r.trajectory_id) if r.trajectory_id else None
             if t is not None and r.tree_node is not None:

@@ -90,6 +90,7 @@ class PrefixMatch:
 class Cached(NamedTuple):
     device_pages: int  # leading pages cached on device
     host_pages: int  # pages after those, cached on host
+    idle_pages: int = 0  # of the device pages, those in unlocked (evictable) nodes
 
 
 class RadixTree:
@@ -188,7 +189,7 @@ class RadixTree:
         ps = self.page_size
         tokens = tuple(tokens[: len(tokens) - len(tokens) % ps])
         node = self._roots.get(namespace)
-        offset = device = 0
+        offset = device = idle = 0
         while node is not None and offset < len(tokens):
             child = node.children.get(tokens[offset : offset + ps])
             if child is None:
@@ -197,8 +198,9 @@ class RadixTree:
             offset += n * ps
             if not child.on_host:
                 device += n
+                idle += n if child.lock_ref == 0 else 0
             node = child if n * ps == len(child.key) else None
-        return Cached(device, offset // ps - device)
+        return Cached(device, offset // ps - device, idle)
 
     def _common_pages(self, key: tuple[int, ...], tokens: tuple[int, ...], offset: int) -> int:
         ps = self.page_size
@@ -268,12 +270,26 @@ class RadixTree:
                 up = up.parent
         return PrefixMatch(node, cached)
 
-    def disown(self, node: RadixNode, owner: str) -> None:
-        """`owner` no longer reads the path ending at `node` (its trajectory is over)."""
+    def touch(self, node: RadixNode) -> None:
+        """The path ending at `node` was just used (by a request that read it to its end)."""
+        tick = next(self._tick)
         up: RadixNode | None = node
-        while up is not None and owner in up.owners:
-            up.owners.discard(owner)
+        while up is not None:
+            up.last_access = tick
             up = up.parent
+
+    def disown(self, node: RadixNode, owner: str) -> None:
+        """`owner` (a trajectory whose episode is over) no longer reads any node of the tree
+        `node` is in. Its nodes hang together from the root (a child's owners own its parent),
+        and may reach below `node`: a shorter insertion can end inside an owner's path."""
+        root = node
+        while root.parent is not None:
+            root = root.parent
+        stack = [c for c in root.children.values() if owner in c.owners]
+        while stack:
+            n = stack.pop()
+            n.owners.discard(owner)
+            stack.extend(c for c in n.children.values() if owner in c.owners)
 
     # -- locking ------------------------------------------------------------------------------
 

@@ -39,6 +39,9 @@ class RequestView:
     pages_releasable: int  # device pages freed or made evictable if it is preempted
     prefix_key: Hashable | None = None  # identity of its next uncached page (waiting only)
     prefix_in_flight: bool = False  # another running request is computing that page now
+    # Waiting only: of `pages_held`, those counted in `free_pages` (cached, evictable) that
+    # admitting it takes out of the free count (it locks them).
+    pages_idle: int = 0
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,7 @@ class PriorityScheduler:
         def plan(view: RequestView, waiting: bool) -> bool:
             nonlocal free, budget
             n = min(view.tokens_to_compute, budget)
-            need = pages_needed(view, n, snap.page_size)
+            need = pages_needed(view, n, snap.page_size) + view.pages_idle
             # Below the reserve priority, the reserved pages are not there to take: such a
             # request runs in leftover capacity (or in what preempting lower work frees).
             hold = snap.reserved_pages if view.priority < snap.reserve_priority else 0

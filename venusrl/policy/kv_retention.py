@@ -19,17 +19,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from venusrl.policy.critical_groups import HIGH
 
 
 @dataclass(frozen=True, slots=True)
 class IdleKV:
-    key: str  # the trajectory (or radix node) it belongs to
+    key: str  # the trajectories it belongs to
     tokens: int
-    priority: int  # of the owner's group, now
-    last_use: float
+    priority: int  # the owner's, sent with its latest request
+    last_use: float  # when it was last read or written (any increasing measure)
     pin_deadline: float | None  # while the owner waits on a tool: when the wait should be over
     finished: bool  # the owner's episode is over: no one reads this KV again
 
@@ -48,9 +48,15 @@ class RetentionPolicy(Protocol):
         ...
 
 
+def eviction_key(policy: RetentionPolicy, entry: IdleKV, now: float) -> tuple[Any, float]:
+    """The policy's rank, ties broken by last use: the order the engine's radix tree and the
+    simulator evict in, the smallest first."""
+    return (policy.rank(entry, now), entry.last_use)
+
+
 def eviction_order(policy: RetentionPolicy, idle: Sequence[IdleKV], now: float) -> list[IdleKV]:
     """Candidates, the first to leave the device first."""
-    return sorted(idle, key=lambda e: policy.rank(e, now))
+    return sorted(idle, key=lambda e: eviction_key(policy, e, now))
 
 
 class LruRetention:

@@ -7,25 +7,33 @@ real: the coordinator's group ranking (`policy.critical_groups`), the staleness 
 the object the engine runs) and the KV retention policy (`policy.kv_retention`), each called
 with snapshots built from the simulated state (DESIGN.md contract 1).
 
-What is modelled, per engine: continuous batching with chunked prefill under a token budget, KV
-pages on the device, idle KV of trajectories between turns (kept, evicted to host or dropped by
-the retention policy), preemption by priority, and re-prefill of whatever KV was lost. Decode
-iterations between two decisions are merged into one event (a batch that does not change runs the
-same plan until a member finishes its action or a request arrives; an arrival waits for the
-iteration in flight, as on a real engine), so a scenario of millions of tokens runs in seconds.
+What is modelled, per engine, as `venusrl.engine.Engine` does it: continuous batching with
+chunked prefill under a token budget (the prefill's last chunk samples the action's first token),
+KV pages on the device, whole pages cached in a radix tree (a node per insertion: each prefill
+chunk and each request's end), idle KV of trajectories between turns and of finished ones kept
+until evicted node by node from the end of its path (offloaded to host or dropped, in the
+retention policy's order), preemption by priority (the preempted KV stays idle, evictable), and
+re-prefill of whatever KV was lost. `tests/sim/test_engine_parity.py` replays a simulated run on
+the real engine and checks that every plan and eviction is the same. Decode iterations between
+two decisions are merged into one event (a batch that does not change runs the same plan until a
+member finishes its action, a request arrives, an eviction would be needed or a retention pin
+expires; an arrival waits for the iteration in flight, as on a real engine), so a scenario of
+millions of tokens runs in minutes.
 
 Simplifications (each a bias the same for every policy): a group's members do not share their
 prompt's KV (it is 3 % of a swe-long context); KV survives weight updates (no version salt);
 sandboxes are charged their whole RSS, unshared. Host memory for offloaded KV is bounded
-(`CostModel.host_kv_bytes_per_gpu`); when it is full, what would be offloaded is dropped. Copies
-to host are charged to the iteration that makes them, loads to the one that admits the request
-(neither is overlapped with compute: conservative for the policies that offload).
+(`CostModel.host_kv_bytes_per_gpu`); when it is full, host KV ranked below what is offloaded
+is dropped to make room, else what would be offloaded is dropped. Copies to host are charged to
+the iteration that makes them, loads to the one that admits the request (neither is overlapped
+with compute: conservative for the policies that offload).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import multiprocessing
 import os
 import statistics
@@ -57,7 +65,7 @@ from venusrl.policy.kv_retention import (
     LruRetention,
     RetentionPolicy,
     TrajectoryRetention,
-    eviction_order,
+    eviction_key,
 )
 from venusrl.policy.placement import least_loaded
 from venusrl.policy.staleness import StalenessBound
@@ -144,6 +152,7 @@ class _Traj:
     context: int = 0  # tokens of the record so far
     generated: int = 0
     engine: _Engine | None = None
+    expected_cached: int = 0  # tokens of its context the engine cached when it last let go of it
 
 
 @dataclass(eq=False)
@@ -151,17 +160,29 @@ class _Request:
     rid: str
     traj: _Traj
     arrival: int
-    computed: int  # tokens of the context whose KV is on the device for this request
-    prefill_left: int
-    decode_left: int
+    priority: int  # sent with the request, as the coordinator does: fixed from then on
+    decode_left: int  # tokens of the action still to sample
+    computed: int = 0  # tokens of the context with KV on the device for this request
+    prefill_left: int = 0
+    cached: int = 0  # of `computed`, the whole pages handed to the radix tree
+    segments: list[int] = field(default_factory=list)  # its tree nodes, in tokens, root first
+    resumed: bool = False  # it ran before and was preempted: KV it lost is a preemption's
 
 
-@dataclass
+@dataclass(eq=False)
 class _Idle:
-    tokens: int
-    last_use: float
-    pin_deadline: float | None
-    on_host: bool = False
+    """A trajectory's KV between its requests, as the engine's radix tree holds it: one node per
+    insertion (`segments`, in tokens, root first), of which the last `on_host` are offloaded.
+    The tree evicts a path from its end, node by node."""
+
+    segments: list[int]
+    device: int  # tokens in the device segments
+    priority: int  # of the trajectory's latest request
+    last_use: int  # the tree's access tick
+    pin_deadline: float | None = None
+    on_host: int = 0
+    host: int = 0  # tokens in the host segments
+    finished: bool = False
 
 
 @dataclass
@@ -174,9 +195,23 @@ class Counters:
     offload_bytes: float = 0.0
     load_bytes: float = 0.0
     preemptions: int = 0
-    evictions: int = 0
+    evictions: int = 0  # radix-tree nodes that left the device (offloaded or dropped)
     iterations: int = 0
     decisions: int = 0
+
+
+@dataclass(frozen=True)
+class Submission:
+    """A request as an engine receives it, for replaying a simulated run on a real engine."""
+
+    time: float
+    engine: int
+    request_id: str
+    trajectory_id: str
+    context_tokens: int  # the prompt: the trajectory's whole record so far
+    action_tokens: int  # tokens to generate
+    priority: int
+    expected_wait_s: float | None  # the tool wait after it (None: the trajectory ends with it)
 
 
 class _LazyViews(Sequence[RequestView]):
@@ -214,16 +249,25 @@ class _LazyViews(Sequence[RequestView]):
 
 
 class _Engine:
+    """One rollout engine, modelled as `venusrl.engine.Engine` runs: the same scheduler on the
+    same snapshot; the first token of an action sampled by the prefill's last chunk; whole pages
+    cached, in one radix node per insertion (after each prefill chunk and when a request lets go
+    of its KV); idle nodes evicted from the end of a path in the retention policy's order, each
+    offloaded or dropped; a preempted request's KV left idle in the tree; a finished
+    trajectory's KV kept until it is evicted (`tests/sim/test_engine_parity.py` checks the
+    decisions are the engine's)."""
+
     def __init__(self, sim: Simulation, index: int) -> None:
         self.sim, self.index = sim, index
-        self.capacity = sim.cost.kv_capacity_tokens // sim.config.page_size
+        self.page_size = sim.config.page_size
+        self.capacity = sim.cost.kv_capacity_tokens // self.page_size
         self.host_capacity = sim.cost.host_capacity_tokens  # tokens
         self.host_used = 0
         self._transfer_s = 0.0  # device-to-host copies made while planning this iteration
         self.running: dict[str, _Request] = {}
         self.waiting: list[_Request] = []
-        self._sorted_for: dict[str, int] | None = None  # the priorities `waiting` is sorted by
-        self.idle: dict[str, _Idle] = {}  # trajectory id -> its KV between turns
+        self._unsorted = False  # an arrival or a preemption since `waiting` was sorted
+        self.idle: dict[str, _Idle] = {}  # trajectory id -> its KV between requests
         self.trajectories = 0  # routed here and not finished (the router's load)
         self.reprefill_after_eviction = 0  # tokens, for admission control's cache signal
         admission = sim.policy.admission
@@ -232,23 +276,33 @@ class _Engine:
         self.busy_s = 0.0
         self.paused_until = 0.0
         self._epoch = 0
-        self._chunk: tuple[float, float, int, list[_Request]] | None = None  # start, dt, n, reqs
+        # The iteration(s) in flight: start, seconds each, how many, and the requests that
+        # sample in them (in the engine's order) with whether each decodes.
+        self._chunk: tuple[float, float, int, list[tuple[_Request, bool]]] | None = None
 
     def submit(self, req: _Request) -> None:
+        entry = self.idle.get(req.traj.tid)
+        if entry is not None:  # the tool answered: its KV is the new request's now
+            entry.priority, entry.pin_deadline = req.priority, None
         self.waiting.append(req)
-        self._sorted_for = None
+        self._unsorted = True
         if not self.busy:
             self.busy = True
             self.sim.clock.at(self.sim.clock.now, self._step)
         elif self._chunk is not None:
             self._interrupt()
 
+    def wait_on_tool(self, tid: str, deadline: float) -> None:
+        entry = self.idle.get(tid)
+        if entry is not None:
+            entry.pin_deadline = deadline
+
     def finish_trajectory(self, tid: str) -> None:
-        # Nobody reads it again (group members do not share KV here): free at no cost, as the
-        # first eviction of any policy would.
-        entry = self.idle.pop(tid, None)
-        if entry is not None and entry.on_host:
-            self.host_used -= entry.tokens
+        """No request of it follows: its KV stays until evicted, first of all by policies that
+        know it is finished, by its last use with LRU."""
+        entry = self.idle.get(tid)
+        if entry is not None:
+            entry.finished = True
 
     def _interrupt(self) -> None:
         """A request arrived during merged decode iterations: they stop after the one in flight,
@@ -263,32 +317,29 @@ class _Engine:
     # --- one decision ------------------------------------------------------------------------
 
     def _pages(self, tokens: int) -> int:
-        return pages_for(tokens, self.sim.config.page_size)
+        return pages_for(tokens, self.page_size)
 
     def _device_pages(self) -> int:
-        ps = self.sim.config.page_size
+        ps = self.page_size
         running = sum(-(-r.computed // ps) for r in self.running.values())
-        return running + sum(-(-e.tokens // ps) for e in self.idle.values() if not e.on_host)
+        return running + sum(e.device for e in self.idle.values()) // ps
 
     def _views(self, head: list[_Request]) -> tuple[list[RequestView], Sequence[RequestView]]:
         """The scheduler's snapshot of running requests and the waiting head, as the engine
         builds it (called at every decision: kept lean)."""
-        ps = self.sim.config.page_size
-        prio = self.sim.priorities
+        ps = self.page_size
         running = []
         for r in self.running.values():
             held = -(-r.computed // ps)
-            p = prio.get(r.traj.group.gid, BEST_EFFORT)
             todo = r.prefill_left or 1
-            running.append(RequestView(r.rid, p, r.arrival, r.computed, todo, held, held))
+            running.append(RequestView(r.rid, r.priority, r.arrival, r.computed, todo, held, held))
 
         def waiting(r: _Request) -> RequestView:
             entry = self.idle.get(r.traj.tid)
-            cached = entry.tokens if entry is not None else 0
-            held = -(-cached // ps) if entry is not None and not entry.on_host else 0
+            cached = entry.device + entry.host if entry is not None else 0
+            held = entry.device // ps if entry is not None else 0
             todo = max(r.traj.context - cached, 1)
-            p = prio.get(r.traj.group.gid, BEST_EFFORT)
-            return RequestView(r.rid, p, r.arrival, cached, todo, held, 0)
+            return RequestView(r.rid, r.priority, r.arrival, cached, todo, held, 0, pages_idle=held)
 
         return running, _LazyViews(head, waiting)
 
@@ -299,11 +350,9 @@ class _Engine:
             sim.clock.at(self.paused_until, self._step)
             return
         sim.counters.decisions += 1
-        prio = sim.priorities
-        # Re-ranking replaces the priorities: sorting is due after that or after an arrival.
-        if self._sorted_for is not prio and len(self.waiting) > 1:
-            self.waiting.sort(key=lambda r: (-prio.get(r.traj.group.gid, BEST_EFFORT), r.arrival))
-        self._sorted_for = prio
+        if self._unsorted and len(self.waiting) > 1:
+            self.waiting.sort(key=lambda r: (-r.priority, r.arrival))
+        self._unsorted = False
         head = self.waiting[: cfg.waiting_head]
         running, waiting = self._views(head)
         # As the engine counts it: free pages plus every idle page (evictable, a waiting request's
@@ -331,46 +380,70 @@ class _Engine:
                 sim.clock.at(release_at, self._kick)
             return
         used = self._device_pages()
-        ps = cfg.page_size
+        evictions = sim.counters.evictions
         seconds, prefill = 0.0, False
-        decodes: list[_Request] = []
+        ran: list[tuple[_Request, int, bool]] = []  # request, tokens, decodes
         for rid, n in plan.run:
             req = self.running.get(rid)
+            admitted: int | None = None  # tokens loaded from host, when admitted now
             if req is None:  # admitted: near the head's start (the scheduler admits in order)
                 req = next(r for r in head if r.rid == rid)
+                used, admitted = self._load(req.traj.tid, used)
+                if admitted is None:
+                    continue  # its host KV does not fit on the device yet: it waits
+                seconds += sim.cost.transfer_s(admitted, to_device=True)
                 self.waiting.remove(req)
                 self.running[rid] = req
-                entry = self.idle.get(req.traj.tid)
-                seconds += self._admit(req)
-                if entry is not None and entry.on_host:  # loaded back: it needs its pages again
-                    loaded = self._pages(req.computed)
-                    used = self._make_room(used, loaded) + loaded
-            tokens = min(n, req.prefill_left) if req.prefill_left else 1
-            growth = pages_for(req.computed + tokens, ps) - pages_for(req.computed, ps)
-            used = self._make_room(used, growth) + growth
-            if req.prefill_left:
+                self._admit(req)
+            decodes = not req.prefill_left
+            tokens = 1 if decodes else min(n, req.prefill_left)
+            growth = self._pages(req.computed + tokens) - self._pages(req.computed)
+            used = self._make_room(used, growth)
+            if used + growth > self.capacity:
+                # Earlier requests of the plan took the pages it counted on: it waits a step
+                # (as the engine does), back in the queue if it was just admitted.
+                if admitted is not None:
+                    del self.running[rid]
+                    self._release(req)
+                    self.waiting.append(req)
+                    self._unsorted = True
+                continue
+            used += growth
+            if admitted is not None:
+                self._count_admission(req, admitted)
+            if not decodes:
                 seconds += sim.cost.prefill_s(tokens, req.computed)
                 req.computed += tokens
                 req.prefill_left -= tokens
                 prefill = True
-            else:
-                decodes.append(req)
+                if tokens > 1:
+                    self._cache(req)  # the engine hands each prefill chunk's pages to the tree
+            ran.append((req, tokens, decodes))
+        # The engine packs single-token rows first and samples in that order.
+        ran.sort(key=lambda item: item[1] > 1)
+        sampling = [(req, decodes) for req, _, decodes in ran if not req.prefill_left]
         seconds += self._transfer_s
         self._transfer_s = 0.0
-        context = sum(r.computed for r in decodes)
+        decoding = [req for req, _, decodes in ran if decodes]
+        context = sum(r.computed for r in decoding)
         n = 1
-        if decodes and not prefill and not seconds and not plan.preempt:
-            # The same plan repeats until a request finishes its action: merge those iterations.
-            free_tokens = (self.capacity - used) * cfg.page_size
+        evicted = sim.counters.evictions != evictions  # what waits sees its cache shrink
+        if decoding and not prefill and not seconds and not plan.preempt and not evicted:
+            # The same plan repeats until a request finishes its action: merge those iterations,
+            # as long as their pages need no eviction and no retention pin expires.
+            ps = cfg.page_size
+            slack = min(self._pages(r.computed + 1) * ps - r.computed - 1 for r in decoding)
             n = min(
-                min(r.decode_left for r in decodes),
-                max(1, free_tokens // len(decodes)),
+                min(r.decode_left for r in decoding),
+                1 + slack + ps * ((self.capacity - used) // len(decoding)),
                 cfg.max_merged_iterations,
             )
-            seconds = sim.cost.decode_step_s(len(decodes), context + len(decodes) * n / 2)
+            seconds = sim.cost.decode_step_s(len(decoding), context + len(decoding) * n / 2)
+            if release_at is not None and n > 1:
+                n = max(1, min(n, math.ceil((release_at - now) / seconds)))
         else:
-            seconds += sim.cost.decode_step_s(len(decodes), context) or sim.cost.gpu.t_fix
-        self._chunk = (now, seconds, n, decodes)
+            seconds += sim.cost.decode_step_s(len(decoding), context) or sim.cost.gpu.t_fix
+        self._chunk = (now, seconds, n, sampling)
         self._end_at(now + n * seconds)
 
     def _end_at(self, t: float) -> None:
@@ -382,19 +455,21 @@ class _Engine:
         if epoch != self._epoch or self._chunk is None:
             return  # superseded by an interruption
         sim = self.sim
-        start, _, n, decodes = self._chunk
+        start, _, n, sampling = self._chunk
         self._chunk = None
         self.busy_s += sim.clock.now - start
         sim.counters.iterations += n
-        for req in decodes:
-            req.computed += n
+        for req, decodes in sampling:
+            if decodes:
+                req.computed += n  # the KV of the token sampled before
             req.decode_left -= n
             req.traj.context += n
             req.traj.generated += n
-        for req in [r for r in self.running.values() if not r.prefill_left and not r.decode_left]:
-            del self.running[req.rid]
-            self.idle[req.traj.tid] = _Idle(req.computed, sim.clock.now, None)
-            sim.turn_done(req.traj)
+        for req, _ in sampling:
+            if not req.decode_left:
+                del self.running[req.rid]
+                self._release(req)
+                sim.turn_done(req.traj)
         if self.running or self.waiting:
             self._step()
         else:
@@ -402,32 +477,88 @@ class _Engine:
 
     # --- KV ------------------------------------------------------------------------------------
 
-    def _admit(self, req: _Request) -> float:
-        """The request's context KV: from the device (a hit), from host (a load, whose time the
-        iteration pays) or computed again (a re-prefill of what was lost)."""
-        sim = self.sim
-        tid = req.traj.tid
-        entry = self.idle.pop(tid, None)
-        req.computed = entry.tokens if entry is not None else 0
+    def _load(self, tid: str, used: int) -> tuple[int, int | None]:
+        """Loads the trajectory's host KV back, as the engine's admission does: the nodes that
+        fit in free pages, then, after evicting other KV to make room (the host KV stays where
+        it is meanwhile, and may be dropped to make host room), the rest. Returns the pages then
+        in use and the tokens loaded, or None when some still do not fit."""
+        entry = self.idle.get(tid)
+        if entry is None or not entry.host:
+            return used, 0
+        ps, loaded = self.page_size, 0
+
+        def load_what_fits() -> None:
+            nonlocal used, loaded
+            while entry.on_host:
+                tokens = entry.segments[len(entry.segments) - entry.on_host]
+                if tokens // ps > self.capacity - used:
+                    return
+                entry.on_host -= 1
+                entry.host -= tokens
+                entry.device += tokens
+                self.host_used -= tokens
+                used += tokens // ps
+                loaded += tokens
+
+        load_what_fits()
+        if entry.host:
+            used = self._make_room(used, entry.host // ps, keep=tid)
+            load_what_fits()
+        return used, None if entry.host else loaded
+
+    def _admit(self, req: _Request) -> None:
+        """The request takes its trajectory's cached KV."""
+        entry = self.idle.pop(req.traj.tid, None)
+        req.segments = entry.segments if entry is not None else []
+        req.computed = req.cached = entry.device if entry is not None else 0
         req.prefill_left = req.traj.context - req.computed
-        lost = sim.lost_kv.pop(tid, None)
-        if lost is not None:
-            cause, tokens = lost
-            sim.counters.reprefill_tokens += tokens
-            if cause == "preemption":
-                sim.counters.reprefill_after_preemption += tokens
+
+    def _count_admission(self, req: _Request, loaded: int) -> None:
+        """Where an admission found its KV: on the device, on host (`loaded` tokens) or lost,
+        to compute again."""
+        sim, t = self.sim, req.traj
+        sim.counters.host_hit_tokens += loaded
+        sim.counters.load_bytes += loaded * sim.cost.model.kv_bytes_per_token
+        lost = t.expected_cached - req.computed
+        if lost > 0:
+            sim.counters.reprefill_tokens += lost
+            if req.resumed:
+                sim.counters.reprefill_after_preemption += lost
             else:
-                sim.counters.reprefill_after_eviction += tokens
-                self.reprefill_after_eviction += tokens
-        if entry is None:
-            return 0.0
-        if entry.on_host:
-            self.host_used -= entry.tokens
-            sim.counters.host_hit_tokens += entry.tokens
-            sim.counters.load_bytes += entry.tokens * sim.cost.model.kv_bytes_per_token
-            return sim.cost.transfer_s(entry.tokens, to_device=True)
-        sim.counters.device_hit_tokens += entry.tokens
-        return 0.0
+                sim.counters.reprefill_after_eviction += lost
+                self.reprefill_after_eviction += lost
+        sim.counters.device_hit_tokens += req.computed - loaded
+
+    def _cache(self, req: _Request) -> None:
+        """The request's computed whole pages go to the radix tree, as one new node."""
+        full = req.computed - req.computed % self.page_size
+        if full > req.cached:
+            req.segments.append(full - req.cached)
+            req.cached = full
+
+    def _release(self, req: _Request) -> None:
+        """The request lets go of its KV: its whole pages stay in the tree, idle, the rest is
+        freed."""
+        sim, t = self.sim, req.traj
+        self._cache(req)
+        t.expected_cached = max(t.expected_cached, req.cached)
+        if req.segments:
+            sim.ticks += 1
+            self.idle[t.tid] = _Idle(req.segments, req.cached, req.priority, sim.ticks)
+        req.segments, req.computed, req.cached = [], 0, 0
+
+    def _preempt(self, req: _Request) -> None:
+        """A running request gives its pages up: its KV stays in the tree, idle, where eviction
+        may take it; it waits again with the tokens it sampled kept in its context."""
+        self.sim.counters.preemptions += 1
+        self._release(req)
+        req.resumed = True
+        self.waiting.append(req)
+        self._unsorted = True
+
+    def _idle_kv(self, tid: str, entry: _Idle, segment: int) -> IdleKV:
+        return IdleKV(tid, entry.segments[segment], entry.priority, entry.last_use,
+                      entry.pin_deadline, entry.finished)  # fmt: skip
 
     def _reserved_pages(self, *views: Sequence[RequestView]) -> tuple[int, float | None]:
         """As the engine counts them: idle device pages of high-priority trajectories within their
@@ -440,14 +571,9 @@ class _Engine:
         pinned = [
             e
             for tid, e in self.idle.items()
-            if not e.on_host
-            and sim.retention.reserved(
-                IdleKV(tid, e.tokens, sim.priority(sim.group_of(tid)), e.last_use,
-                       e.pin_deadline, finished=False),
-                now,
-            )
-        ]  # fmt: skip
-        pages = sum(self._pages(e.tokens) for e in pinned)
+            if e.device and sim.retention.reserved(self._idle_kv(tid, e, 0), now)
+        ]
+        pages = sum(e.device for e in pinned) // self.page_size
         return pages, min((e.pin_deadline or now for e in pinned), default=None)
 
     def _kick(self) -> None:
@@ -455,37 +581,48 @@ class _Engine:
             self.busy = True
             self._step()
 
-    def _make_room(self, used: int, need: int) -> int:
-        """Evicts idle KV until `need` more pages fit; returns the pages then in use."""
+    def _make_room(self, used: int, need: int, keep: str | None = None) -> int:
+        """Evicts idle KV (not the device KV of trajectory `keep`) until `need` more pages fit,
+        as the engine's tree does: candidates in the retention policy's order, each path from
+        its end; returns the pages then in use."""
         free = self.capacity - used
         if need <= free:
             return used
         sim = self.sim
         now = sim.clock.now
-        # Only live trajectories hold idle KV here (`finish_trajectory` lets go of the rest).
-        candidates = [
-            IdleKV(tid, e.tokens, sim.priority(sim.group_of(tid)), e.last_use, e.pin_deadline,
-                   finished=False)
+        ret, ps = sim.retention, self.page_size
+        candidates = sorted(
+            (eviction_key(ret, self._idle_kv(tid, e, 0), now), tid)
             for tid, e in self.idle.items()
-            if not e.on_host
-        ]  # fmt: skip
-        for cand in eviction_order(sim.retention, candidates, now):
+            if e.device and tid != keep
+        )
+        for key, tid in candidates:
+            entry = self.idle[tid]
+            while need > free and entry.device:
+                i = len(entry.segments) - entry.on_host - 1
+                tokens = entry.segments[i]
+                free += tokens // ps
+                sim.counters.evictions += 1
+                entry.device -= tokens
+                if ret.offload(self._idle_kv(tid, entry, i), now) and self._to_host(tokens, key):
+                    entry.on_host += 1
+                    entry.host += tokens
+                else:  # dropped, with the host part of its path
+                    self.host_used -= entry.host
+                    del entry.segments[i:]
+                    entry.on_host = entry.host = 0
+                    if not entry.segments:
+                        del self.idle[tid]
             if need <= free:
                 break
-            entry = self.idle[cand.key]
-            free += self._pages(entry.tokens)
-            sim.counters.evictions += 1
-            if sim.retention.offload(cand, now) and self._to_host(entry.tokens):
-                entry.on_host = True
-            else:
-                del self.idle[cand.key]
-                sim.lost_kv[cand.key] = ("eviction", entry.tokens)
         return self.capacity - free
 
-    def _to_host(self, tokens: int) -> bool:
-        """Copies KV to host memory if it has room; the copy's time is charged to the iteration
-        (not overlapped: a conservative choice)."""
-        if self.host_used + tokens > self.host_capacity:
+    def _to_host(self, tokens: int, key: tuple[Any, float]) -> bool:
+        """Copies KV to host memory if it has room, made where needed by dropping host KV that
+        ranks below `key`; the copy's time is charged to the iteration (not overlapped: a
+        conservative choice)."""
+        short = tokens - (self.host_capacity - self.host_used)
+        if short > 0 and not self._make_host_room(short, key):
             return False
         self.host_used += tokens
         cost = self.sim.cost
@@ -493,22 +630,33 @@ class _Engine:
         self._transfer_s += cost.transfer_s(tokens, to_device=False)
         return True
 
-    def _preempt(self, req: _Request) -> None:
-        """A running request gives its pages up; its KV goes to host or is dropped, by policy,
-        and it waits again with the tokens it decoded kept in its context."""
+    def _make_host_room(self, tokens: int, below: tuple[Any, float]) -> bool:
+        """Drops the last host node of paths ranking below `below`, smallest first, until
+        `tokens` fit; drops nothing unless that is enough (the engine's tree does the same)."""
         sim = self.sim
-        sim.counters.preemptions += 1
         now = sim.clock.now
-        entry = IdleKV(
-            req.traj.tid, req.computed, sim.priority(req.traj.group.gid), now, None, False
+        leaves = sorted(
+            (eviction_key(sim.retention, self._idle_kv(tid, e, -1), now), tid)
+            for tid, e in self.idle.items()
+            if e.on_host
         )
-        if req.computed and sim.retention.offload(entry, now) and self._to_host(req.computed):
-            self.idle[req.traj.tid] = _Idle(req.computed, now, None, on_host=True)
-        elif req.computed:
-            sim.lost_kv[req.traj.tid] = ("preemption", req.computed)
-        req.computed = 0
-        self.waiting.append(req)
-        self._sorted_for = None
+        chosen, room = [], 0
+        for key, tid in leaves:
+            if room >= tokens or not key < below:
+                break
+            chosen.append(tid)
+            room += self.idle[tid].segments[-1]
+        if room < tokens:
+            return False
+        for tid in chosen:
+            entry = self.idle[tid]
+            dropped = entry.segments.pop()
+            entry.on_host -= 1
+            entry.host -= dropped
+            self.host_used -= dropped
+            if not entry.segments:
+                del self.idle[tid]
+        return True
 
 
 class Simulation:
@@ -519,7 +667,10 @@ class Simulation:
         seed: int = 0,
         config: SimConfig | None = None,
         cost: CostModel | None = None,
+        record: bool = False,
     ) -> None:
+        """`record`: keep every request the engines receive (`submissions`) and when each
+        finished (`finishes`), to replay the run on a real engine."""
         w = self.workload = workload
         self.policy = policy
         self.config = config or SimConfig()
@@ -537,7 +688,9 @@ class Simulation:
             raise ValueError(f"rollout_gpus {w.rollout_gpus} is not a multiple of tp {w.tp}")
         self.engines = [_Engine(self, i) for i in range(w.rollout_gpus // w.tp)]
         self.counters = Counters()
-        self.lost_kv: dict[str, tuple[str, int]] = {}  # trajectory id -> (cause, tokens)
+        self.ticks = 0  # the radix trees' access clock, for LRU (engines share it: harmless)
+        self.submissions: list[Submission] | None = [] if record else None
+        self.finishes: list[tuple[float, str]] | None = [] if record else None
         self.version = 0
         self.groups_started = 0
         self.groups_dropped = 0
@@ -550,7 +703,6 @@ class Simulation:
         self.sandbox_gb_s = 0.0
         self.infra_failures = 0
         self.priorities: dict[str, int] = {}  # group id -> priority, from the ranking
-        self._traj_group: dict[str, str] = {}
         self._arrivals = itertools.count()
         self._not_admitted: deque[_Traj] = deque()  # first turns held back by admission control
         self._control_due = False  # a control period of admission control is scheduled
@@ -573,9 +725,6 @@ class Simulation:
 
     def priority(self, gid: str) -> int:
         return self.priorities.get(gid, BEST_EFFORT)
-
-    def group_of(self, tid: str) -> str:
-        return self._traj_group[tid]
 
     # --- the run -------------------------------------------------------------------------------
 
@@ -617,7 +766,6 @@ class Simulation:
         t = _Traj(
             f"{g.gid}-m{index}-a{g.attempts[index]}", g, index, plan, now, 0, plan.prompt_tokens
         )
-        self._traj_group[t.tid] = g.gid
         self.clock.at(now + plan.sandbox_start_s, lambda: self._request_turn(t))
 
     def _request_turn(self, t: _Traj) -> None:
@@ -630,13 +778,22 @@ class Simulation:
             t.engine = engine
             t.engine.trajectories += 1
         action = t.plan.turns[t.turn].action_tokens
-        req = _Request(f"{t.tid}-t{t.turn}", t, next(self._arrivals), 0, 0, action)
+        priority = self.priority(t.group.gid)
+        req = _Request(f"{t.tid}-t{t.turn}", t, next(self._arrivals), priority, action)
+        if self.submissions is not None:
+            last = t.turn in (len(t.plan.turns) - 1, t.plan.infra_failure_turn)
+            self.submissions.append(
+                Submission(self.clock.now, t.engine.index, req.rid, t.tid, t.context, action,
+                           priority, None if last else self.policy.pin_s)
+            )  # fmt: skip
         t.engine.submit(req)
 
     def turn_done(self, t: _Traj) -> None:
         """The engine decoded the turn's action."""
         assert t.engine is not None
         now = self.clock.now
+        if self.finishes is not None:
+            self.finishes.append((now, f"{t.tid}-t{t.turn}"))
         g = t.group
         g.members[t.index] = MemberView(False, t.generated, t.turn + 1, waiting_on_tool=True)
         if t.plan.infra_failure_turn == t.turn:
@@ -652,19 +809,13 @@ class Simulation:
             t.engine.finish_trajectory(t.tid)
             self.clock.at(now + t.plan.reward_s, lambda: self._scored(t))
             return
-        entry = t.engine.idle.get(t.tid)
-        if entry is not None:
-            entry.pin_deadline = now + self.policy.pin_s
+        t.engine.wait_on_tool(t.tid, now + self.policy.pin_s)
         self.clock.at(now + t.plan.turns[t.turn].tool_s, lambda: self._tool_returned(t))
 
     def _tool_returned(self, t: _Traj) -> None:
         turn = t.plan.turns[t.turn]
         t.context += turn.observation_tokens + self.workload.template_tokens
         t.turn += 1
-        assert t.engine is not None
-        entry = t.engine.idle.get(t.tid)
-        if entry is not None:
-            entry.pin_deadline = None
         self._request_turn(t)
 
     def _end_trajectory(self, t: _Traj) -> None:
@@ -672,7 +823,6 @@ class Simulation:
         t.engine.finish_trajectory(t.tid)
         t.engine.trajectories -= 1
         self._admit_waiting()
-        self.lost_kv.pop(t.tid, None)
         self.sandbox_gb_s += t.plan.sandbox_rss_gb * (self.clock.now - t.started_at)
 
     def _route(self) -> _Engine | None:

@@ -1,0 +1,256 @@
+"""The simulator makes the engine's decisions.
+
+One small workload is simulated, and every request the simulated engine received is replayed,
+at the same virtual times, on the real engine (a random-weight Qwen3 on CPU) with the same
+policies. The plans of the scheduler (who runs how many tokens, who is admitted, who is
+preempted), the evictions (whose KV, how much, offloaded or dropped), when each action finished
+and the cache counters must be the same: the simulator executes the policy objects on the
+state the engine would have, not copies of them.
+
+Lockstep: the cost model makes every engine iteration take one virtual second and the replay
+advances the engine's clock by one second per forward pass. Tool calls, sandbox starts and
+rewards take random fractions of seconds, so no event ties with an iteration boundary.
+
+What the simulator leaves out is left out of the workload: a group's members get distinct
+prompts here (the simulator does not model prompt sharing) and weight updates are instant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from venusrl.config import EngineConfig
+from venusrl.engine.engine import Engine
+from venusrl.engine.request import SamplingParams
+from venusrl.policy.engine_schedule import EngineSnapshot, PriorityScheduler, StepPlan
+from venusrl.policy.kv_retention import IdleKV, RetentionPolicy
+from venusrl.sim.cost_model import CostModel, GpuSpec, ModelSpec
+from venusrl.sim.executor import POLICIES, SimConfig, Simulation, Submission
+from venusrl.sim.workloads import LogNormal, ToolLatency, Turns, Workload
+
+PAGE = 4
+DEVICE_PAGES = 40  # 160 tokens: about three trajectories at their longest
+HOST_PAGES = 24
+TOKEN_BUDGET = 24
+MAX_RUNNING = 6
+
+WORKLOAD = Workload(
+    "parity",
+    rollout_gpus=1,
+    train_gpus=1,
+    prompts_per_batch=2,
+    group_size=3,
+    turn_cap=5,
+    context_cap=120,
+    turns=Turns("poisson", mean=2.0),
+    prompt_tokens=LogNormal(24, 0.4, 6, 60),
+    action_tokens=LogNormal(5, 0.6, 1, 16),
+    observation_tokens=LogNormal(10, 0.7, 1, 40),
+    template_tokens=3,
+    tool_s=ToolLatency(LogNormal(6, 0.7)),
+    sandbox_start_s=LogNormal(1.5, 0.5),
+    reward_s=LogNormal(1.0, 0.5),
+    infra_failure_rate=0.0,
+)
+
+# KV of 4 bytes a token, no weights to read, infinite FLOPs and bandwidth: an iteration costs
+# its fixed second and nothing else; copies and weight updates are free.
+ONE_SECOND_ITERATIONS = CostModel(
+    ModelSpec("lockstep", params=0.0, layers=1, q_heads=1, kv_heads=1, head_dim=1),
+    GpuSpec("lockstep", hbm_bytes=DEVICE_PAGES * PAGE * 4.0, bw_weights=math.inf,
+            bw_kv=math.inf, f_gemm=math.inf, f_attn=math.inf, peak_flops=1e6,
+            pcie_h2d=math.inf, pcie_d2h=math.inf, t_fix=1.0),
+    reserved_bytes=0.0,
+    memory_fraction=1.0,
+    transfer_latency_s=0.0,
+    host_kv_bytes_per_gpu=HOST_PAGES * PAGE * 4.0,
+    weight_sync_fixed_s=0.0,
+)  # fmt: skip
+
+SIM_CONFIG = SimConfig(
+    steps=3,
+    page_size=PAGE,
+    token_budget=TOKEN_BUDGET,
+    max_running=MAX_RUNNING,
+    waiting_head=2 * MAX_RUNNING,  # the head the engine shows its scheduler
+)
+
+
+class Decisions:
+    """What the policies decided, and when: the scheduler's plans and the evictions."""
+
+    def __init__(self, now: Callable[[], float]) -> None:
+        self.now = now
+        self.plans: list[tuple[float, StepPlan]] = []
+        self.evictions: list[tuple[float, str, int, bool]] = []
+
+    def distinct_plans(self, until: float) -> list[tuple[float, StepPlan]]:
+        """Plans before `until`, a plan repeated over consecutive iterations once (the simulator
+        merges decode iterations that repeat a plan)."""
+        out: list[tuple[float, StepPlan]] = []
+        for t, plan in self.plans:
+            if t < until and (not out or out[-1][1] != plan):
+                out.append((round(t, 6), plan))
+        return out
+
+
+class RecordingScheduler(PriorityScheduler):
+    def __init__(self, decisions: Decisions) -> None:
+        self.decisions = decisions
+
+    def schedule(self, snap: EngineSnapshot) -> StepPlan:
+        plan = super().schedule(snap)
+        if plan.run or plan.preempt:
+            self.decisions.plans.append((self.decisions.now(), plan))
+        return plan
+
+
+class RecordingRetention:
+    """The run's retention policy, noting every eviction it is asked about (the engine and the
+    simulator ask once per evicted radix node)."""
+
+    def __init__(self, policy: RetentionPolicy, decisions: Decisions) -> None:
+        self.policy, self.decisions = policy, decisions
+
+    def rank(self, entry: IdleKV, now: float) -> tuple[int, float]:
+        return self.policy.rank(entry, now)
+
+    def reserved(self, entry: IdleKV, now: float) -> bool:
+        return self.policy.reserved(entry, now)
+
+    def offload(self, entry: IdleKV, now: float) -> bool:
+        offload = self.policy.offload(entry, now)
+        # A finished trajectory's KV has no live owner left in the engine's tree to name it.
+        owner = "(finished)" if entry.finished else entry.key
+        self.decisions.evictions.append((round(now, 6), owner, entry.tokens, offload))
+        return offload
+
+
+def simulate(policy: str, seed: int) -> tuple[Simulation, Decisions]:
+    # A pin of 4.5 s rather than 5: whole seconds would expire exactly on iteration boundaries.
+    sim_policy = dataclasses.replace(POLICIES[policy], pin_s=4.5)
+    sim = Simulation(WORKLOAD, sim_policy, seed, SIM_CONFIG, ONE_SECOND_ITERATIONS, record=True)
+    decisions = Decisions(lambda: sim.clock.now)
+    sim.scheduler = RecordingScheduler(decisions)
+    sim.retention = RecordingRetention(sim.retention, decisions)
+    sim.run()
+    return sim, decisions
+
+
+class VirtualClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def forward_pass(self, *_: Any) -> None:
+        self.now += 1.0
+
+
+def replay(
+    model_dir: Path, retention: str, submissions: list[Submission], until: float, seed: int
+) -> tuple[Engine, Decisions, list[tuple[float, str]]]:
+    """Runs the requests on the real engine at their times; returns it, its decisions and when
+    each action finished."""
+    clock = VirtualClock()
+    decisions = Decisions(clock)
+    config = EngineConfig(
+        page_size=PAGE,
+        device_kv_pages=DEVICE_PAGES + 1,  # page 0 is the engine's padding page
+        host_kv_pages=HOST_PAGES,
+        retention=retention,  # type: ignore[arg-type]
+        max_running=MAX_RUNNING,
+        token_budget=TOKEN_BUDGET,
+        max_context=DEVICE_PAGES * PAGE,
+    )
+    engine = Engine.from_model_dir(model_dir, config)
+    engine.scheduler = RecordingScheduler(decisions)
+    engine.retention = RecordingRetention(engine.retention, decisions)
+    engine.clock = clock
+    engine.model.register_forward_hook(clock.forward_pass)
+
+    rng = random.Random(seed)
+    vocab = engine.model.config.vocab_size
+    records: dict[str, list[int]] = {}
+    ends: set[str] = set()
+    finishes: list[tuple[float, str]] = []
+    pending = deque(submissions)
+    while clock.now < until and (pending or engine.has_work()):
+        while pending and pending[0].time <= clock.now:
+            s = pending.popleft()
+            record = records.get(s.trajectory_id, [])
+            # The prompt, or the observation after the record: fresh tokens up to its length.
+            record += [rng.randrange(2, vocab) for _ in range(s.context_tokens - len(record))]
+            params = SamplingParams(max_tokens=s.action_tokens, temperature=0, ignore_eos=True)
+            engine.add_request(
+                record,
+                params,
+                request_id=s.request_id,
+                priority=s.priority,
+                trajectory_id=s.trajectory_id,
+                expected_wait_s=s.expected_wait_s,
+            )
+            if s.expected_wait_s is None:
+                ends.add(s.request_id)
+        steps = engine.stats.steps
+        for r in engine.step():
+            finishes.append((clock.now, r.request_id))
+            records[r.trajectory_id or ""] = r.all_ids
+            if r.request_id in ends:
+                engine.end_trajectory(r.trajectory_id or "")
+        engine.check()
+        if engine.stats.steps == steps:  # nothing could run: wait for a tool or a pin
+            pins = [
+                t.pin_deadline
+                for t in engine.trajectories.values()
+                if t.pin_deadline is not None and t.pin_deadline > clock.now
+            ]
+            later = [pending[0].time] if pending else []
+            assert later or pins, "the engine stalled with nothing left to wait for"
+            clock.now = min(later + pins)
+    return engine, decisions, finishes
+
+
+@pytest.mark.parametrize(
+    ("policy", "seed"), [("sync", 0), ("async", 1), ("concur", 2), ("venus", 0), ("venus", 3)]
+)
+def test_the_simulator_decides_what_the_engine_decides_on_the_same_events(
+    tiny_qwen3: Path, policy: str, seed: int
+) -> None:
+    sim, expected = simulate(policy, seed)
+    assert sim.submissions is not None and sim.finishes is not None
+    end = sim.clock.now
+    engine, actual, finishes = replay(
+        tiny_qwen3, POLICIES[policy].retention, sim.submissions, end, seed
+    )
+
+    c = sim.counters
+    # The workload puts the policies under pressure: there is something to decide.
+    assert c.preemptions > 0 and c.evictions > 0, c
+    if POLICIES[policy].retention == "trajectory":
+        assert c.host_hit_tokens > 0, c
+
+    sim_plans, engine_plans = expected.distinct_plans(end), actual.distinct_plans(end)
+    for i, (s, e) in enumerate(zip(sim_plans, engine_plans, strict=False)):
+        assert s == e, f"decision {i} differs: simulator {s}, engine {e}"
+    assert len(sim_plans) == len(engine_plans)
+    evictions = [e for e in actual.evictions if e[0] < end]
+    assert [e for e in expected.evictions if e[0] < end] == evictions
+    assert [(round(t, 6), r) for t, r in sim.finishes if t < end] == [
+        (round(t, 6), r) for t, r in finishes
+    ]
+    stats = engine.stats
+    assert stats.preemptions == c.preemptions
+    assert stats.device_hit_tokens == c.device_hit_tokens
+    assert stats.host_hit_tokens == c.host_hit_tokens
+    assert stats.reprefill_tokens["evicted"] == c.reprefill_after_eviction
+    assert stats.reprefill_tokens["preempted"] == c.reprefill_after_preemption
