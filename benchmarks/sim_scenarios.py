@@ -7,8 +7,8 @@ object: per scenario the workload's parameters and their sources, per seed each 
 largest speedup over the seeds. `--markdown` prints the table instead.
 
     python benchmarks/sim_scenarios.py [--scenarios swe-short,search-short] [--seeds 0,1,2]
-                                       [--policies sync,async,venus] [--steps 4] [--markdown]
-                                       [--workload FILE]
+                                       [--policies sync,async,concur,venus] [--steps 4]
+                                       [--markdown] [--json-out FILE] [--workload FILE]
 
 Simulated time is not wall time: a full `swe-long` run takes minutes of this machine per policy.
 """
@@ -31,6 +31,7 @@ FIGURES = (
     "reprefill_tokens",
     "group_completion_p99_s",
     "staleness_mean",
+    "train_s_per_step",
 )
 
 
@@ -47,6 +48,10 @@ def run_scenario(
         per_seed = [runs[s][i] for s in seeds]
         row: dict[str, Any] = {
             f: statistics.fmean(r[f] for r in per_seed if r[f] is not None) for f in FIGURES
+        }
+        row["rollout_gpu_time"] = {
+            k: statistics.fmean(r["rollout_gpu_time"][k] for r in per_seed)
+            for k in per_seed[0]["rollout_gpu_time"]
         }
         for other in policies:
             key = f"speedup_vs_{other}"
@@ -68,8 +73,9 @@ def run_scenario(
 
 def markdown(results: dict[str, Any], policies: list[str]) -> str:
     speedups = [f"vs {p}" for p in policies]
-    head = ["scenario", "policy", "step (s)", "GPU busy", "re-prefill tokens", "group p99 (s)",
-            "staleness", *speedups]  # fmt: skip
+    head = ["scenario", "policy", "step (s)", "GPU busy", "re-prefill tokens",
+            "GPU time re-prefilling", "GPU idle", "train (s/step)", "group p99 (s)", "staleness",
+            *speedups]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for scenario, res in results.items():
         for name in policies:
@@ -80,6 +86,9 @@ def markdown(results: dict[str, Any], policies: list[str]) -> str:
                 f"{row['mean_step_s']:.0f}",
                 f"{row['gpu_busy']:.0%}",
                 f"{row['reprefill_tokens']:.3g}",
+                f"{row['rollout_gpu_time']['reprefill']:.0%}",
+                f"{row['rollout_gpu_time']['idle']:.0%}",
+                f"{row['train_s_per_step']:.0f}",
                 f"{row['group_completion_p99_s']:.0f}",
                 f"{row['staleness_mean']:.2f}",
             ]
@@ -95,9 +104,10 @@ def main() -> None:
     p.add_argument("--scenarios", default="swe-short,search-short,math-python")
     p.add_argument("--workload", help="a workload YAML file instead of the scenarios")
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--policies", default="sync,async,venus")
+    p.add_argument("--policies", default="sync,async,concur,venus")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--markdown", action="store_true")
+    p.add_argument("--json-out", help="also write the JSON object to this file")
     args = p.parse_args()
     policies = args.policies.split(",")
     unknown = [
@@ -114,6 +124,9 @@ def main() -> None:
         else [SCENARIOS[name] for name in args.scenarios.split(",")]
     )
     results = {w.name: run_scenario(w, seeds, policies, args.steps) for w in workloads}
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(results, f)
     print(markdown(results, policies) if args.markdown else json.dumps(results))
 
 

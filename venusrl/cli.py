@@ -260,6 +260,13 @@ def _sim(args: argparse.Namespace) -> int:
     for r in results:
         cells = [r.get(c) for c in cols]
         print("  ".join(f"{c:>14.4g}" if isinstance(c, float) else f"{c!s:>14}" for c in cells))
+    print("where the time goes: trainer and weight sync per step (s), rollout GPU time (%)")
+    shares = list(results[0]["rollout_gpu_time"])
+    print("  ".join(f"{c:>14}" for c in ["policy", "train_s", "weight_sync_s", *shares]))
+    for r in results:
+        cells = [r["train_s_per_step"], r["weight_sync_s_per_step"]]
+        cells += [100 * r["rollout_gpu_time"][k] for k in shares]
+        print(f"{r['policy']:>14}  " + "  ".join(f"{c:>14.4g}" for c in cells))
     return 0
 
 

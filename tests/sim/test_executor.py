@@ -60,6 +60,12 @@ def test_under_kv_pressure_keeping_tool_waiting_kv_avoids_reprefill() -> None:
     assert lru["evictions"] > 0 and lru["reprefill_tokens"] > 0
     assert ours["reprefill_after_eviction"] == 0  # offloaded to host instead
     assert ours["offload_bytes"] > 0 and ours["host_hit_tokens"] > 0
+    # Where rollout time went: shares of it that add up, re-prefill only where KV was lost.
+    for result in (lru, ours):
+        assert sum(result["rollout_gpu_time"].values()) == pytest.approx(1.0)
+        assert result["rollout_gpu_time"]["idle"] == pytest.approx(1 - result["gpu_busy"])
+    assert lru["rollout_gpu_time"]["reprefill"] > 0 == ours["rollout_gpu_time"]["reprefill"]
+    assert ours["rollout_gpu_time"]["transfers"] > 0 == lru["rollout_gpu_time"]["transfers"]
 
 
 def test_infrastructure_failures_are_replaced_and_the_run_completes() -> None:

@@ -99,6 +99,11 @@ POLICIES = {
 }
 
 
+# What rollout engines spend busy time on (re-prefill: computing KV that was lost again;
+# transfers: copying KV between host and device).
+SPENT_ON = ("decode", "prefill", "reprefill", "transfers")
+
+
 @dataclass(frozen=True)
 class SimConfig:
     steps: int = 4  # trainer steps to run
@@ -167,6 +172,7 @@ class _Request:
     cached: int = 0  # of `computed`, the whole pages handed to the radix tree
     segments: list[int] = field(default_factory=list)  # its tree nodes, in tokens, root first
     resumed: bool = False  # it ran before and was preempted: KV it lost is a preemption's
+    lost_until: int = 0  # its prefill below this recomputes KV that was lost (a re-prefill)
 
 
 @dataclass(eq=False)
@@ -274,11 +280,14 @@ class _Engine:
         self.window = admission.initial_window if admission is not None else 0
         self.busy = False  # an iteration is in flight or a decision is due
         self.busy_s = 0.0
+        self.spent: dict[str, float] = dict.fromkeys(SPENT_ON, 0.0)  # busy seconds by use
         self.paused_until = 0.0
         self._epoch = 0
-        # The iteration(s) in flight: start, seconds each, how many, and the requests that
-        # sample in them (in the engine's order) with whether each decodes.
-        self._chunk: tuple[float, float, int, list[tuple[_Request, bool]]] | None = None
+        # The iteration(s) in flight: start, seconds each, how many, the requests that sample in
+        # them (in the engine's order) with whether each decodes, and what each second does.
+        self._chunk: (
+            tuple[float, float, int, list[tuple[_Request, bool]], dict[str, float]] | None
+        ) = None
 
     def submit(self, req: _Request) -> None:
         entry = self.idle.get(req.traj.tid)
@@ -308,10 +317,10 @@ class _Engine:
         """A request arrived during merged decode iterations: they stop after the one in flight,
         as a real engine's next iteration would take the newcomer into account."""
         assert self._chunk is not None
-        start, dt, n, reqs = self._chunk
+        start, dt, n, reqs, split = self._chunk
         done = min(n, int((self.sim.clock.now - start) / dt) + 1)
         if done < n:
-            self._chunk = (start, dt, done, reqs)
+            self._chunk = (start, dt, done, reqs, split)
             self._end_at(start + done * dt)
 
     # --- one decision ------------------------------------------------------------------------
@@ -323,6 +332,13 @@ class _Engine:
         ps = self.page_size
         running = sum(-(-r.computed // ps) for r in self.running.values())
         return running + sum(e.device for e in self.idle.values()) // ps
+
+    def live_pages(self) -> int:
+        """Device pages of live trajectories: running, or idle between turns (the KV of finished
+        ones only waits to be evicted: a cache's content, not load)."""
+        ps = self.page_size
+        running = sum(-(-r.computed // ps) for r in self.running.values())
+        return running + sum(e.device for e in self.idle.values() if not e.finished) // ps
 
     def _views(self, head: list[_Request]) -> tuple[list[RequestView], Sequence[RequestView]]:
         """The scheduler's snapshot of running requests and the waiting head, as the engine
@@ -382,6 +398,7 @@ class _Engine:
         used = self._device_pages()
         evictions = sim.counters.evictions
         seconds, prefill = 0.0, False
+        split = {"prefill": 0.0, "reprefill": 0.0, "transfers": 0.0}
         ran: list[tuple[_Request, int, bool]] = []  # request, tokens, decodes
         for rid, n in plan.run:
             req = self.running.get(rid)
@@ -391,7 +408,7 @@ class _Engine:
                 used, admitted = self._load(req.traj.tid, used)
                 if admitted is None:
                     continue  # its host KV does not fit on the device yet: it waits
-                seconds += sim.cost.transfer_s(admitted, to_device=True)
+                split["transfers"] += sim.cost.transfer_s(admitted, to_device=True)
                 self.waiting.remove(req)
                 self.running[rid] = req
                 self._admit(req)
@@ -412,7 +429,10 @@ class _Engine:
             if admitted is not None:
                 self._count_admission(req, admitted)
             if not decodes:
-                seconds += sim.cost.prefill_s(tokens, req.computed)
+                chunk_s = sim.cost.prefill_s(tokens, req.computed)
+                lost = max(0, min(req.computed + tokens, req.lost_until) - req.computed)
+                split["reprefill"] += chunk_s * lost / tokens
+                split["prefill"] += chunk_s * (tokens - lost) / tokens
                 req.computed += tokens
                 req.prefill_left -= tokens
                 prefill = True
@@ -422,8 +442,9 @@ class _Engine:
         # The engine packs single-token rows first and samples in that order.
         ran.sort(key=lambda item: item[1] > 1)
         sampling = [(req, decodes) for req, _, decodes in ran if not req.prefill_left]
-        seconds += self._transfer_s
+        split["transfers"] += self._transfer_s
         self._transfer_s = 0.0
+        seconds = sum(split.values())
         decoding = [req for req, _, decodes in ran if decodes]
         context = sum(r.computed for r in decoding)
         n = 1
@@ -443,7 +464,8 @@ class _Engine:
                 n = max(1, min(n, math.ceil((release_at - now) / seconds)))
         else:
             seconds += sim.cost.decode_step_s(len(decoding), context) or sim.cost.gpu.t_fix
-        self._chunk = (now, seconds, n, sampling)
+        split["decode"] = seconds - sum(split.values())  # with each iteration's fixed cost
+        self._chunk = (now, seconds, n, sampling, split)
         self._end_at(now + n * seconds)
 
     def _end_at(self, t: float) -> None:
@@ -455,9 +477,11 @@ class _Engine:
         if epoch != self._epoch or self._chunk is None:
             return  # superseded by an interruption
         sim = self.sim
-        start, _, n, sampling = self._chunk
+        start, _, n, sampling, split = self._chunk
         self._chunk = None
         self.busy_s += sim.clock.now - start
+        for what, seconds in split.items():
+            self.spent[what] += n * seconds
         sim.counters.iterations += n
         for req, decodes in sampling:
             if decodes:
@@ -512,6 +536,7 @@ class _Engine:
         req.segments = entry.segments if entry is not None else []
         req.computed = req.cached = entry.device if entry is not None else 0
         req.prefill_left = req.traj.context - req.computed
+        req.lost_until = req.traj.expected_cached
 
     def _count_admission(self, req: _Request, loaded: int) -> None:
         """Where an admission found its KV: on the device, on host (`loaded` tokens) or lost,
@@ -697,6 +722,8 @@ class Simulation:
         self.open: dict[str, _Group] = {}
         self.ready: list[_Group] = []
         self.trainer_busy = False
+        self.train_s = 0.0  # trainer compute, all steps
+        self.weight_sync_s = 0.0  # engines paused for new weights, all steps
         self.step_ends: list[float] = []
         self.group_completion_s: list[float] = []
         self.staleness: list[int] = []
@@ -852,7 +879,7 @@ class Simulation:
         assert admission is not None
         self._control_due = False
         for e in self.engines:
-            occupancy = e._device_pages() / max(e.capacity, 1)
+            occupancy = e.live_pages() / max(e.capacity, 1)
             signal = CacheSignal(occupancy, e.reprefill_after_eviction)
             e.window = admission.next_window(e.window, signal)
             e.reprefill_after_eviction = 0
@@ -921,10 +948,12 @@ class Simulation:
         self.staleness += [self.version - g.started_version for g in batch]
         self.trainer_busy = True
         seconds = self.cost.train_s(tokens, tokens / sequences, self.workload.train_gpus)
+        self.train_s += seconds
         self.clock.at(self.clock.now + seconds, self._sync_weights)
 
     def _sync_weights(self) -> None:
         """The new weights go to every engine; they pause while they load them."""
+        self.weight_sync_s += self.cost.weight_sync_s()
         done = self.clock.now + self.cost.weight_sync_s()
         for e in self.engines:
             e.paused_until = done
@@ -948,12 +977,21 @@ class Simulation:
         )
         now = max(self.clock.now, 1e-9)
         completion = sorted(self.group_completion_s)
+        engine_s = len(self.engines) * now
+        # Where rollout GPU time went, as shares of all of it: busy (`SPENT_ON`) or idle
+        # (waiting on tools, on admission control, on the trainer's new weights).
+        breakdown = {w: sum(e.spent[w] for e in self.engines) / engine_s for w in SPENT_ON}
+        breakdown["idle"] = 1 - sum(e.busy_s for e in self.engines) / engine_s
+        steps = max(len(ends), 1)
         return {
             "policy": self.policy.name,
             "knobs": asdict(self.policy),
             "steps": len(ends),
             "mean_step_s": step_s,
-            "gpu_busy": sum(e.busy_s for e in self.engines) / (len(self.engines) * now),
+            "gpu_busy": sum(e.busy_s for e in self.engines) / engine_s,
+            "rollout_gpu_time": breakdown,
+            "train_s_per_step": self.train_s / steps,
+            "weight_sync_s_per_step": self.weight_sync_s / steps,
             "group_completion_p50_s": _quantile(completion, 0.5),
             "group_completion_p99_s": _quantile(completion, 0.99),
             "staleness_mean": statistics.fmean(self.staleness) if self.staleness else 0.0,
