@@ -58,6 +58,7 @@ from venusrl.policy.engine_schedule import (
     EngineSnapshot,
     PriorityScheduler,
     RequestView,
+    StepPlan,
     pages_for,
 )
 from venusrl.policy.kv_retention import (
@@ -388,18 +389,53 @@ class _Engine:
         plan = sim.scheduler.schedule(snap)
         for rid in plan.preempt:
             self._preempt(self.running.pop(rid))
-        if not plan.run:
+        evictions = sim.counters.evictions
+        ran, split = self._run(plan, head)
+        if not ran:
             # Nothing fits: KV frees when a tool returns or a trajectory's KV is let go, and
             # reserved KV when its pin expires.
             self.busy = False
             if release_at is not None:
                 sim.clock.at(release_at, self._kick)
             return
+        # The engine packs single-token rows first and samples in that order.
+        ran.sort(key=lambda item: item[1] > 1)
+        sampling = [(req, decodes) for req, _, decodes in ran if not req.prefill_left]
+        decoding = [req for req, _, decodes in ran if decodes]
+        context = sum(r.computed for r in decoding)
+        seconds = sum(split.values())
+        n = 1
+        evicted = sim.counters.evictions != evictions  # what waits saw its cache shrink
+        if len(decoding) == len(ran) and not seconds and not plan.preempt and not evicted:
+            # The same plan repeats until a request finishes its action: merge those iterations,
+            # as long as their pages need no eviction and no retention pin expires.
+            ps = cfg.page_size
+            free = self.capacity - self._device_pages()
+            slack = min(self._pages(r.computed + 1) * ps - r.computed - 1 for r in decoding)
+            n = min(
+                min(r.decode_left for r in decoding),
+                1 + slack + ps * (free // len(decoding)),
+                cfg.max_merged_iterations,
+            )
+            seconds = sim.cost.decode_step_s(len(decoding), context + len(decoding) * n / 2)
+            if release_at is not None and n > 1:
+                n = max(1, min(n, math.ceil((release_at - now) / seconds)))
+        else:
+            seconds += sim.cost.decode_step_s(len(decoding), context) or sim.cost.gpu.t_fix
+        split["decode"] = seconds - sum(split.values())  # with each iteration's fixed cost
+        self._chunk = (now, seconds, n, sampling, split)
+        self._end_at(now + n * seconds)
+
+    def _run(
+        self, plan: StepPlan, head: list[_Request]
+    ) -> tuple[list[tuple[_Request, int, bool]], dict[str, float]]:
+        """Admits and runs the plan's requests as the engine does: host KV loaded back, room made
+        by eviction, a request the pages ran out for left out. Returns those that run (with
+        their tokens and whether they decode) and the seconds of the iteration so far, by use."""
+        sim = self.sim
         used = self._device_pages()
-        evictions = sim.counters.evictions
-        seconds, prefill = 0.0, False
         split = {"prefill": 0.0, "reprefill": 0.0, "transfers": 0.0}
-        ran: list[tuple[_Request, int, bool]] = []  # request, tokens, decodes
+        ran: list[tuple[_Request, int, bool]] = []
         for rid, n in plan.run:
             req = self.running.get(rid)
             admitted: int | None = None  # tokens loaded from host, when admitted now
@@ -417,8 +453,8 @@ class _Engine:
             growth = self._pages(req.computed + tokens) - self._pages(req.computed)
             used = self._make_room(used, growth)
             if used + growth > self.capacity:
-                # Earlier requests of the plan took the pages it counted on: it waits a step
-                # (as the engine does), back in the queue if it was just admitted.
+                # Earlier requests of the plan took the pages it counted on: it waits a step,
+                # back in the queue if it was just admitted.
                 if admitted is not None:
                     del self.running[rid]
                     self._release(req)
@@ -429,44 +465,19 @@ class _Engine:
             if admitted is not None:
                 self._count_admission(req, admitted)
             if not decodes:
-                chunk_s = sim.cost.prefill_s(tokens, req.computed)
+                seconds = sim.cost.prefill_s(tokens, req.computed)
                 lost = max(0, min(req.computed + tokens, req.lost_until) - req.computed)
-                split["reprefill"] += chunk_s * lost / tokens
-                split["prefill"] += chunk_s * (tokens - lost) / tokens
+                split["reprefill"] += seconds * lost / tokens
+                split["prefill"] += seconds * (tokens - lost) / tokens
                 req.computed += tokens
                 req.prefill_left -= tokens
-                prefill = True
                 if tokens > 1:
                     self._cache(req)  # the engine hands each prefill chunk's pages to the tree
             ran.append((req, tokens, decodes))
-        # The engine packs single-token rows first and samples in that order.
-        ran.sort(key=lambda item: item[1] > 1)
-        sampling = [(req, decodes) for req, _, decodes in ran if not req.prefill_left]
-        split["transfers"] += self._transfer_s
-        self._transfer_s = 0.0
-        seconds = sum(split.values())
-        decoding = [req for req, _, decodes in ran if decodes]
-        context = sum(r.computed for r in decoding)
-        n = 1
-        evicted = sim.counters.evictions != evictions  # what waits sees its cache shrink
-        if decoding and not prefill and not seconds and not plan.preempt and not evicted:
-            # The same plan repeats until a request finishes its action: merge those iterations,
-            # as long as their pages need no eviction and no retention pin expires.
-            ps = cfg.page_size
-            slack = min(self._pages(r.computed + 1) * ps - r.computed - 1 for r in decoding)
-            n = min(
-                min(r.decode_left for r in decoding),
-                1 + slack + ps * ((self.capacity - used) // len(decoding)),
-                cfg.max_merged_iterations,
-            )
-            seconds = sim.cost.decode_step_s(len(decoding), context + len(decoding) * n / 2)
-            if release_at is not None and n > 1:
-                n = max(1, min(n, math.ceil((release_at - now) / seconds)))
-        else:
-            seconds += sim.cost.decode_step_s(len(decoding), context) or sim.cost.gpu.t_fix
-        split["decode"] = seconds - sum(split.values())  # with each iteration's fixed cost
-        self._chunk = (now, seconds, n, sampling, split)
-        self._end_at(now + n * seconds)
+        if ran:  # device-to-host copies made meanwhile, charged to the iteration
+            split["transfers"] += self._transfer_s
+            self._transfer_s = 0.0
+        return ran, split
 
     def _end_at(self, t: float) -> None:
         self._epoch += 1
