@@ -405,7 +405,11 @@ class _Engine:
         context = sum(r.computed for r in decoding)
         seconds = sum(split.values())
         n = 1
-        evicted = sim.counters.evictions != evictions  # what waits saw its cache shrink
+        # An eviction changes what the next plan sees of the queue (its cache, the reserved
+        # pages), unless nothing waits and every running request ran.
+        evicted = sim.counters.evictions != evictions and (
+            self.waiting or len(ran) < len(self.running)
+        )
         if len(decoding) == len(ran) and not seconds and not plan.preempt and not evicted:
             # The same plan repeats until a request finishes its action: merge those iterations,
             # as long as their pages need no eviction and no retention pin expires.
