@@ -275,6 +275,7 @@ class _Engine:
         self.waiting: list[_Request] = []
         self._unsorted = False  # an arrival or a preemption since `waiting` was sorted
         self.idle: dict[str, _Idle] = {}  # trajectory id -> its KV between requests
+        self.idle_device = 0  # tokens of `idle` on the device
         self.trajectories = 0  # routed here and not finished (the router's load)
         self.reprefill_after_eviction = 0  # tokens, for admission control's cache signal
         admission = sim.policy.admission
@@ -332,7 +333,7 @@ class _Engine:
     def _device_pages(self) -> int:
         ps = self.page_size
         running = sum(-(-r.computed // ps) for r in self.running.values())
-        return running + sum(e.device for e in self.idle.values()) // ps
+        return running + self.idle_device // ps
 
     def live_pages(self) -> int:
         """Device pages of live trajectories: running, or idle between turns (the KV of finished
@@ -535,6 +536,7 @@ class _Engine:
                 entry.on_host -= 1
                 entry.host -= tokens
                 entry.device += tokens
+                self.idle_device += tokens
                 self.host_used -= tokens
                 used += tokens // ps
                 loaded += tokens
@@ -550,6 +552,7 @@ class _Engine:
         entry = self.idle.pop(req.traj.tid, None)
         req.segments = entry.segments if entry is not None else []
         req.computed = req.cached = entry.device if entry is not None else 0
+        self.idle_device -= req.computed
         req.prefill_left = req.traj.context - req.computed
         req.lost_until = req.traj.expected_cached
 
@@ -585,6 +588,7 @@ class _Engine:
         if req.segments:
             sim.ticks += 1
             self.idle[t.tid] = _Idle(req.segments, req.cached, req.priority, sim.ticks)
+            self.idle_device += req.cached
         req.segments, req.computed, req.cached = [], 0, 0
 
     def _preempt(self, req: _Request) -> None:
@@ -611,7 +615,9 @@ class _Engine:
         pinned = [
             e
             for tid, e in self.idle.items()
-            if e.device and sim.retention.reserved(self._idle_kv(tid, e, 0), now)
+            # Finished KV has no live owner, whom a reservation would be for (the engine skips
+            # such nodes too).
+            if e.device and not e.finished and sim.retention.reserved(self._idle_kv(tid, e, 0), now)
         ]
         pages = sum(e.device for e in pinned) // self.page_size
         return pages, min((e.pin_deadline or now for e in pinned), default=None)
@@ -644,6 +650,7 @@ class _Engine:
                 free += tokens // ps
                 sim.counters.evictions += 1
                 entry.device -= tokens
+                self.idle_device -= tokens
                 if ret.offload(self._idle_kv(tid, entry, i), now) and self._to_host(tokens, key):
                     entry.on_host += 1
                     entry.host += tokens
