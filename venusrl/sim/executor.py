@@ -145,6 +145,13 @@ class _Group:
     attempts: list[int] = field(default_factory=list)
     tokens: int = 0  # of the finished trajectories, for the trainer's cost
     sequences: int = 0
+    # The ranking's view of it, at the weight version it was built for (a re-ranking follows
+    # every member that finishes, over every open group: most views have not changed).
+    view: tuple[int, GroupView] | None = None
+
+    def set_member(self, index: int, member: MemberView) -> None:
+        self.members[index] = member
+        self.view = None
 
 
 @dataclass(eq=False)
@@ -844,7 +851,7 @@ class Simulation:
         if self.finishes is not None:
             self.finishes.append((now, f"{t.tid}-t{t.turn}"))
         g = t.group
-        g.members[t.index] = MemberView(False, t.generated, t.turn + 1, waiting_on_tool=True)
+        g.set_member(t.index, MemberView(False, t.generated, t.turn + 1, waiting_on_tool=True))
         if t.plan.infra_failure_turn == t.turn:
             self._end_trajectory(t)
             self.infra_failures += 1
@@ -917,7 +924,7 @@ class Simulation:
         self._member_finished(t.group, t.index, scored=True)
 
     def _member_finished(self, g: _Group, index: int, scored: bool) -> None:
-        g.members[index] = MemberView(True)
+        g.set_member(index, MemberView(True))
         if scored:
             g.scored += 1
         else:
@@ -935,16 +942,13 @@ class Simulation:
         self._rerank()
 
     def _rerank(self) -> None:
-        groups = [
-            GroupView(
-                g.gid,
-                g.prompt.prompt_id,
-                g.arrival,
-                tuple(g.members),
-                self.bound.due(g.started_version, self.version),
-            )
-            for g in self.open.values()
-        ]
+        groups = []
+        for g in self.open.values():
+            if g.view is None or g.view[0] != self.version:
+                due = self.bound.due(g.started_version, self.version)
+                view = GroupView(g.gid, g.prompt.prompt_id, g.arrival, tuple(g.members), due)
+                g.view = (self.version, view)
+            groups.append(g.view[1])
         snap = CoordinatorSnapshot(
             groups,
             self.workload.prompts_per_batch,
