@@ -30,7 +30,12 @@ import pytest
 from venusrl.config import EngineConfig
 from venusrl.engine.engine import Engine
 from venusrl.engine.request import SamplingParams
-from venusrl.policy.engine_schedule import EngineSnapshot, PriorityScheduler, StepPlan
+from venusrl.policy.engine_schedule import (
+    RETRY_AFTER_S,
+    EngineSnapshot,
+    PriorityScheduler,
+    StepPlan,
+)
 from venusrl.policy.kv_retention import IdleKV, RetentionPolicy
 from venusrl.sim.cost_model import CostModel, GpuSpec, ModelSpec
 from venusrl.sim.executor import POLICIES, SimConfig, Simulation, Submission
@@ -201,20 +206,23 @@ def replay(
             )
             if s.expected_wait_s is None:
                 ends.add(s.request_id)
-        steps = engine.stats.steps
+        steps, plans = engine.stats.steps, len(decisions.plans)
         for r in engine.step():
             finishes.append((clock.now, r.request_id))
             records[r.trajectory_id or ""] = r.all_ids
             if r.request_id in ends:
                 engine.end_trajectory(r.trajectory_id or "")
         engine.check()
-        if engine.stats.steps == steps:  # nothing could run: wait for a tool or a pin
+        if engine.stats.steps == steps:  # nothing ran: wait as the engine loop does
+            later = [pending[0].time] if pending else []
+            if len(decisions.plans) > plans:  # what was planned lost its pages: retry soon
+                clock.now = min([clock.now + RETRY_AFTER_S, *later])
+                continue
             pins = [
                 t.pin_deadline
                 for t in engine.trajectories.values()
                 if t.pin_deadline is not None and t.pin_deadline > clock.now
             ]
-            later = [pending[0].time] if pending else []
             assert later or pins, "the engine stalled with nothing left to wait for"
             clock.now = min(later + pins)
     return engine, decisions, finishes

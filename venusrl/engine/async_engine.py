@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from venusrl.engine.engine import Engine
 from venusrl.engine.request import GenerationOutput, Request, SamplingParams
+from venusrl.policy.engine_schedule import RETRY_AFTER_S
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -159,7 +160,7 @@ class AsyncEngine:
                 continue
             self._publish({r.request_id for r in finished})
             if self.engine.stats.steps == steps:  # nothing could run: do not spin
-                self._wake.wait(timeout=0.005)
+                self._wake.wait(timeout=RETRY_AFTER_S)
                 self._wake.clear()
         self._run_commands()  # callers waiting on a command get an answer, not a hang
         self._fail_all(EngineClosed("the engine stopped"))

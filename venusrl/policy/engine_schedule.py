@@ -62,6 +62,11 @@ class StepPlan:
     preempt: tuple[str, ...]
 
 
+# When a step runs nothing (its planned requests lost their pages to earlier ones), the engine
+# loop plans again after this wait, or at once when a request arrives.
+RETRY_AFTER_S = 0.005
+
+
 def pages_for(num_tokens: int, page_size: int) -> int:
     """Pages that hold `num_tokens` tokens."""
     return -(-num_tokens // page_size)

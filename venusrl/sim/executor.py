@@ -55,6 +55,7 @@ from venusrl.policy.critical_groups import (
     MemberView,
 )
 from venusrl.policy.engine_schedule import (
+    RETRY_AFTER_S,
     EngineSnapshot,
     PriorityScheduler,
     RequestView,
@@ -400,10 +401,12 @@ class _Engine:
         evictions = sim.counters.evictions
         ran, split = self._run(plan, head)
         if not ran:
-            # Nothing fits: KV frees when a tool returns or a trajectory's KV is let go, and
-            # reserved KV when its pin expires.
             self.busy = False
-            if release_at is not None:
+            if plan.run:  # what was planned lost its pages: the engine loop plans again soon
+                sim.clock.at(now + RETRY_AFTER_S, self._kick)
+            elif release_at is not None:
+                # Nothing fits: KV frees when a tool returns or a trajectory's KV is let go,
+                # and reserved KV when its pin expires.
                 sim.clock.at(release_at, self._kick)
             return
         # The engine packs single-token rows first and samples in that order.
