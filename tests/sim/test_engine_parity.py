@@ -192,7 +192,7 @@ def replay(
     while clock.now < until and (pending or engine.has_work()):
         while pending and pending[0].time <= clock.now:
             s = pending.popleft()
-            record = records.get(s.trajectory_id, [])
+            record = list(records.get(s.trajectory_id, []))
             # The prompt, or the observation after the record: fresh tokens up to its length.
             record += [rng.randrange(2, vocab) for _ in range(s.context_tokens - len(record))]
             params = SamplingParams(max_tokens=s.action_tokens, temperature=0, ignore_eos=True)
