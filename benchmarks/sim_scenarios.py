@@ -117,6 +117,11 @@ def main() -> None:
         p.error(
             f"unknown {unknown}; policies: {', '.join(POLICIES)}; scenarios: {', '.join(SCENARIOS)}"
         )
+    if args.json_out:
+        try:  # fail now, not after an hour of simulation
+            open(args.json_out, "a").close()
+        except OSError as e:
+            p.error(f"--json-out: cannot write {args.json_out}: {e.strerror}")
     seeds = [int(s) for s in args.seeds.split(",")]
     workloads = (
         [load_workload(args.workload)]

@@ -37,3 +37,12 @@ def test_it_prints_every_policy_per_seed_with_sources_and_speedup_ranges(tmp_pat
     }
     table = bench(*common, "--steps", "2", "--markdown")
     assert table.startswith("| scenario | policy |") and "| small | venus |" in table
+
+
+def test_a_json_out_it_cannot_write_is_refused_before_simulating(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "sim_scenarios.py"), "--scenarios",
+         "math-python", "--json-out", str(tmp_path / "missing" / "out.json")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "--json-out: cannot write" in proc.stderr

@@ -346,9 +346,8 @@ class _Engine:
     def live_pages(self) -> int:
         """Device pages of live trajectories: running, or idle between turns (the KV of finished
         ones only waits to be evicted: a cache's content, not load)."""
-        ps = self.page_size
-        running = sum(-(-r.computed // ps) for r in self.running.values())
-        return running + sum(e.device for e in self.idle.values() if not e.finished) // ps
+        finished = sum(e.device for e in self.idle.values() if e.finished)
+        return self._device_pages() - finished // self.page_size
 
     def _views(self, head: list[_Request]) -> tuple[list[RequestView], Sequence[RequestView]]:
         """The scheduler's snapshot of running requests and the waiting head, as the engine
