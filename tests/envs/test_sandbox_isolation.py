@@ -177,7 +177,10 @@ def test_fork_bomb_is_stopped_and_the_host_pid_count_recovers(bomb: list[str]) -
 
     async def check(sb: Sandbox) -> None:
         r = await sb.exec(bomb, timeout_s=3)
-        assert r.timed_out
+        # Stopped either way: by the deadline, or because the shell itself could not fork `sleep`
+        # once the bomb held every pid the sandbox may have (which of the two wins is a race).
+        assert r.timed_out or (r.exit_code != 0 and b"fork" in r.stderr.lower()), r
+        assert r.duration_s < 10
         assert sb.usage().pids <= 64
         assert (await sb.exec("echo ok")).stdout == b"ok\n"  # the timeout cleaned up after it
 
