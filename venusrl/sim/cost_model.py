@@ -4,12 +4,14 @@ One rollout engine is one model on `tp` GPUs. Decode is memory-bound (every step
 weights and the resident KV of the batch), prefill compute-bound (GEMMs over the new tokens plus
 attention over the prefix), host<->device KV copies are bound by PCIe, and a trainer step by
 FLOPs at a model FLOPs utilisation. Constants tagged [V] were read in a public source, [D] derived
-from one, [A] are assumptions to calibrate against measurements (not done yet: no GPU here).
+from one, [A] are assumptions: `venusrl.sim.calibrate` fits the same formulas to our engine's
+measured iterations (on CPU here; the GPU constants wait for a GPU to measure them on).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 GB = 1e9
@@ -30,11 +32,11 @@ class ModelSpec:
     def weight_bytes(self) -> float:  # W
         return self.params * self.bytes_per_param
 
-    @property
+    @cached_property  # read for every KV copy the simulator makes
     def kv_bytes_per_token(self) -> float:  # kv: K and V of every layer
         return 2 * self.layers * self.kv_heads * self.head_dim * self.bytes_per_param
 
-    @property
+    @cached_property
     def attention_flops_factor(self) -> float:  # A = 4 * layers * q_heads * head_dim
         return 4 * self.layers * self.q_heads * self.head_dim
 

@@ -190,6 +190,7 @@ class _Idle:
     insertion (`segments`, in tokens, root first), of which the last `on_host` are offloaded.
     The tree evicts a path from its end, node by node."""
 
+    tid: str
     segments: list[int]
     device: int  # tokens in the device segments
     priority: int  # of the trajectory's latest request
@@ -198,6 +199,23 @@ class _Idle:
     on_host: int = 0
     host: int = 0  # tokens in the host segments
     finished: bool = False
+    # What the retention policy ranks it by (its root node), read at every decision: built once
+    # per change of owner state rather than each time.
+    _view: IdleKV | None = field(default=None, repr=False)
+
+    def view(self, segment: int = 0) -> IdleKV:
+        """The policy's view of one of its nodes (the owner's state, that node's tokens)."""
+        if segment:
+            return IdleKV(self.tid, self.segments[segment], self.priority, self.last_use,
+                          self.pin_deadline, self.finished)  # fmt: skip
+        if self._view is None:
+            self._view = IdleKV(self.tid, self.segments[0], self.priority, self.last_use,
+                                self.pin_deadline, self.finished)  # fmt: skip
+        return self._view
+
+    def set_owner(self, priority: int, pin_deadline: float | None, finished: bool) -> None:
+        self.priority, self.pin_deadline, self.finished = priority, pin_deadline, finished
+        self._view = None
 
 
 @dataclass
@@ -302,7 +320,7 @@ class _Engine:
     def submit(self, req: _Request) -> None:
         entry = self.idle.get(req.traj.tid)
         if entry is not None:  # the tool answered: its KV is the new request's now
-            entry.priority, entry.pin_deadline = req.priority, None
+            entry.set_owner(req.priority, None, entry.finished)
         self.waiting.append(req)
         self._unsorted = True
         if not self.busy:
@@ -314,14 +332,14 @@ class _Engine:
     def wait_on_tool(self, tid: str, deadline: float) -> None:
         entry = self.idle.get(tid)
         if entry is not None:
-            entry.pin_deadline = deadline
+            entry.set_owner(entry.priority, deadline, entry.finished)
 
     def finish_trajectory(self, tid: str) -> None:
         """No request of it follows: its KV stays until evicted, first of all by policies that
         know it is finished, by its last use with LRU."""
         entry = self.idle.get(tid)
         if entry is not None:
-            entry.finished = True
+            entry.set_owner(entry.priority, entry.pin_deadline, True)
 
     def _interrupt(self) -> None:
         """A request arrived during merged decode iterations: they stop after the one in flight,
@@ -383,7 +401,7 @@ class _Engine:
         # As the engine counts it: free pages plus every idle page (evictable, a waiting request's
         # own cached context included; its `pages_held` keeps it from being asked for twice).
         free = self.capacity - sum(v.pages_held for v in running)
-        reserved, release_at = self._reserved_pages(running, waiting)
+        reserved, release_at = self._reserved_pages(head)
         snap = EngineSnapshot(
             running,
             waiting,
@@ -398,7 +416,7 @@ class _Engine:
         for rid in plan.preempt:
             self._preempt(self.running.pop(rid))
         evictions = sim.counters.evictions
-        ran, split = self._run(plan, head)
+        ran, split, used = self._run(plan, head)
         if not ran:
             self.busy = False
             if plan.run:  # what was planned lost its pages: the engine loop plans again soon
@@ -424,7 +442,9 @@ class _Engine:
             # The same plan repeats until a request finishes its action: merge those iterations,
             # as long as their pages need no eviction and no retention pin expires.
             ps = cfg.page_size
-            free = self.capacity - self._device_pages()
+            # Pages this iteration took count as used, though the decodes' `computed` grows only
+            # when it ends.
+            free = self.capacity - used
             slack = min(self._pages(r.computed + 1) * ps - r.computed - 1 for r in decoding)
             n = min(
                 min(r.decode_left for r in decoding),
@@ -442,12 +462,14 @@ class _Engine:
 
     def _run(
         self, plan: StepPlan, head: list[_Request]
-    ) -> tuple[list[tuple[_Request, int, bool]], dict[str, float]]:
+    ) -> tuple[list[tuple[_Request, int, bool]], dict[str, float], int]:
         """Admits and runs the plan's requests as the engine does: host KV loaded back, room made
         by eviction, a request the pages ran out for left out. Returns those that run (with
-        their tokens and whether they decode) and the seconds of the iteration so far, by use."""
-        sim = self.sim
+        their tokens and whether they decode), the seconds of the iteration so far, by use, and
+        the device pages in use once it has run."""
+        sim, ps = self.sim, self.page_size
         used = self._device_pages()
+        assert used <= self.capacity, (used, self.capacity)
         split = {"prefill": 0.0, "reprefill": 0.0, "transfers": 0.0}
         ran: list[tuple[_Request, int, bool]] = []
         for rid, n in plan.run:
@@ -464,18 +486,19 @@ class _Engine:
                 self._admit(req)
             decodes = not req.prefill_left
             tokens = 1 if decodes else min(n, req.prefill_left)
-            growth = self._pages(req.computed + tokens) - self._pages(req.computed)
-            used = self._make_room(used, growth)
-            if used + growth > self.capacity:
-                # Earlier requests of the plan took the pages it counted on: it waits a step,
-                # back in the queue if it was just admitted.
-                if admitted is not None:
-                    del self.running[rid]
-                    self._release(req)
-                    self.waiting.append(req)
-                    self._unsorted = True
-                continue
-            used += growth
+            growth = pages_for(req.computed + tokens, ps) - pages_for(req.computed, ps)
+            if growth:  # most decodes stay within their last page
+                used = self._make_room(used, growth)
+                if used + growth > self.capacity:
+                    # Earlier requests of the plan took the pages it counted on: it waits a step,
+                    # back in the queue if it was just admitted.
+                    if admitted is not None:
+                        del self.running[rid]
+                        self._release(req)
+                        self.waiting.append(req)
+                        self._unsorted = True
+                    continue
+                used += growth
             if admitted is not None:
                 self._count_admission(req, admitted)
             if not decodes:
@@ -491,7 +514,7 @@ class _Engine:
         if ran:  # device-to-host copies made meanwhile, charged to the iteration
             split["transfers"] += self._transfer_s
             self._transfer_s = 0.0
-        return ran, split
+        return ran, split, used
 
     def _end_at(self, t: float) -> None:
         self._epoch += 1
@@ -596,7 +619,7 @@ class _Engine:
         t.expected_cached = max(t.expected_cached, req.cached)
         if req.segments:
             sim.ticks += 1
-            self.idle[t.tid] = _Idle(req.segments, req.cached, req.priority, sim.ticks)
+            self.idle[t.tid] = _Idle(t.tid, req.segments, req.cached, req.priority, sim.ticks)
             self.idle_device += req.cached
         req.segments, req.computed, req.cached = [], 0, 0
 
@@ -609,24 +632,24 @@ class _Engine:
         self.waiting.append(req)
         self._unsorted = True
 
-    def _idle_kv(self, tid: str, entry: _Idle, segment: int) -> IdleKV:
-        return IdleKV(tid, entry.segments[segment], entry.priority, entry.last_use,
-                      entry.pin_deadline, entry.finished)  # fmt: skip
-
-    def _reserved_pages(self, *views: Sequence[RequestView]) -> tuple[int, float | None]:
+    def _reserved_pages(self, head: list[_Request]) -> tuple[int, float | None]:
         """As the engine counts them: idle device pages of high-priority trajectories within their
         retention pin, off limits to best-effort requests (trajectory retention only); and when
-        the first of those pins expires."""
+        the first of those pins expires. Nothing when no request the scheduler sees (running, or
+        at the `head` of the queue) is best-effort."""
         sim = self.sim
-        if all(v.priority >= HIGH for vs in views for v in vs):
+        if all(r.priority >= HIGH for r in self.running.values()) and all(
+            r.priority >= HIGH for r in head
+        ):
             return 0, None
         now = sim.clock.now
+        reserved = sim.retention.reserved
         pinned = [
             e
-            for tid, e in self.idle.items()
+            for e in self.idle.values()
             # Finished KV has no live owner, whom a reservation would be for (the engine skips
             # such nodes too).
-            if e.device and not e.finished and sim.retention.reserved(self._idle_kv(tid, e, 0), now)
+            if e.device and not e.finished and reserved(e.view(), now)
         ]
         pages = sum(e.device for e in pinned) // self.page_size
         return pages, min((e.pin_deadline or now for e in pinned), default=None)
@@ -647,7 +670,7 @@ class _Engine:
         now = sim.clock.now
         ret, ps = sim.retention, self.page_size
         candidates = sorted(
-            (eviction_key(ret, self._idle_kv(tid, e, 0), now), tid)
+            (eviction_key(ret, e.view(), now), tid)
             for tid, e in self.idle.items()
             if e.device and tid != keep
         )
@@ -660,7 +683,7 @@ class _Engine:
                 sim.counters.evictions += 1
                 entry.device -= tokens
                 self.idle_device -= tokens
-                if ret.offload(self._idle_kv(tid, entry, i), now) and self._to_host(tokens, key):
+                if ret.offload(entry.view(i), now) and self._to_host(tokens, key):
                     entry.on_host += 1
                     entry.host += tokens
                 else:  # dropped, with the host part of its path
@@ -692,7 +715,7 @@ class _Engine:
         sim = self.sim
         now = sim.clock.now
         leaves = sorted(
-            (eviction_key(sim.retention, self._idle_kv(tid, e, -1), now), tid)
+            (eviction_key(sim.retention, e.view(), now), tid)  # the rank is the owner's
             for tid, e in self.idle.items()
             if e.on_host
         )
