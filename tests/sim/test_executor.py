@@ -131,3 +131,23 @@ def test_a_scheduler_that_stops_reading_the_waiting_queue_early_sees_the_same_re
     assert sim.run() == run("venus", steps=2)
     assert any(len(iterated) > 1 for iterated, _ in seen)
     assert all(iterated == indexed for iterated, indexed in seen)
+
+
+@pytest.mark.parametrize("policy", ["async", "concur", "venus"])
+def test_engines_never_hold_more_kv_pages_than_the_device_has(policy: str) -> None:
+    sim = Simulation(SMALL, POLICIES[policy], 0, SimConfig(steps=3), TIGHT)
+    fullest = 0.0
+
+    def checked(engine, end):  # after every iteration, merged decode iterations included
+        def end_then_check(epoch: int) -> None:
+            nonlocal fullest
+            end(epoch)
+            fullest = max(fullest, engine._device_pages() / engine.capacity)
+            assert fullest <= 1
+
+        return end_then_check
+
+    for engine in sim.engines:
+        engine._end = checked(engine, engine._end)
+    sim.run()
+    assert fullest > 0.95  # the device did fill up
