@@ -223,7 +223,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _sim(args: argparse.Namespace) -> int:
-    from venusrl.sim.executor import POLICIES, SimConfig, simulate
+    from venusrl.sim.executor import POLICIES, SimConfig, sim_policy, simulate
     from venusrl.sim.workloads import SCENARIOS, load_workload
 
     if args.workload:
@@ -233,15 +233,17 @@ def _sim(args: argparse.Namespace) -> int:
     else:
         raise ValueError(f"--scenario: unknown {args.scenario!r}; known: {', '.join(SCENARIOS)}")
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
-    unknown = [n for n in names if n not in POLICIES]
-    if unknown or not names:
-        raise ValueError(f"--policies: unknown {unknown}; known: {', '.join(POLICIES)}")
+    if not names:
+        raise ValueError(f"--policies: none given; known: {', '.join(POLICIES)}")
+    try:
+        policies = [sim_policy(n) for n in names]
+    except ValueError as e:
+        raise ValueError(f"--policies: {e}") from None
     if args.steps < 2:
         raise ValueError("--steps must be >= 2 (the first step only fills the pipeline)")
     if args.jobs is not None and args.jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     started = time.monotonic()
-    policies = [POLICIES[n] for n in names]
     results = simulate(workload, policies, args.seed, SimConfig(args.steps), args.jobs)
     out = {
         "workload": workload.name,

@@ -30,10 +30,17 @@ def test_sim_prints_one_json_object_with_speedups_per_policy(tmp_path: Path) -> 
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["workload"] == "small"
-    ours, sync = out["results"][1], out["results"][0]
+    sync, ours = out["results"]
     assert ours["policy"] == "venus" and ours["steps"] == 3
     assert ours["speedup_vs_sync"] == sync["mean_step_s"] / ours["mean_step_s"]
     assert ours["knobs"]["priorities"] == "critical"  # the knobs are printed with the results
+    proc = sim(
+        "--workload", str(workload), "--policies", "overlap,venus@2", "--steps", "2", "--json"
+    )
+    assert proc.returncode == 0, proc.stderr
+    overlap, ours = json.loads(proc.stdout)["results"]
+    assert ours["policy"] == "venus@2" and ours["knobs"]["max_staleness"] == 2
+    assert overlap["knobs"]["max_staleness"] == 2 and "speedup_vs_overlap" in ours
     table = sim(
         "--workload", str(workload), "--policies", "sync,venus", "--steps", "2", "--jobs", "1"
     )
@@ -45,5 +52,7 @@ def test_sim_names_a_bad_policy_scenario_or_job_count() -> None:
     assert proc.returncode == 2 and "swe-longg" in proc.stderr and "swe-long" in proc.stderr
     proc = sim("--scenario", "swe-long", "--policies", "sync,fastest")
     assert proc.returncode == 2 and "fastest" in proc.stderr
+    proc = sim("--scenario", "swe-long", "--policies", "venus@two")
+    assert proc.returncode == 2 and "venus@two" in proc.stderr and "staleness bound" in proc.stderr
     proc = sim("--scenario", "swe-long", "--jobs", "0")
     assert proc.returncode == 2 and "--jobs must be >= 1, got 0" in proc.stderr

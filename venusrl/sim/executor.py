@@ -40,7 +40,7 @@ import statistics
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal, overload
 
 from venusrl.policy.agent_admission import AimdAdmission, CacheSignal
@@ -93,12 +93,30 @@ POLICIES = {
     "sync": SimPolicy("sync", "fifo", 0, "lru"),
     # AReaL / ROLL Flash-like: rollout runs ahead of the trainer by at most one version.
     "async": SimPolicy("async", "fifo", 1, "lru"),
+    # RollFlash-like aggressive overlap: rollout runs up to two versions ahead of the trainer,
+    # filling the engines with later batches' groups in arrival order; LRU KV, no group awareness.
+    "overlap": SimPolicy("overlap", "fifo", 2, "lru"),
     # Concur-like: one version of staleness, LRU KV, and active trajectories per engine bounded
     # by a congestion window on cache signals (policy.agent_admission).
     "concur": SimPolicy("concur", "fifo", 1, "lru", admission=AimdAdmission()),
     # Ours: critical groups first, tool-waiting KV kept or offloaded, never silently dropped.
     "venus": SimPolicy("venus", "critical", 1, "trajectory"),
 }
+
+
+def sim_policy(name: str) -> SimPolicy:
+    """A policy by name; `NAME@N` is that policy with a staleness bound of N versions, so that
+    policies compare at the same bound (`overlap,venus@2`; `venus@0` is synchronous)."""
+    base, at, bound = name.partition("@")
+    if base not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)} (and NAME@BOUND)")
+    if not at:
+        return POLICIES[base]
+    if not bound.isdigit():
+        raise ValueError(
+            f"policy {name!r}: after '@' comes a staleness bound in versions (0, 1, ...)"
+        )
+    return replace(POLICIES[base], name=name, max_staleness=int(bound))
 
 
 # What rollout engines spend busy time on (re-prefill: computing KV that was lost again;
