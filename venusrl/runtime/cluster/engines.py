@@ -110,7 +110,11 @@ class EngineFleet:
         self.replicas = Replicas(len(self.actors), self._revive)
         self.nodes: list[str] = []
         self.new_trajectories = [0] * len(self.actors)  # first turns, since the last (re)start
-        self.served: dict[str, set[int]] = {}  # trajectory id -> engines that served its turns
+        # Live trajectory id -> the engines that served its turns; folded into the counts below
+        # when it ends, so a long run's bookkeeping stays the size of what is in flight.
+        self.serving: dict[str, set[int]] = {}
+        self.trajectories_per_engine = [0] * len(self.actors)  # ended ones each engine served
+        self.on_several_engines: list[str] = []  # ended ones whose turns moved (should not be)
         self._weights: tuple[Any, int] | None = None  # the latest published (object ref, version)
 
     async def start(self) -> EngineFleet:
@@ -145,14 +149,19 @@ class EngineFleet:
         except ActorLost as e:
             raise EngineLost(f"engine {i} died under trajectory {tid}: {e}") from e
         if tid:
-            if tid not in self.served:
+            if tid not in self.serving:
                 self.new_trajectories[i] += 1
-            self.served.setdefault(tid, set()).add(i)
+            self.serving.setdefault(tid, set()).add(i)
         return out
 
     async def end_trajectory(self, trajectory_id: str) -> None:
         i = self.router.engine_of(trajectory_id)
         self.router.end(trajectory_id)
+        engines = self.serving.pop(trajectory_id, set())
+        for j in engines:
+            self.trajectories_per_engine[j] += 1
+        if len(engines) > 1:
+            self.on_several_engines.append(trajectory_id)
         if i is not None and i in self.replicas.up:
             with contextlib.suppress(ActorLost):
                 await call(self.actors[i].end_trajectory, trajectory_id)
@@ -195,14 +204,8 @@ class EngineFleet:
                 }
                 for i in range(len(self.actors))
             ],
-            "trajectories_per_engine": [
-                sum(i in engines for engines in self.served.values())
-                for i in range(len(self.actors))
-            ],
-            "served": {tid: sorted(engines) for tid, engines in self.served.items()},
-            "trajectories_on_several_engines": sorted(
-                tid for tid, engines in self.served.items() if len(engines) > 1
-            ),
+            "trajectories_per_engine": self.trajectories_per_engine,
+            "trajectories_on_several_engines": sorted(self.on_several_engines),
         }
 
     async def close(self) -> None:

@@ -181,6 +181,7 @@ class RemoteGroup(list[RemoteSandbox]):
         return sb
 
     async def close(self) -> None:
+        self._pool.group_closed(self.node, self.key)
         with contextlib.suppress(SandboxCrashed):
             await self._pool._call(self.node, self._epoch, "close_group", self.key)
 
@@ -210,8 +211,14 @@ class ClusterPool:
         self.groups_per_node = [0] * len(nodes)
         self.groups_since_start = [0] * len(nodes)  # since the manager's last (re)start
         self._running = 0
-        # (manager, group key) -> the nodes its members' managers reported running them on
+        # (manager, open group's key) -> the nodes its members' managers reported running them
+        # on; a closed group only counts, if they were several (they should not be).
         self.member_nodes: dict[tuple[int, str], set[str]] = {}
+        self.groups_on_several_nodes = 0
+
+    def group_closed(self, node: int, key: str) -> None:
+        if len(self.member_nodes.pop((node, key), ())) > 1:
+            self.groups_on_several_nodes += 1
 
     async def __aenter__(self) -> ClusterPool:
         await asyncio.gather(*(call(m.ready, []) for m in self.managers))
@@ -295,7 +302,8 @@ class ClusterPool:
             "groups_per_node": self.groups_per_node,
             "manager_restarts": self.replicas.restarts,
             "groups_since_start": self.groups_since_start,
-            "groups_on_several_nodes": sum(len(n) > 1 for n in self.member_nodes.values()),
+            "groups_on_several_nodes": self.groups_on_several_nodes
+            + sum(len(n) > 1 for n in self.member_nodes.values()),
         }
 
     async def _stats(self, i: int) -> dict[str, Any] | None:
