@@ -10,7 +10,7 @@ largest speedup over the seeds. `--markdown` prints the table instead.
                                        [--policies sync,async,concur,venus] [--steps 4]
                                        [--markdown] [--json-out FILE] [--workload FILE]
 
-A policy NAME@N runs with a staleness bound of N versions (`--policies overlap,venus@2`).
+A policy NAME@N runs with a staleness bound of N versions (`--policies async@2,venus@2`).
 
 Simulated time is not wall time: a full `swe-long` run takes minutes of this machine per policy.
 """
@@ -24,7 +24,7 @@ import statistics
 import time
 from typing import Any
 
-from venusrl.sim.executor import SimConfig, sim_policy, simulate
+from venusrl.sim.executor import SimConfig, SimPolicy, sim_policy, simulate
 from venusrl.sim.workloads import SCENARIOS, Workload, load_workload
 
 FIGURES = (
@@ -38,15 +38,13 @@ FIGURES = (
 
 
 def run_scenario(
-    workload: Workload, seeds: list[int], policies: list[str], steps: int
+    workload: Workload, seeds: list[int], policies: list[SimPolicy], steps: int
 ) -> dict[str, Any]:
     started = time.monotonic()
-    runs = {
-        seed: simulate(workload, [sim_policy(p) for p in policies], seed, SimConfig(steps=steps))
-        for seed in seeds
-    }
+    runs = {seed: simulate(workload, policies, seed, SimConfig(steps=steps)) for seed in seeds}
+    names = [p.name for p in policies]
     summary: dict[str, Any] = {}
-    for i, name in enumerate(policies):
+    for i, name in enumerate(names):
         per_seed = [runs[s][i] for s in seeds]
         row: dict[str, Any] = {
             f: statistics.fmean(r[f] for r in per_seed if r[f] is not None) for f in FIGURES
@@ -55,7 +53,7 @@ def run_scenario(
             k: statistics.fmean(r["rollout_gpu_time"][k] for r in per_seed)
             for k in per_seed[0]["rollout_gpu_time"]
         }
-        for other in policies:
+        for other in names:
             key = f"speedup_vs_{other}"
             values = [r[key] for r in per_seed if key in r]
             if values:
@@ -111,10 +109,8 @@ def main() -> None:
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--json-out", help="also write the JSON object to this file")
     args = p.parse_args()
-    policies = args.policies.split(",")
     try:
-        for name in policies:
-            sim_policy(name)
+        policies = [sim_policy(n.strip()) for n in args.policies.split(",")]
     except ValueError as e:
         p.error(f"--policies: {e}")
     unknown = [n for n in args.scenarios.split(",") if n not in SCENARIOS]
@@ -135,7 +131,7 @@ def main() -> None:
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(results, f)
-    print(markdown(results, policies) if args.markdown else json.dumps(results))
+    print(markdown(results, [p.name for p in policies]) if args.markdown else json.dumps(results))
 
 
 if __name__ == "__main__":

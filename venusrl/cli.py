@@ -73,7 +73,11 @@ def main(argv: list[str] | None = None) -> int:
         "--scenario", default="swe-long", help="a built-in workload (default swe-long)"
     )
     what.add_argument("--workload", help="a workload YAML file (see venusrl/sim/workloads.py)")
-    sim.add_argument("--policies", default="sync,async,venus", help="comma-separated policies")
+    sim.add_argument(
+        "--policies",
+        default="sync,async,venus",
+        help="comma-separated: sync, async, concur, venus; NAME@N sets a staleness bound of N",
+    )
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--steps", type=int, default=4, help="trainer steps per policy")
     sim.add_argument(

@@ -166,7 +166,8 @@ def test_memory_hog_is_oom_killed_and_reported_while_its_siblings_live() -> None
 @pytest.mark.parametrize(
     "bomb",
     [
-        ["/bin/sh", "-c", "f() { f | f & }; f; sleep 30"],
+        # `exec`: the shell needs no new pid to go on waiting, so only the deadline ends it.
+        ["/bin/sh", "-c", "f() { f | f & }; f; exec sleep 30"],
         ["python", "-c", "import os\nwhile True:\n    try: os.fork()\n    except OSError: pass"],
     ],
     ids=["shell", "python"],
@@ -177,10 +178,7 @@ def test_fork_bomb_is_stopped_and_the_host_pid_count_recovers(bomb: list[str]) -
 
     async def check(sb: Sandbox) -> None:
         r = await sb.exec(bomb, timeout_s=3)
-        # Stopped either way: by the deadline, or because the shell itself could not fork `sleep`
-        # once the bomb held every pid the sandbox may have (which of the two wins is a race).
-        assert r.timed_out or (r.exit_code != 0 and b"fork" in r.stderr.lower()), r
-        assert r.duration_s < 10
+        assert r.timed_out
         assert sb.usage().pids <= 64
         assert (await sb.exec("echo ok")).stdout == b"ok\n"  # the timeout cleaned up after it
 

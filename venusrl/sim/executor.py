@@ -93,9 +93,6 @@ POLICIES = {
     "sync": SimPolicy("sync", "fifo", 0, "lru"),
     # AReaL / ROLL Flash-like: rollout runs ahead of the trainer by at most one version.
     "async": SimPolicy("async", "fifo", 1, "lru"),
-    # RollFlash-like aggressive overlap: rollout runs up to two versions ahead of the trainer,
-    # filling the engines with later batches' groups in arrival order; LRU KV, no group awareness.
-    "overlap": SimPolicy("overlap", "fifo", 2, "lru"),
     # Concur-like: one version of staleness, LRU KV, and active trajectories per engine bounded
     # by a congestion window on cache signals (policy.agent_admission).
     "concur": SimPolicy("concur", "fifo", 1, "lru", admission=AimdAdmission()),
@@ -106,13 +103,13 @@ POLICIES = {
 
 def sim_policy(name: str) -> SimPolicy:
     """A policy by name; `NAME@N` is that policy with a staleness bound of N versions, so that
-    policies compare at the same bound (`overlap,venus@2`; `venus@0` is synchronous)."""
+    policies compare at the same bound (`async@2,venus@2`; `venus@0` is synchronous)."""
     base, at, bound = name.partition("@")
     if base not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)} (and NAME@BOUND)")
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}, or NAME@BOUND")
     if not at:
         return POLICIES[base]
-    if not bound.isdigit():
+    if not (bound.isascii() and bound.isdigit()):
         raise ValueError(
             f"policy {name!r}: after '@' comes a staleness bound in versions (0, 1, ...)"
         )
@@ -217,9 +214,9 @@ class _Idle:
     on_host: int = 0
     host: int = 0  # tokens in the host segments
     finished: bool = False
-    # What the retention policy ranks it by (its root node), read at every decision: built once
-    # per change of owner state rather than each time.
-    _view: IdleKV | None = field(default=None, repr=False)
+    # The retention policy's view of its root node, read at every decision: built once per
+    # change of owner state (`set_owner`, the only writer of the owner's fields).
+    _view: IdleKV | None = field(default=None, init=False, repr=False)
 
     def view(self, segment: int = 0) -> IdleKV:
         """The policy's view of one of its nodes (the owner's state, that node's tokens)."""
@@ -231,7 +228,7 @@ class _Idle:
                                 self.pin_deadline, self.finished)  # fmt: skip
         return self._view
 
-    def set_owner(self, priority: int, pin_deadline: float | None, finished: bool) -> None:
+    def set_owner(self, *, priority: int, pin_deadline: float | None, finished: bool) -> None:
         self.priority, self.pin_deadline, self.finished = priority, pin_deadline, finished
         self._view = None
 
@@ -320,6 +317,7 @@ class _Engine:
         self._unsorted = False  # an arrival or a preemption since `waiting` was sorted
         self.idle: dict[str, _Idle] = {}  # trajectory id -> its KV between requests
         self.idle_device = 0  # tokens of `idle` on the device
+        self.peak_pages = 0  # the most device pages in use when an iteration was planned
         self.trajectories = 0  # routed here and not finished (the router's load)
         self.reprefill_after_eviction = 0  # tokens, for admission control's cache signal
         admission = sim.policy.admission
@@ -338,7 +336,7 @@ class _Engine:
     def submit(self, req: _Request) -> None:
         entry = self.idle.get(req.traj.tid)
         if entry is not None:  # the tool answered: its KV is the new request's now
-            entry.set_owner(req.priority, None, entry.finished)
+            entry.set_owner(priority=req.priority, pin_deadline=None, finished=entry.finished)
         self.waiting.append(req)
         self._unsorted = True
         if not self.busy:
@@ -350,14 +348,14 @@ class _Engine:
     def wait_on_tool(self, tid: str, deadline: float) -> None:
         entry = self.idle.get(tid)
         if entry is not None:
-            entry.set_owner(entry.priority, deadline, entry.finished)
+            entry.set_owner(priority=entry.priority, pin_deadline=deadline, finished=entry.finished)
 
     def finish_trajectory(self, tid: str) -> None:
         """No request of it follows: its KV stays until evicted, first of all by policies that
         know it is finished, by its last use with LRU."""
         entry = self.idle.get(tid)
         if entry is not None:
-            entry.set_owner(entry.priority, entry.pin_deadline, True)
+            entry.set_owner(priority=entry.priority, pin_deadline=entry.pin_deadline, finished=True)
 
     def _interrupt(self) -> None:
         """A request arrived during merged decode iterations: they stop after the one in flight,
@@ -485,9 +483,10 @@ class _Engine:
         by eviction, a request the pages ran out for left out. Returns those that run (with
         their tokens and whether they decode), the seconds of the iteration so far, by use, and
         the device pages in use once it has run."""
-        sim, ps = self.sim, self.page_size
+        sim = self.sim
         used = self._device_pages()
         assert used <= self.capacity, (used, self.capacity)
+        self.peak_pages = max(self.peak_pages, used)
         split = {"prefill": 0.0, "reprefill": 0.0, "transfers": 0.0}
         ran: list[tuple[_Request, int, bool]] = []
         for rid, n in plan.run:
@@ -504,7 +503,7 @@ class _Engine:
                 self._admit(req)
             decodes = not req.prefill_left
             tokens = 1 if decodes else min(n, req.prefill_left)
-            growth = pages_for(req.computed + tokens, ps) - pages_for(req.computed, ps)
+            growth = self._pages(req.computed + tokens) - self._pages(req.computed)
             if growth:  # most decodes stay within their last page
                 used = self._make_room(used, growth)
                 if used + growth > self.capacity:
@@ -733,7 +732,7 @@ class _Engine:
         sim = self.sim
         now = sim.clock.now
         leaves = sorted(
-            (eviction_key(sim.retention, e.view(), now), tid)  # the rank is the owner's
+            (eviction_key(sim.retention, e.view(len(e.segments) - 1), now), tid)
             for tid, e in self.idle.items()
             if e.on_host
         )
@@ -1058,6 +1057,8 @@ class Simulation:
             "steps": len(ends),
             "mean_step_s": step_s,
             "gpu_busy": sum(e.busy_s for e in self.engines) / engine_s,
+            # The fullest any engine's device KV was when an iteration was planned.
+            "kv_peak_occupancy": max(e.peak_pages / e.capacity for e in self.engines),
             "rollout_gpu_time": breakdown,
             "train_s_per_step": self.train_s / steps,
             "weight_sync_s_per_step": self.weight_sync_s / steps,

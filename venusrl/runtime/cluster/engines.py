@@ -204,8 +204,15 @@ class EngineFleet:
                 }
                 for i in range(len(self.actors))
             ],
-            "trajectories_per_engine": self.trajectories_per_engine,
-            "trajectories_on_several_engines": sorted(self.on_several_engines),
+            # Ended trajectories and those still in flight (cancelled at the end of the run).
+            "trajectories_per_engine": [
+                n + sum(i in engines for engines in self.serving.values())
+                for i, n in enumerate(self.trajectories_per_engine)
+            ],
+            "trajectories_on_several_engines": sorted(
+                self.on_several_engines
+                + [tid for tid, engines in self.serving.items() if len(engines) > 1]
+            ),
         }
 
     async def close(self) -> None:

@@ -175,13 +175,13 @@ class RemoteGroup(list[RemoteSandbox]):
 
     async def add(self) -> RemoteSandbox:
         key, node_id = await self._pool._call(self.node, self._epoch, "add", self.key)
-        self._pool.member_nodes.setdefault((self.node, self.key), set()).add(node_id)
+        self._pool.member_nodes.setdefault((self.node, self._epoch, self.key), set()).add(node_id)
         sb = RemoteSandbox(self._pool, self.node, self._epoch, key)
         self.append(sb)
         return sb
 
     async def close(self) -> None:
-        self._pool.group_closed(self.node, self.key)
+        self._pool.group_closed(self.node, self._epoch, self.key)
         with contextlib.suppress(SandboxCrashed):
             await self._pool._call(self.node, self._epoch, "close_group", self.key)
 
@@ -211,13 +211,14 @@ class ClusterPool:
         self.groups_per_node = [0] * len(nodes)
         self.groups_since_start = [0] * len(nodes)  # since the manager's last (re)start
         self._running = 0
-        # (manager, open group's key) -> the nodes its members' managers reported running them
-        # on; a closed group only counts, if they were several (they should not be).
-        self.member_nodes: dict[tuple[int, str], set[str]] = {}
+        # An open group (manager, its epoch, key: a restarted manager numbers its groups from
+        # the start again) -> the nodes its members' managers reported running them on. A
+        # closed group is kept only as a count, if its members ran on several nodes.
+        self.member_nodes: dict[tuple[int, int, str], set[str]] = {}
         self.groups_on_several_nodes = 0
 
-    def group_closed(self, node: int, key: str) -> None:
-        if len(self.member_nodes.pop((node, key), ())) > 1:
+    def group_closed(self, node: int, epoch: int, key: str) -> None:
+        if len(self.member_nodes.pop((node, epoch, key), ())) > 1:
             self.groups_on_several_nodes += 1
 
     async def __aenter__(self) -> ClusterPool:
