@@ -24,7 +24,7 @@ import statistics
 import time
 from typing import Any
 
-from venusrl.sim.executor import SimConfig, SimPolicy, sim_policy, simulate
+from venusrl.sim.executor import SimConfig, SimPolicy, sim_policies, simulate
 from venusrl.sim.workloads import SCENARIOS, Workload, load_workload
 
 FIGURES = (
@@ -110,7 +110,7 @@ def main() -> None:
     p.add_argument("--json-out", help="also write the JSON object to this file")
     args = p.parse_args()
     try:
-        policies = [sim_policy(n.strip()) for n in args.policies.split(",")]
+        policies = sim_policies(args.policies)
     except ValueError as e:
         p.error(f"--policies: {e}")
     unknown = [n for n in args.scenarios.split(",") if n not in SCENARIOS]

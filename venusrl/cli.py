@@ -227,7 +227,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _sim(args: argparse.Namespace) -> int:
-    from venusrl.sim.executor import POLICIES, SimConfig, sim_policy, simulate
+    from venusrl.sim.executor import SimConfig, sim_policies, simulate
     from venusrl.sim.workloads import SCENARIOS, load_workload
 
     if args.workload:
@@ -236,11 +236,8 @@ def _sim(args: argparse.Namespace) -> int:
         workload = SCENARIOS[args.scenario]
     else:
         raise ValueError(f"--scenario: unknown {args.scenario!r}; known: {', '.join(SCENARIOS)}")
-    names = [n.strip() for n in args.policies.split(",") if n.strip()]
-    if not names:
-        raise ValueError(f"--policies: none given; known: {', '.join(POLICIES)}")
     try:
-        policies = [sim_policy(n) for n in names]
+        policies = sim_policies(args.policies)
     except ValueError as e:
         raise ValueError(f"--policies: {e}") from None
     if args.steps < 2:

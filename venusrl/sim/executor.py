@@ -116,6 +116,14 @@ def sim_policy(name: str) -> SimPolicy:
     return replace(POLICIES[base], name=name, max_staleness=int(bound))
 
 
+def sim_policies(names: str) -> list[SimPolicy]:
+    """Comma-separated policy names (`sim_policy`'s), in order; ValueError names a bad one."""
+    listed = [n.strip() for n in names.split(",") if n.strip()]
+    if not listed:
+        raise ValueError(f"no policy given; known: {', '.join(POLICIES)}, or NAME@BOUND")
+    return [sim_policy(n) for n in listed]
+
+
 # What rollout engines spend busy time on (re-prefill: computing KV that was lost again;
 # transfers: copying KV between host and device).
 SPENT_ON = ("decode", "prefill", "reprefill", "transfers")
@@ -220,13 +228,13 @@ class _Idle:
 
     def view(self, segment: int = 0) -> IdleKV:
         """The policy's view of one of its nodes (the owner's state, that node's tokens)."""
-        if segment:
-            return IdleKV(self.tid, self.segments[segment], self.priority, self.last_use,
-                          self.pin_deadline, self.finished)  # fmt: skip
-        if self._view is None:
-            self._view = IdleKV(self.tid, self.segments[0], self.priority, self.last_use,
-                                self.pin_deadline, self.finished)  # fmt: skip
-        return self._view
+        if segment == 0 and self._view is not None:
+            return self._view
+        view = IdleKV(self.tid, self.segments[segment], self.priority, self.last_use,
+                      self.pin_deadline, self.finished)  # fmt: skip
+        if segment == 0:
+            self._view = view
+        return view
 
     def set_owner(self, *, priority: int, pin_deadline: float | None, finished: bool) -> None:
         self.priority, self.pin_deadline, self.finished = priority, pin_deadline, finished

@@ -175,7 +175,7 @@ class RemoteGroup(list[RemoteSandbox]):
 
     async def add(self) -> RemoteSandbox:
         key, node_id = await self._pool._call(self.node, self._epoch, "add", self.key)
-        self._pool.member_nodes.setdefault((self.node, self._epoch, self.key), set()).add(node_id)
+        self._pool.member_on(self.node, self._epoch, self.key, node_id)
         sb = RemoteSandbox(self._pool, self.node, self._epoch, key)
         self.append(sb)
         return sb
@@ -216,6 +216,9 @@ class ClusterPool:
         # closed group is kept only as a count, if its members ran on several nodes.
         self.member_nodes: dict[tuple[int, int, str], set[str]] = {}
         self.groups_on_several_nodes = 0
+
+    def member_on(self, node: int, epoch: int, key: str, node_id: str) -> None:
+        self.member_nodes.setdefault((node, epoch, key), set()).add(node_id)
 
     def group_closed(self, node: int, epoch: int, key: str) -> None:
         if len(self.member_nodes.pop((node, epoch, key), ())) > 1:
