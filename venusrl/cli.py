@@ -81,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--steps", type=int, default=4, help="trainer steps per policy")
     sim.add_argument(
-        "--jobs", type=int, help="policies simulated at once, one process each (default: cores)"
+        "--jobs",
+        type=int,
+        help="policies simulated at once, one process each (default: all of them)",
     )
     sim.add_argument("--json", action="store_true", help="print one JSON object")
 

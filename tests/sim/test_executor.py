@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 import re
 
 import pytest
 
-from venusrl.policy.engine_schedule import PriorityScheduler
+from venusrl.policy.engine_schedule import PriorityScheduler, pages_for
 from venusrl.sim.cost_model import CostModel
-from venusrl.sim.executor import POLICIES, SimConfig, Simulation, sim_policy, simulate
+from venusrl.sim.executor import (
+    POLICIES,
+    SimConfig,
+    Simulation,
+    decodes_without_eviction,
+    sim_policy,
+    simulate,
+)
 from venusrl.sim.workloads import SCENARIOS, LogNormal, Turns
 
 # swe-short's shape, small enough to simulate in a fraction of a second.
@@ -169,3 +177,19 @@ def test_engines_never_hold_more_kv_pages_than_the_device_has(policy: str) -> No
     # The simulator asserts it before planning every iteration (merged decode iterations once
     # took a page more than there was); here the device must also have filled up.
     assert 0.95 < run(policy, cost=TIGHT)["kv_peak_occupancy"] <= 1
+
+
+def test_merged_decode_iterations_go_exactly_as_far_as_the_free_pages() -> None:
+    # Against counting the pages iteration by iteration: the last merged iteration still fits,
+    # one more would need a page that is not free (so an eviction, which ends a merge).
+    rng = random.Random(0)
+    ps = 16
+    for _ in range(2000):
+        computed = [rng.randrange(200) for _ in range(rng.randint(1, 12))]
+        free = rng.randrange(40)
+        n = decodes_without_eviction(computed, free, ps)
+        # Pages beyond those of the first iteration, after n and after n + 1 iterations.
+        fits, one_more = (
+            sum(pages_for(c + i, ps) - pages_for(c + 1, ps) for c in computed) for i in (n, n + 1)
+        )
+        assert fits <= free < one_more, (computed, free, n)

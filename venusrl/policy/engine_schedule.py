@@ -117,15 +117,20 @@ class PriorityScheduler:
             free += gain
             return True
 
+        ps = snap.page_size
+
         def plan(view: RequestView, waiting: bool) -> bool:
             nonlocal free, budget
             n = min(view.tokens_to_compute, budget)
-            need = pages_needed(view, n, snap.page_size) + view.pages_idle
-            # Below the reserve priority, the reserved pages are not there to take: such a
-            # request runs in leftover capacity (or in what preempting lower work frees).
-            hold = snap.reserved_pages if view.priority < snap.reserve_priority else 0
-            if not make_room(need + hold if need else 0, view, waiting):
-                return False
+            # pages_needed(), inlined: this runs for every request at every engine step.
+            grow = -(-(view.num_computed + n) // ps) - view.pages_held
+            need = (grow if grow > 0 else 0) + view.pages_idle
+            if need or free < 0:  # most decodes fit in their last page: nothing to make room for
+                # Below the reserve priority, the reserved pages are not there to take: such a
+                # request runs in leftover capacity (or in what preempting lower work frees).
+                hold = snap.reserved_pages if view.priority < snap.reserve_priority else 0
+                if not make_room(need + hold if need else 0, view, waiting):
+                    return False
             planned[view.request_id] = n
             free -= need
             budget -= n

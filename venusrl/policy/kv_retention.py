@@ -18,14 +18,12 @@ their pin. Pinned KV of a live trajectory is offloaded, never silently dropped.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from venusrl.policy.critical_groups import HIGH
 
 
-@dataclass(frozen=True, slots=True)
-class IdleKV:
+class IdleKV(NamedTuple):  # built for eviction candidates at every eviction: a cheap record
     key: str  # the trajectories it belongs to
     tokens: int
     priority: int  # the owner's, sent with its latest request

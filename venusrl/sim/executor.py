@@ -35,7 +35,6 @@ import heapq
 import itertools
 import math
 import multiprocessing
-import os
 import statistics
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -141,6 +140,17 @@ class SimConfig:
     waiting_head: int = 64  # waiting requests shown to the scheduler (the engine shows a head too)
 
 
+def decodes_without_eviction(computed: list[int], free: int, page_size: int) -> int:
+    """Decode iterations a batch can run, the first included (its pages already taken), before
+    one needs a page beyond `free`; `computed`: each request's tokens with KV before the first.
+    After the first, a request fills what is left of its last page (its slack, below a page),
+    then needs a page every `page_size` tokens: the needs come in rounds, each in slack order,
+    and the first that `free` does not cover is round `free // k`, slack number `free % k`."""
+    slack = sorted(-(c + 1) % page_size for c in computed)
+    k = len(slack)
+    return 1 + slack[free % k] + page_size * (free // k)
+
+
 class _Clock:
     def __init__(self) -> None:
         self.now = 0.0
@@ -205,6 +215,12 @@ class _Request:
     segments: list[int] = field(default_factory=list)  # its tree nodes, in tokens, root first
     resumed: bool = False  # it ran before and was preempted: KV it lost is a preemption's
     lost_until: int = 0  # its prefill below this recomputes KV that was lost (a re-prefill)
+    # The scheduler's view of it while it runs, updated in place at every decision (building
+    # one for every running request at every decision was a tenth of the simulator's time).
+    view: RequestView = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.view = RequestView(self.rid, self.priority, self.arrival, 0, 0, 0, 0)
 
 
 @dataclass(eq=False)
@@ -397,9 +413,11 @@ class _Engine:
         ps = self.page_size
         running = []
         for r in self.running.values():
-            held = -(-r.computed // ps)
-            todo = r.prefill_left or 1
-            running.append(RequestView(r.rid, r.priority, r.arrival, r.computed, todo, held, held))
+            v = r.view
+            v.num_computed = r.computed
+            v.tokens_to_compute = r.prefill_left or 1
+            v.pages_held = v.pages_releasable = -(-r.computed // ps)
+            running.append(v)
 
         def waiting(r: _Request) -> RequestView:
             entry = self.idle.get(r.traj.tid)
@@ -452,9 +470,15 @@ class _Engine:
             return
         # The engine packs single-token rows first and samples in that order.
         ran.sort(key=lambda item: item[1] > 1)
-        sampling = [(req, decodes) for req, _, decodes in ran if not req.prefill_left]
-        decoding = [req for req, _, decodes in ran if decodes]
-        context = sum(r.computed for r in decoding)
+        sampling: list[tuple[_Request, bool]] = []
+        decoding: list[_Request] = []
+        context = 0
+        for req, _, decodes in ran:
+            if not req.prefill_left:
+                sampling.append((req, decodes))
+            if decodes:
+                decoding.append(req)
+                context += req.computed
         seconds = sum(split.values())
         n = 1
         # An eviction changes what the next plan sees of the queue (its cache, the reserved
@@ -469,10 +493,9 @@ class _Engine:
             # Pages this iteration took count as used, though the decodes' `computed` grows only
             # when it ends.
             free = self.capacity - used
-            slack = min(self._pages(r.computed + 1) * ps - r.computed - 1 for r in decoding)
             n = min(
                 min(r.decode_left for r in decoding),
-                1 + slack + ps * (free // len(decoding)),
+                decodes_without_eviction([r.computed for r in decoding], free, ps),
                 cfg.max_merged_iterations,
             )
             seconds = sim.cost.decode_step_s(len(decoding), context + len(decoding) * n / 2)
@@ -491,7 +514,7 @@ class _Engine:
         by eviction, a request the pages ran out for left out. Returns those that run (with
         their tokens and whether they decode), the seconds of the iteration so far, by use, and
         the device pages in use once it has run."""
-        sim = self.sim
+        sim, ps = self.sim, self.page_size
         used = self._device_pages()
         assert used <= self.capacity, (used, self.capacity)
         self.peak_pages = max(self.peak_pages, used)
@@ -511,7 +534,8 @@ class _Engine:
                 self._admit(req)
             decodes = not req.prefill_left
             tokens = 1 if decodes else min(n, req.prefill_left)
-            growth = self._pages(req.computed + tokens) - self._pages(req.computed)
+            c = req.computed  # its new pages: pages_for(c + tokens) - pages_for(c), inlined
+            growth = -(-(c + tokens) // ps) - -(-c // ps)
             if growth:  # most decodes stay within their last page
                 used = self._make_room(used, growth)
                 if used + growth > self.capacity:
@@ -556,17 +580,20 @@ class _Engine:
         for what, seconds in split.items():
             self.spent[what] += n * seconds
         sim.counters.iterations += n
-        for req, decodes in sampling:
+        done = []
+        for req, decodes in sampling:  # the simulator's innermost loop: kept lean
             if decodes:
                 req.computed += n  # the KV of the token sampled before
             req.decode_left -= n
-            req.traj.context += n
-            req.traj.generated += n
-        for req, _ in sampling:
+            t = req.traj
+            t.context += n
+            t.generated += n
             if not req.decode_left:
-                del self.running[req.rid]
-                self._release(req)
-                sim.turn_done(req.traj)
+                done.append(req)
+        for req in done:
+            del self.running[req.rid]
+            self._release(req)
+            sim.turn_done(req.traj)
         if self.running or self.waiting:
             self._step()
         else:
@@ -1096,9 +1123,11 @@ def simulate(
     jobs: int | None = None,
 ) -> list[dict[str, Any]]:
     """Each policy on the same seeded workload, with `speedup_vs_<other>` for every other.
-    The policies run side by side in `jobs` processes (default: one per policy, at most one per
-    core); each run is deterministic, so the figures do not depend on it."""
-    jobs = min(len(policies), jobs or os.cpu_count() or 1)
+    The policies run side by side in `jobs` processes (default: one per policy, even beyond the
+    cores: the OS shares them, so no policy waits for a slower one to free a core, and the
+    command ends close to total work / cores); each run is deterministic, so the figures do not
+    depend on it."""
+    jobs = min(len(policies), jobs or len(policies))
     if jobs > 1:
         with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
             futures = [pool.submit(_run, workload, p, seed, config) for p in policies]
