@@ -76,7 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument(
         "--policies",
         default="sync,async,venus",
-        help="comma-separated: sync, async, concur, venus; NAME@N sets a staleness bound of N",
+        help=(
+            "comma-separated: sync, async, concur, venus, venus+window;"
+            " NAME@N sets a staleness bound of N"
+        ),
     )
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--steps", type=int, default=4, help="trainer steps per policy")

@@ -97,6 +97,11 @@ POLICIES = {
     "concur": SimPolicy("concur", "fifo", 1, "lru", admission=AimdAdmission()),
     # Ours: critical groups first, tool-waiting KV kept or offloaded, never silently dropped.
     "venus": SimPolicy("venus", "critical", 1, "trajectory"),
+    # Ours under concur's admission window (the same AIMD knobs): a candidate, simulated only;
+    # the runtime does not run an admission window yet.
+    "venus+window": SimPolicy(
+        "venus+window", "critical", 1, "trajectory", admission=AimdAdmission()
+    ),
 }
 
 
