@@ -128,6 +128,18 @@ class RolloutConfig(_Section):
         description="how long the engine keeps a trajectory's KV for it while it waits on a tool"
         " (engine.retention=trajectory)",
     )
+    admission: Literal["none", "aimd"] = Field(
+        "none",
+        description="none: every member of every open group runs at once; aimd: episodes run"
+        " only while fewer run than a window that grows while the engine's KV cache is healthy"
+        " and halves when it thrashes (policy.agent_admission; local engine only)",
+    )
+    admission_period_s: float = Field(
+        5.0, gt=0, description="control period of rollout.admission=aimd (about one turn)"
+    )
+    admission_initial_window: int = Field(
+        8, ge=1, le=4096, description="episodes rollout.admission=aimd lets run at first"
+    )
 
     @field_validator("mix")
     @classmethod
@@ -229,6 +241,11 @@ class Config(_Section):
         if rt.kind == "ray" and self.run.engine_url:
             raise ValueError(
                 "run.engine_url trains against one served engine: use runtime.kind=local"
+            )
+        if self.rollout.admission != "none" and (rt.kind == "ray" or self.run.engine_url):
+            raise ValueError(
+                "rollout.admission reads the cache of an in-process engine: use runtime.kind=local"
+                " without run.engine_url"
             )
         if rt.kind == "ray" and self.faults.kill_sandboxes:
             raise ValueError(

@@ -360,3 +360,21 @@ def test_trajectories_never_ended_by_the_client_are_forgotten_oldest_first(
     assert list(engine.trajectories) == ["t4", "t2", "t5"]
     drain(engine)
     assert all(not n.owners - {"t4", "t2", "t5"} for n in engine.tree.nodes())
+
+
+def test_live_kv_counts_running_and_waiting_trajectories_not_ended_ones(tiny_qwen3: Path) -> None:
+    engine = engine_for(tiny_qwen3, device_kv_pages=256)
+    assert engine.live_kv_pages() == 0
+    for i in range(2):
+        r = engine.add_request(list(range(10 + i, 50 + i)), GREEDY, trajectory_id=f"t{i}")
+        drain(engine)
+        engine.pop_finished(r.request_id)
+    # Both wait on a tool: their cached context is live load, though it could be evicted.
+    in_use = engine.kv.device_pages.capacity - engine.kv.device_pages.num_free
+    assert engine.live_kv_pages() == in_use > 0
+    engine.end_trajectory("t0")
+    ended = engine.live_kv_pages()
+    assert 0 < ended < in_use  # t0's KV is only cache content now
+    engine.end_trajectory("t1")
+    assert engine.live_kv_pages() == 0
+    assert engine.kv.device_pages.num_free < engine.kv.device_pages.capacity  # still cached

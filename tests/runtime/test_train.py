@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -207,3 +208,24 @@ def test_a_warm_start_with_no_demonstrator_in_the_mix_is_refused(tmp_path: Path)
     cfg = load_config(None, [*SMALL, "rollout.env=swe_mini"])
     with pytest.raises(ValueError, match="no demonstrator for swe_mini"):
         asyncio.run(train(cfg, tmp_path))
+
+
+def test_admission_control_bounds_the_episodes_running_at_once(tmp_path: Path) -> None:
+    # A window of one that never gets to move (its first control period outlasts the run):
+    # episodes run one at a time, though 2 groups x 2 members are open at once.
+    admission = [
+        "rollout.admission=aimd",
+        "rollout.admission_initial_window=1",
+        "rollout.admission_period_s=3600",
+    ]
+    cfg = load_config(None, [*SMALL, "run.steps=2", *admission])
+    metrics = asyncio.run(asyncio.wait_for(train(cfg, tmp_path), 300))
+    assert [m["step"] for m in metrics] == [0, 1]
+    assert all(m["admission_window"] == 1 and m["episodes_active"] <= 1 for m in metrics)
+    assert any(m["episodes_held_back"] > 0 for m in metrics)
+    episodes = sorted(
+        (r["turns"][0]["requested"], r["turns"][-1]["acted"]) for r in read_records(tmp_path)
+    )
+    assert len(episodes) == 8
+    for (_, end), (start, _) in itertools.pairwise(episodes):
+        assert end <= start  # no two episodes overlap

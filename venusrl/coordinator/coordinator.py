@@ -10,6 +10,10 @@ re-ranked by the critical-group policy (`policy.critical_groups`): the groups th
 next batch get high priority, and every generation request a member sends carries its group's
 current priority. The simulator (`venusrl.sim`) feeds the policy at the same moments.
 
+Admission: with an `AdmissionWindow` (`coordinator.admission`), a member's episode starts only
+while the engine runs fewer episodes than the window (its sandbox is up meanwhile, as in the
+simulator); without one, every member runs at once.
+
 Failure semantics: an episode that ends in an infrastructure failure (sandbox died or was
 preempted, an engine call failed, a service timed out) is re-run by a replacement member, up to
 `max_infra_retries` per group; past that it is masked, its reward None, so it never enters the
@@ -28,6 +32,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
+from venusrl.coordinator.admission import AdmissionWindow
 from venusrl.coordinator.agent_loop import ChatFormat, Generate, LoopLimits, run_episode
 from venusrl.coordinator.mixing import GroupTask
 from venusrl.engine.request import SamplingParams
@@ -109,12 +114,14 @@ class Coordinator:
         config: CoordinatorConfig,
         weight_version: Callable[[], int],
         end_trajectory: Callable[[str], Awaitable[None]] | None = None,
+        admission: AdmissionWindow | None = None,
     ) -> None:
         """`tasks`: what each new group plays (`mixing.mixed_tasks`); `end_trajectory` tells the
         engine that an episode is over, so that the KV it kept for the trajectory between turns
-        can go."""
+        can go; `admission`: episodes run only while its window has room (None: all at once)."""
         self.tasks, self.pool = tasks, pool
         self.end_trajectory = end_trajectory
+        self.admission = admission
         self.generate, self.fmt, self.sampling, self.limits = generate, fmt, sampling, limits
         self.config = config
         self.weight_version = weight_version
@@ -130,11 +137,14 @@ class Coordinator:
         self._tasks: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         self._launcher: asyncio.Task[None] | None = None
+        self._control: asyncio.Task[None] | None = None
 
     # --- the trainer's side ---------------------------------------------------------------------
 
     def start(self) -> None:
         self._launcher = asyncio.create_task(self._launch())
+        if self.admission is not None:
+            self._control = asyncio.create_task(self.admission.control())
 
     async def next_batch(self) -> list[GroupResult]:
         """B complete groups for the trainer at its current version: every group the staleness
@@ -166,12 +176,10 @@ class Coordinator:
         self._wake.set()
 
     async def close(self) -> None:
-        for task in [self._launcher, *self._tasks]:
-            if task is not None:
-                task.cancel()
-        await asyncio.gather(
-            *[t for t in [self._launcher, *self._tasks] if t], return_exceptions=True
-        )
+        tasks = [t for t in [self._launcher, self._control, *self._tasks] if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     # --- groups ---------------------------------------------------------------------------------
 
@@ -248,19 +256,21 @@ class Coordinator:
                 traj = Trajectory.start(tid, state.group_id, state.task.id, [])
                 traj.finish, traj.failure = Finish.INFRA, f"sandbox did not start: {e}"
             else:
+                slot = self.admission.slot() if self.admission else contextlib.nullcontext()
                 try:
-                    traj = await run_episode(
-                        state.env(state.task, sandbox),
-                        self.generate,
-                        self.fmt,
-                        self.sampling,
-                        self.limits,
-                        tid,
-                        state.group_id,
-                        state.task.id,
-                        priority=lambda: self._priority.get(state.group_id, BEST_EFFORT),
-                        on_turn=lambda t: self._progress(state, index, t),
-                    )
+                    async with slot:
+                        traj = await run_episode(
+                            state.env(state.task, sandbox),
+                            self.generate,
+                            self.fmt,
+                            self.sampling,
+                            self.limits,
+                            tid,
+                            state.group_id,
+                            state.task.id,
+                            priority=lambda: self._priority.get(state.group_id, BEST_EFFORT),
+                            on_turn=lambda t: self._progress(state, index, t),
+                        )
                 except Exception as e:  # an engine call that failed is the platform's fault too
                     traj = Trajectory.start(tid, state.group_id, state.task.id, [])
                     traj.finish, traj.failure = Finish.INFRA, f"{type(e).__name__}: {e}"

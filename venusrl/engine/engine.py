@@ -267,6 +267,18 @@ class Engine:
         if t is not None and t.node is not None:
             self.tree.disown(t.node, trajectory_id)
 
+    def live_kv_pages(self) -> int:
+        """Device pages of live work: running requests' and the cached KV some trajectory not
+        yet ended owns. KV no live trajectory owns only waits to be evicted: the cache's content,
+        not load (the occupancy agent-level admission control reads, `policy.agent_admission`)."""
+        idle_unowned = sum(
+            len(n.pages)
+            for n in self.tree.nodes()
+            if not n.on_host and n.lock_ref == 0 and not (n.owners & self.trajectories.keys())
+        )
+        alloc = self.kv.device_pages
+        return alloc.capacity - alloc.num_free - idle_unowned
+
     def _idle_kv(self, node: RadixNode) -> IdleKV:
         """A tree node as the retention policy sees it: through the state of its owners."""
         owners = sorted(o for o in node.owners if o in self.trajectories)

@@ -28,6 +28,7 @@ import torch
 import yaml
 
 from venusrl.config import Config, MixEntry
+from venusrl.coordinator.admission import AdmissionWindow
 from venusrl.coordinator.agent_loop import ChatFormat, Generate, LoopLimits, run_episode
 from venusrl.coordinator.coordinator import Coordinator, CoordinatorConfig, GroupResult
 from venusrl.coordinator.demonstrations import ScriptedGenerate, retokenize
@@ -43,6 +44,7 @@ from venusrl.envs.builtin import BUILTIN
 from venusrl.envs.environment import Environment, Task
 from venusrl.envs.pool import SandboxPool
 from venusrl.envs.service import SandboxService
+from venusrl.policy.agent_admission import AimdAdmission, CacheSignal
 from venusrl.runtime import record
 from venusrl.runtime.faults import FailingGenerate, kill_sandboxes
 from venusrl.trainer.checkpoint import (
@@ -70,9 +72,24 @@ class LocalEngine:
         core.weight_version = version
         self.engine = AsyncEngine(core).start()
         self.generate = self.engine.generate
+        self._lost = 0  # re-prefill tokens after eviction, at the last cache signal
 
     async def end_trajectory(self, trajectory_id: str) -> None:
         await self.engine.call(lambda e: e.end_trajectory(trajectory_id))
+
+    async def cache_signal(self) -> CacheSignal:
+        """What its KV cache did since the last call: live occupancy now, KV lost to eviction
+        and computed again meanwhile (for `rollout.admission`)."""
+
+        def read(e: Engine) -> tuple[float, int]:
+            return e.live_kv_pages() / e.kv.device_pages.capacity, e.stats.reprefill_tokens[
+                "evicted"
+            ]
+
+        occupancy, lost = await self.engine.call(read)
+        signal = CacheSignal(occupancy, lost - self._lost)
+        self._lost = lost
+        return signal
 
     async def publish(self, trainer: GRPOTrainer, run_dir: Path, model_dir: Path) -> None:
         # Runs on the engine's thread between two of its steps: requests in flight keep their
@@ -143,6 +160,30 @@ async def rollout_engine(
     if cfg.run.engine_url:
         return ServedEngine(cfg.run.engine_url)
     return LocalEngine(model_dir, cfg, version)
+
+
+def admission_window(cfg: Config, engine: RolloutEngine) -> AdmissionWindow | None:
+    """`rollout.admission`: the window over the in-process engine's cache (the config allows it
+    with that engine only)."""
+    r = cfg.rollout
+    if r.admission == "none":
+        return None
+    assert isinstance(engine, LocalEngine)
+    return AdmissionWindow(
+        AimdAdmission(initial_window=r.admission_initial_window, period_s=r.admission_period_s),
+        engine.cache_signal,
+    )
+
+
+def admission_metrics(window: AdmissionWindow | None) -> dict[str, int]:
+    """The window's state when a step ends (nothing without `rollout.admission`)."""
+    if window is None:
+        return {}
+    return {
+        "admission_window": window.window,
+        "episodes_active": window.active,
+        "episodes_held_back": window.waiting,
+    }
 
 
 async def write_cluster_report(
@@ -489,6 +530,7 @@ async def train(
                 ),
                 weight_version=lambda: trainer.version,
                 end_trajectory=engine.end_trajectory,
+                admission=admission_window(cfg, engine),
             )
             coordinator.start()
             started = time.monotonic()
@@ -519,6 +561,7 @@ async def train(
                             "tokens": stats.tokens,
                             "sandboxes_running": pool.sandboxes_running(),
                             "groups_dropped": coordinator.stats.groups_dropped,
+                            **admission_metrics(coordinator.admission),
                         },
                         by_env=len(mix) > 1,
                     )

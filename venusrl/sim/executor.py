@@ -59,7 +59,6 @@ from venusrl.policy.engine_schedule import (
     PriorityScheduler,
     RequestView,
     StepPlan,
-    pages_for,
 )
 from venusrl.policy.kv_retention import (
     IdleKV,
@@ -97,8 +96,8 @@ POLICIES = {
     "concur": SimPolicy("concur", "fifo", 1, "lru", admission=AimdAdmission()),
     # Ours: critical groups first, tool-waiting KV kept or offloaded, never silently dropped.
     "venus": SimPolicy("venus", "critical", 1, "trajectory"),
-    # Ours under concur's admission window (the same AIMD knobs): a candidate, simulated only;
-    # the runtime does not run an admission window yet.
+    # Ours under concur's admission window, with the same AIMD knobs (`venusrl train` with
+    # rollout.admission=aimd; one engine only so far).
     "venus+window": SimPolicy(
         "venus+window", "critical", 1, "trajectory", admission=AimdAdmission()
     ),
@@ -397,9 +396,6 @@ class _Engine:
             self._end_at(start + done * dt)
 
     # --- one decision ------------------------------------------------------------------------
-
-    def _pages(self, tokens: int) -> int:
-        return pages_for(tokens, self.page_size)
 
     def _device_pages(self) -> int:
         ps = self.page_size
