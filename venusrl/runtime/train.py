@@ -82,9 +82,8 @@ class LocalEngine:
         and computed again meanwhile (for `rollout.admission`)."""
 
         def read(e: Engine) -> tuple[float, int]:
-            return e.live_kv_pages() / e.kv.device_pages.capacity, e.stats.reprefill_tokens[
-                "evicted"
-            ]
+            occupancy = e.live_kv_pages() / e.kv.device_pages.capacity
+            return occupancy, e.stats.reprefill_tokens["evicted"]
 
         occupancy, lost = await self.engine.call(read)
         signal = CacheSignal(occupancy, lost - self._lost)
