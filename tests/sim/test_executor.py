@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
-import random
 import re
 
 import pytest
 
-from venusrl.policy.engine_schedule import PriorityScheduler, pages_for
+from venusrl.policy.engine_schedule import PriorityScheduler
 from venusrl.sim.cost_model import CostModel
 from venusrl.sim.executor import (
     POLICIES,
     SimConfig,
     Simulation,
-    decodes_without_eviction,
     sim_policy,
     simulate,
 )
@@ -179,17 +177,20 @@ def test_engines_never_hold_more_kv_pages_than_the_device_has(policy: str) -> No
     assert 0.95 < run(policy, cost=TIGHT)["kv_peak_occupancy"] <= 1
 
 
-def test_merged_decode_iterations_go_exactly_as_far_as_the_free_pages() -> None:
-    # Against counting the pages iteration by iteration: the last merged iteration still fits,
-    # one more would need a page that is not free (so an eviction, which ends a merge).
-    rng = random.Random(0)
-    ps = 16
-    for _ in range(2000):
-        computed = [rng.randrange(200) for _ in range(rng.randint(1, 12))]
-        free = rng.randrange(40)
-        n = decodes_without_eviction(computed, free, ps)
-        # Pages beyond those of the first iteration, after n and after n + 1 iterations.
-        fits, one_more = (
-            sum(pages_for(c + i, ps) - pages_for(c + 1, ps) for c in computed) for i in (n, n + 1)
-        )
-        assert fits <= free < one_more, (computed, free, n)
+@pytest.mark.parametrize("policy", ["sync", "concur", "venus"])
+def test_iterations_run_as_one_event_give_the_figures_of_deciding_every_one(policy: str) -> None:
+    # Decode iterations until an action ends and prefill chunks that fill the token budget run
+    # without asking the scheduler, in events of many iterations; the figures are the same as
+    # when every iteration is a decision (up to float rounding in accumulated seconds).
+    def figures(decide_every_iteration: bool) -> dict:
+        config = SimConfig(steps=2, decide_every_iteration=decide_every_iteration)
+        return Simulation(SMALL, sim_policy(policy), 1, config, TIGHT).run()
+
+    merged, decided = figures(False), figures(True)
+    assert merged.pop("decisions") * 10 < decided.pop("decisions")
+    assert merged["evictions"] > 0 and merged["preemptions"] > 0
+    for key, value in decided.items():
+        if isinstance(value, float) or (isinstance(value, dict) and key != "knobs"):
+            assert merged[key] == pytest.approx(value, rel=1e-9), key
+        else:
+            assert merged[key] == value, key

@@ -14,11 +14,12 @@ chunk and each request's end), idle KV of trajectories between turns and of fini
 until evicted node by node from the end of its path (offloaded to host or dropped, in the
 retention policy's order), preemption by priority (the preempted KV stays idle, evictable), and
 re-prefill of whatever KV was lost. `tests/sim/test_engine_parity.py` replays a simulated run on
-the real engine and checks that every plan and eviction is the same. Decode iterations between
-two decisions are merged into one event (a batch that does not change runs the same plan until a
-member finishes its action, a request arrives, an eviction would be needed or a retention pin
-expires; an arrival waits for the iteration in flight, as on a real engine), so a scenario of
-millions of tokens runs in minutes.
+the real engine and checks that every plan and eviction is the same. Iterations that repeat a
+decision's plan run without asking the scheduler again, many to an event (`_Span`: decodes until
+one finishes its action, a prefill chunk that fills the token budget until that prefill ends;
+an arrival waits for the iteration in flight, as on a real engine): the figures are those of
+deciding every iteration (`SimConfig.decide_every_iteration`, checked by a test), and a scenario
+of millions of tokens runs in minutes.
 
 Simplifications (each a bias the same for every policy): a group's members do not share their
 prompt's KV (it is 3 % of a swe-long context); KV survives weight updates (no version salt);
@@ -31,9 +32,9 @@ with compute: conservative for the policies that offload).
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
-import math
 import multiprocessing
 import statistics
 from collections import deque
@@ -140,19 +141,10 @@ class SimConfig:
     token_budget: int = 8192  # tokens per engine iteration (chunked prefill)
     max_running: int = 256
     max_infra_retries: int = 2
-    max_merged_iterations: int = 512
+    max_merged_iterations: int = 512  # iterations of one repeated plan in one event, at most
+    # Every iteration asks the scheduler (slow; the figures are the same, a test checks it).
+    decide_every_iteration: bool = False
     waiting_head: int = 64  # waiting requests shown to the scheduler (the engine shows a head too)
-
-
-def decodes_without_eviction(computed: list[int], free: int, page_size: int) -> int:
-    """Decode iterations a batch can run, the first included (its pages already taken), before
-    one needs a page beyond `free`; `computed`: each request's tokens with KV before the first.
-    After the first, a request fills what is left of its last page (its slack, below a page),
-    then needs a page every `page_size` tokens: the needs come in rounds, each in slack order,
-    and the first that `free` does not cover is round `free // k`, slack number `free % k`."""
-    slack = sorted(-(c + 1) % page_size for c in computed)
-    k = len(slack)
-    return 1 + slack[free % k] + page_size * (free // k)
 
 
 class _Clock:
@@ -324,6 +316,53 @@ class _LazyViews(Sequence[RequestView]):
         return built[i]
 
 
+@dataclass(eq=False)
+class _Span:
+    """Engine iterations that repeat one plan, run as one event.
+
+    After a decision, the iterations that would plan the same again (the same requests, as many
+    tokens each) run without asking the scheduler: decodes until one finishes its action, and a
+    prefill chunk that takes the rest of the token budget until that prefill ends. Each is
+    planned as the decision would plan it: its pages, its cost. Only the first iteration of an
+    event evicts (it starts when the event does, on the state of that moment), so an event ends
+    before an iteration that needs an eviction and the next event starts with it. An arrival or
+    an owner's change that could change the plan, or a weight update, stops the iterations after
+    the one in flight; the next is decided. So the figures are those of deciding every
+    iteration (a test checks it), in far fewer events."""
+
+    sampling: list[tuple[_Request, bool]]  # those that sample, in the engine's order; decoding?
+    decoding: list[_Request]
+    prefill: _Request | None  # whose chunk takes the rest of the token budget every iteration
+    chunk: int
+    budget_bound: bool  # the plan takes the whole token budget: nothing waiting can change it
+    evicts: bool  # an event's first iteration may evict (no plan depends on what is cached)
+    hold: int  # pages that must stay free after an iteration's growth (the reserve)
+    release_at: float | None  # no iteration starts from then on (a retention pin expires)
+    repeats: bool = True  # nothing changed since the decision: the plan still repeats
+    # The current event: its start; per iteration its end, the device pages in use when it was
+    # planned and the prefill request's state before it (to stop early); the seconds of its
+    # first iteration spent on prefill, re-prefill and transfers, and of all of them.
+    start: float = 0.0
+    ends: list[float] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    undo: list[tuple[int, int, int, int]] = field(default_factory=list)
+    first: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    spent: list[float] = field(default_factory=list)
+    # From the decision on: iterations that ended in earlier events (the decodes' state is
+    # brought up to date when the span ends), the decodes whose token of iteration i opens a
+    # page (`crossing[-i % page_size]`), their contexts and the iterations before one of them
+    # finishes its action, at the decision; the pages running requests hold now.
+    done: int = 0
+    crossing: list[int] = field(default_factory=list)
+    context: int = 0
+    most: int = 0
+    running_pages: int = 0
+
+    def started(self, now: float) -> int:
+        """Iterations of the current event begun by `now`."""
+        return min(len(self.ends), bisect.bisect_right(self.ends, now) + 1)
+
+
 class _Engine:
     """One rollout engine, modelled as `venusrl.engine.Engine` runs: the same scheduler on the
     same snapshot; the first token of an action sampled by the prefill's last chunk; whole pages
@@ -355,11 +394,7 @@ class _Engine:
         self.spent: dict[str, float] = dict.fromkeys(SPENT_ON, 0.0)  # busy seconds by use
         self.paused_until = 0.0
         self._epoch = 0
-        # The iteration(s) in flight: start, seconds each, how many, the requests that sample in
-        # them (in the engine's order) with whether each decodes, and what each second does.
-        self._chunk: (
-            tuple[float, float, int, list[tuple[_Request, bool]], dict[str, float]] | None
-        ) = None
+        self._span: _Span | None = None  # the iterations in flight
 
     def submit(self, req: _Request) -> None:
         entry = self.idle.get(req.traj.tid)
@@ -370,13 +405,14 @@ class _Engine:
         if not self.busy:
             self.busy = True
             self.sim.clock.at(self.sim.clock.now, self._step)
-        elif self._chunk is not None:
-            self._interrupt()
+        else:
+            self._disturb()  # a real engine's next iteration takes the newcomer into account
 
     def wait_on_tool(self, tid: str, deadline: float) -> None:
         entry = self.idle.get(tid)
         if entry is not None:
             entry.set_owner(priority=entry.priority, pin_deadline=deadline, finished=entry.finished)
+            self._disturb()
 
     def finish_trajectory(self, tid: str) -> None:
         """No request of it follows: its KV stays until evicted, first of all by policies that
@@ -384,16 +420,35 @@ class _Engine:
         entry = self.idle.get(tid)
         if entry is not None:
             entry.set_owner(priority=entry.priority, pin_deadline=entry.pin_deadline, finished=True)
+            self._disturb()
 
-    def _interrupt(self) -> None:
-        """A request arrived during merged decode iterations: they stop after the one in flight,
-        as a real engine's next iteration would take the newcomer into account."""
-        assert self._chunk is not None
-        start, dt, n, reqs, split = self._chunk
-        done = min(n, int((self.sim.clock.now - start) / dt) + 1)
-        if done < n:
-            self._chunk = (start, dt, done, reqs, split)
-            self._end_at(start + done * dt)
+    def pause(self, until: float) -> None:
+        """New weights load until then: the iteration in flight is the last before."""
+        self.paused_until = until
+        self._disturb(everything=True)
+
+    def _disturb(self, everything: bool = False) -> None:
+        """Something the next plan depends on changed (a request arrived, an idle trajectory's
+        owner changed; `everything`: the engine pauses): the iterations in flight stop after
+        the current one, and the next is decided. A plan that takes the whole token budget
+        depends on neither, only on a pause."""
+        span = self._span
+        if span is None or not span.repeats or (span.budget_bound and not everything):
+            return
+        span.repeats = False
+        k = span.started(self.sim.clock.now)
+        if k < len(span.ends):
+            del span.ends[k:], span.pages[k:]
+            if span.prefill is not None:  # its chunks after the one in flight are not computed
+                req, spent = span.prefill, list(span.first)
+                for computed, *_ in span.undo[1:k]:
+                    prefill, reprefill = self._prefill_seconds(req, span.chunk, computed)
+                    spent[0] += prefill
+                    spent[1] += reprefill
+                req.computed, req.prefill_left, req.cached, segments = span.undo[k]
+                del req.segments[segments:], span.undo[k:]
+                span.spent = spent
+            self._end_at(span.ends[-1])
 
     # --- one decision ------------------------------------------------------------------------
 
@@ -406,7 +461,17 @@ class _Engine:
         """Device pages of live trajectories: running, or idle between turns (the KV of finished
         ones only waits to be evicted: a cache's content, not load)."""
         finished = sum(e.device for e in self.idle.values() if e.finished)
-        return self._device_pages() - finished // self.page_size
+        pages = self._device_pages()
+        span = self._span
+        if span is not None:  # as if each iteration so far had been an event of its own
+            k = span.started(self.sim.clock.now)
+            ps, ended = self.page_size, span.done + k - 1
+            for r in span.decoding:
+                pages += -(-(r.computed + ended) // ps) - -(-r.computed // ps)
+            if span.prefill is not None and k < len(span.undo):
+                computed = span.prefill.computed
+                pages -= -(-computed // ps) - -(-span.undo[k][0] // ps)
+        return pages - finished // self.page_size
 
     def _views(self, head: list[_Request]) -> tuple[list[RequestView], Sequence[RequestView]]:
         """The scheduler's snapshot of running requests and the waiting head, as the engine
@@ -459,7 +524,7 @@ class _Engine:
         for rid in plan.preempt:
             self._preempt(self.running.pop(rid))
         evictions = sim.counters.evictions
-        ran, split, used = self._run(plan, head)
+        ran, split, pages = self._run(plan, head)
         if not ran:
             self.busy = False
             if plan.run:  # what was planned lost its pages: the engine loop plans again soon
@@ -473,6 +538,7 @@ class _Engine:
         ran.sort(key=lambda item: item[1] > 1)
         sampling: list[tuple[_Request, bool]] = []
         decoding: list[_Request] = []
+        prefilling: list[_Request] = []
         context = 0
         for req, _, decodes in ran:
             if not req.prefill_left:
@@ -480,33 +546,112 @@ class _Engine:
             if decodes:
                 decoding.append(req)
                 context += req.computed
-        seconds = sum(split.values())
-        n = 1
-        # An eviction changes what the next plan sees of the queue (its cache, the reserved
-        # pages), unless nothing waits and every running request ran.
-        evicted = sim.counters.evictions != evictions and (
-            self.waiting or len(ran) < len(self.running)
-        )
-        if len(decoding) == len(ran) and not seconds and not plan.preempt and not evicted:
-            # The same plan repeats until a request finishes its action: merge those iterations,
-            # as long as their pages need no eviction and no retention pin expires.
-            ps = cfg.page_size
-            # Pages this iteration took count as used, though the decodes' `computed` grows only
-            # when it ends.
-            free = self.capacity - used
-            n = min(
-                min(r.decode_left for r in decoding),
-                decodes_without_eviction([r.computed for r in decoding], free, ps),
-                cfg.max_merged_iterations,
+            else:
+                prefilling.append(req)
+        seconds = sum(split.values())  # and the decodes, with the iteration's fixed cost:
+        seconds += sim.cost.decode_step_s(len(decoding), context) or sim.cost.gpu.t_fix
+        span = _Span(sampling, decoding, None, 0, False, False, 0, release_at, repeats=False)
+        if not plan.preempt and not prefilling:
+            # Decodes only. An eviction changes what the next plan sees of the queue (its
+            # cache, the reserved pages), unless nothing waits and every running request ran.
+            evicted = sim.counters.evictions != evictions
+            span.repeats = not evicted or not (self.waiting or len(ran) < len(self.running))
+            span.evicts = not self.waiting
+        elif not plan.preempt and len(prefilling) == 1 and prefilling[0].prefill_left:
+            # A prefill chunk that takes the rest of the token budget, the others decoding:
+            # the same again while that prefill lasts, if whoever did not run came after it
+            # (and so found no budget left).
+            req = span.prefill = prefilling[0]
+            span.chunk = next(n for r, n, _ in ran if r is req)
+            order = (-req.priority, req.arrival)
+            span.budget_bound = span.evicts = sum(n for _, n, _ in ran) == cfg.token_budget
+            decoders = sum(1 for r in self.running.values() if not r.prefill_left)
+            span.repeats = (
+                span.budget_bound
+                and decoders == len(decoding)
+                and all(
+                    (-r.priority, r.arrival) > order
+                    for r in self.running.values()
+                    if r.prefill_left and r is not req
+                )
             )
-            seconds = sim.cost.decode_step_s(len(decoding), context + len(decoding) * n / 2)
-            if release_at is not None and n > 1:
-                n = max(1, min(n, math.ceil((release_at - now) / seconds)))
-        else:
-            seconds += sim.cost.decode_step_s(len(decoding), context) or sim.cost.gpu.t_fix
-        split["decode"] = seconds - sum(split.values())  # with each iteration's fixed cost
-        self._chunk = (now, seconds, n, sampling, split)
-        self._end_at(now + n * seconds)
+            span.undo.append((0, 0, 0, 0))  # iteration 0's state: never restored
+        span.repeats = span.repeats and not cfg.decide_every_iteration
+        if span.repeats and any(r.priority < HIGH for r in (*decoding, *prefilling)):
+            span.hold = reserved
+        span.start = now
+        span.ends.append(now + seconds)
+        span.pages.append(pages)
+        span.first = (split["prefill"], split["reprefill"], split["transfers"])
+        span.spent = list(span.first)
+        if span.repeats:
+            ps = self.page_size
+            span.crossing = [0] * ps
+            span.most = min((r.decode_left for r in decoding), default=1 << 62)
+            for r in decoding:
+                span.crossing[r.computed % ps] += 1
+            span.context = context
+            held = sum(-(-r.computed // ps) for r in self.running.values())
+            span.running_pages = held + span.crossing[0]  # with this iteration's pages
+            self._extend(span)
+        self._span = span
+        self._end_at(span.ends[-1])
+
+    def _extend(self, span: _Span) -> None:
+        while self._iterate(span, evict=False):
+            pass
+
+    def _iterate(self, span: _Span, evict: bool) -> bool:
+        """Plans one more iteration of the span's plan, as a decision would, if a decision would
+        plan it: no decode has finished its action, the prefill chunk is as long, the pages fit
+        without preempting, without the reserve and, unless `evict`, without evicting (then
+        `span.start` is now: it is the event's first iteration)."""
+        i = len(span.ends)
+        start = span.ends[-1] if i else span.start
+        g = span.done + i  # since the decision
+        if (
+            g >= span.most
+            or i >= self.sim.config.max_merged_iterations
+            or (span.release_at is not None and start >= span.release_at)
+        ):
+            return False
+        sim, ps = self.sim, self.page_size
+        growth = span.crossing[-g % ps]  # decodes whose token of this iteration opens a page
+        req, m = span.prefill, span.chunk
+        if req is not None:
+            if req.prefill_left <= m:
+                return False  # its last chunk: it samples, and the plan after differs
+            growth += -(-(req.computed + m) // ps) - -(-req.computed // ps)
+        if self.capacity - span.running_pages - growth < (span.hold if growth else 0):
+            return False  # the scheduler would preempt or leave a request out
+        used = span.running_pages + self.idle_device // ps
+        assert used <= self.capacity, (used, self.capacity)
+        if growth > self.capacity - used:
+            if not evict:
+                return False
+            self._make_room(used, growth)
+        transfers, self._transfer_s = self._transfer_s, 0.0  # only a first iteration evicts
+        prefill = reprefill = 0.0
+        if req is not None:
+            span.undo.append((req.computed, req.prefill_left, req.cached, len(req.segments)))
+            prefill, reprefill = self._prefill_seconds(req, m, req.computed)
+            req.computed += m
+            req.prefill_left -= m
+            if m > 1:
+                self._cache(req)
+        if not i:
+            span.first = (prefill, reprefill, transfers)
+        spent = span.spent
+        spent[0] += prefill
+        spent[1] += reprefill
+        spent[2] += transfers
+        seconds = prefill + reprefill + transfers
+        context = span.context + len(span.decoding) * g
+        seconds += sim.cost.decode_step_s(len(span.decoding), context) or sim.cost.gpu.t_fix
+        span.ends.append(start + seconds)
+        span.pages.append(used)
+        span.running_pages += growth
+        return True
 
     def _run(
         self, plan: StepPlan, head: list[_Request]
@@ -514,9 +659,9 @@ class _Engine:
         """Admits and runs the plan's requests as the engine does: host KV loaded back, room made
         by eviction, a request the pages ran out for left out. Returns those that run (with
         their tokens and whether they decode), the seconds of the iteration so far, by use, and
-        the device pages in use once it has run."""
+        the device pages in use when it was planned."""
         sim, ps = self.sim, self.page_size
-        used = self._device_pages()
+        used = pages = self._device_pages()
         assert used <= self.capacity, (used, self.capacity)
         self.peak_pages = max(self.peak_pages, used)
         split = {"prefill": 0.0, "reprefill": 0.0, "transfers": 0.0}
@@ -552,10 +697,9 @@ class _Engine:
             if admitted is not None:
                 self._count_admission(req, admitted)
             if not decodes:
-                seconds = sim.cost.prefill_s(tokens, req.computed)
-                lost = max(0, min(req.computed + tokens, req.lost_until) - req.computed)
-                split["reprefill"] += seconds * lost / tokens
-                split["prefill"] += seconds * (tokens - lost) / tokens
+                prefill, reprefill = self._prefill_seconds(req, tokens, req.computed)
+                split["prefill"] += prefill
+                split["reprefill"] += reprefill
                 req.computed += tokens
                 req.prefill_left -= tokens
                 if tokens > 1:
@@ -564,7 +708,14 @@ class _Engine:
         if ran:  # device-to-host copies made meanwhile, charged to the iteration
             split["transfers"] += self._transfer_s
             self._transfer_s = 0.0
-        return ran, split, used
+        return ran, split, pages
+
+    def _prefill_seconds(self, req: _Request, tokens: int, computed: int) -> tuple[float, float]:
+        """Seconds of a prefill chunk of `tokens` after `computed`: computing new KV, and
+        computing again KV that was lost."""
+        seconds = self.sim.cost.prefill_s(tokens, computed)
+        lost = max(0, min(computed + tokens, req.lost_until) - computed)
+        return seconds * (tokens - lost) / tokens, seconds * lost / tokens
 
     def _end_at(self, t: float) -> None:
         self._epoch += 1
@@ -572,17 +723,31 @@ class _Engine:
         self.sim.clock.at(t, lambda: self._end(epoch))
 
     def _end(self, epoch: int) -> None:
-        if epoch != self._epoch or self._chunk is None:
-            return  # superseded by an interruption
-        sim = self.sim
-        start, _, n, sampling, split = self._chunk
-        self._chunk = None
-        self.busy_s += sim.clock.now - start
-        for what, seconds in split.items():
-            self.spent[what] += n * seconds
-        sim.counters.iterations += n
-        done = []
-        for req, decodes in sampling:  # the simulator's innermost loop: kept lean
+        if epoch != self._epoch or self._span is None:
+            return  # superseded by a disturbance
+        sim, span = self.sim, self._span
+        self._span = None
+        busy = span.ends[-1] - span.start
+        self.busy_s += busy
+        prefill, reprefill, transfers = span.spent
+        self.spent["prefill"] += prefill
+        self.spent["reprefill"] += reprefill
+        self.spent["transfers"] += transfers
+        self.spent["decode"] += busy - (prefill + reprefill + transfers)  # with fixed costs
+        self.peak_pages = max(self.peak_pages, *span.pages)
+        sim.counters.iterations += len(span.ends)
+        span.done += len(span.ends)
+        if span.repeats:  # the plan goes on, from an iteration that may evict
+            span.start = sim.clock.now
+            span.ends, span.pages, span.undo = [], [], []
+            span.spent = [0.0, 0.0, 0.0]
+            if self._iterate(span, evict=span.evicts):
+                self._extend(span)
+                self._span = span
+                self._end_at(span.ends[-1])
+                return
+        n, done = span.done, []
+        for req, decodes in span.sampling:  # the simulator's innermost loop: kept lean
             if decodes:
                 req.computed += n  # the KV of the token sampled before
             req.decode_left -= n
@@ -1060,7 +1225,7 @@ class Simulation:
         self.weight_sync_s += self.cost.weight_sync_s()
         done = self.clock.now + self.cost.weight_sync_s()
         for e in self.engines:
-            e.paused_until = done
+            e.pause(done)
         self.clock.at(done, self._published)
 
     def _published(self) -> None:
