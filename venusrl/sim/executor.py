@@ -418,7 +418,7 @@ class _Engine:
         """No request of it follows: its KV stays until evicted, first of all by policies that
         know it is finished, by its last use with LRU."""
         entry = self.idle.get(tid)
-        if entry is not None:
+        if entry is not None and not entry.finished:  # (its reward's end says it again)
             entry.set_owner(priority=entry.priority, pin_deadline=entry.pin_deadline, finished=True)
             self._disturb()
 
@@ -593,65 +593,66 @@ class _Engine:
             span.context = context
             held = sum(-(-r.computed // ps) for r in self.running.values())
             span.running_pages = held + span.crossing[0]  # with this iteration's pages
-            self._extend(span)
+            self._iterate(span, evict=False)
         self._span = span
         self._end_at(span.ends[-1])
 
-    def _extend(self, span: _Span) -> None:
-        while self._iterate(span, evict=False):
-            pass
-
     def _iterate(self, span: _Span, evict: bool) -> bool:
-        """Plans one more iteration of the span's plan, as a decision would, if a decision would
-        plan it: no decode has finished its action, the prefill chunk is as long, the pages fit
-        without preempting, without the reserve and, unless `evict`, without evicting (then
-        `span.start` is now: it is the event's first iteration)."""
-        i = len(span.ends)
-        start = span.ends[-1] if i else span.start
-        g = span.done + i  # since the decision
-        if (
-            g >= span.most
-            or i >= self.sim.config.max_merged_iterations
-            or (span.release_at is not None and start >= span.release_at)
-        ):
-            return False
-        sim, ps = self.sim, self.page_size
-        growth = span.crossing[-g % ps]  # decodes whose token of this iteration opens a page
-        req, m = span.prefill, span.chunk
-        if req is not None:
-            if req.prefill_left <= m:
-                return False  # its last chunk: it samples, and the plan after differs
-            growth += -(-(req.computed + m) // ps) - -(-req.computed // ps)
-        if self.capacity - span.running_pages - growth < (span.hold if growth else 0):
-            return False  # the scheduler would preempt or leave a request out
-        used = span.running_pages + self.idle_device // ps
-        assert used <= self.capacity, (used, self.capacity)
-        if growth > self.capacity - used:
-            if not evict:
-                return False
-            self._make_room(used, growth)
-        transfers, self._transfer_s = self._transfer_s, 0.0  # only a first iteration evicts
-        prefill = reprefill = 0.0
-        if req is not None:
-            span.undo.append((req.computed, req.prefill_left, req.cached, len(req.segments)))
-            prefill, reprefill = self._prefill_seconds(req, m, req.computed)
-            req.computed += m
-            req.prefill_left -= m
-            if m > 1:
-                self._cache(req)
-        if not i:
-            span.first = (prefill, reprefill, transfers)
-        spent = span.spent
-        spent[0] += prefill
-        spent[1] += reprefill
-        spent[2] += transfers
-        seconds = prefill + reprefill + transfers
-        context = span.context + len(span.decoding) * g
-        seconds += sim.cost.decode_step_s(len(span.decoding), context) or sim.cost.gpu.t_fix
-        span.ends.append(start + seconds)
-        span.pages.append(used)
-        span.running_pages += growth
-        return True
+        """Plans the span's next iterations, as decisions would, while a decision would plan the
+        same: no decode has finished its action, the prefill chunk is as long, the pages fit
+        without preempting, without the reserve and without evicting, except in the first if
+        `evict` (then `span.start` is now: it is the event's first). Says if it planned any.
+        (The simulator's innermost loop: kept lean.)"""
+        sim, ps, capacity = self.sim, self.page_size, self.capacity
+        decode, t_fix = sim.cost.decode_step_s, sim.cost.gpu.t_fix
+        most = min(span.most - span.done, sim.config.max_merged_iterations)
+        req, m, hold, release_at = span.prefill, span.chunk, span.hold, span.release_at
+        crossing, batch, context = span.crossing, len(span.decoding), span.context
+        ends, pages, spent = span.ends, span.pages, span.spent
+        running = span.running_pages
+        idle = self.idle_device // ps
+        first = i = len(ends)
+        start = ends[-1] if i else span.start
+        while i < most and (release_at is None or start < release_at):
+            g = span.done + i  # iterations since the decision
+            growth = crossing[-g % ps]  # decodes whose token of this iteration opens a page
+            if req is not None:
+                if req.prefill_left <= m:
+                    break  # its last chunk: it samples, and the plan after differs
+                growth += -(-(req.computed + m) // ps) - -(-req.computed // ps)
+            if growth and capacity - running - growth < hold:
+                break  # the scheduler would preempt or leave a request out
+            used = running + idle
+            assert used <= capacity, (used, capacity)
+            if growth > capacity - used:
+                if not evict or i:
+                    break
+                self._make_room(used, growth)
+                idle = self.idle_device // ps
+            transfers, self._transfer_s = self._transfer_s, 0.0  # evicting, copied to host
+            prefill = reprefill = 0.0
+            if req is not None:
+                span.undo.append((req.computed, req.prefill_left, req.cached, len(req.segments)))
+                prefill, reprefill = self._prefill_seconds(req, m, req.computed)
+                req.computed += m
+                req.prefill_left -= m
+                if m > 1:
+                    self._cache(req)
+                spent[0] += prefill
+                spent[1] += reprefill
+            if transfers:
+                spent[2] += transfers
+            if not i:
+                span.first = (prefill, reprefill, transfers)
+            seconds = prefill + reprefill + transfers
+            seconds += decode(batch, context + batch * g) or t_fix
+            start += seconds
+            ends.append(start)
+            pages.append(used)
+            running += growth
+            i += 1
+        span.running_pages = running
+        return i > first
 
     def _run(
         self, plan: StepPlan, head: list[_Request]
@@ -742,7 +743,6 @@ class _Engine:
             span.ends, span.pages, span.undo = [], [], []
             span.spent = [0.0, 0.0, 0.0]
             if self._iterate(span, evict=span.evicts):
-                self._extend(span)
                 self._span = span
                 self._end_at(span.ends[-1])
                 return
