@@ -88,6 +88,14 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         help="policies simulated at once, one process each (default: all of them)",
     )
+    sim.add_argument(
+        "--decide-every-iteration",
+        action="store_true",
+        help=(
+            "ask the scheduler at every engine iteration (many times slower; the same figures,"
+            " up to float rounding: a check that merging iterations changes nothing)"
+        ),
+    )
     sim.add_argument("--json", action="store_true", help="print one JSON object")
 
     args = parser.parse_args(argv)
@@ -250,7 +258,8 @@ def _sim(args: argparse.Namespace) -> int:
     if args.jobs is not None and args.jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     started = time.monotonic()
-    results = simulate(workload, policies, args.seed, SimConfig(args.steps), args.jobs)
+    config = SimConfig(args.steps, decide_every_iteration=args.decide_every_iteration)
+    results = simulate(workload, policies, args.seed, config, args.jobs)
     out = {
         "workload": workload.name,
         "seed": args.seed,

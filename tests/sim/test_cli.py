@@ -34,6 +34,11 @@ def test_sim_prints_one_json_object_with_speedups_per_policy(tmp_path: Path) -> 
     assert ours["policy"] == "venus" and ours["steps"] == 3
     assert ours["speedup_vs_sync"] == sync["mean_step_s"] / ours["mean_step_s"]
     assert ours["knobs"]["priorities"] == "critical"  # the knobs are printed with the results
+    # Asking the scheduler at every iteration gives the same steps, with more decisions.
+    args = ("--policies", "sync,venus", "--steps", "3", "--decide-every-iteration", "--json")
+    decided = json.loads(sim("--workload", str(workload), *args).stdout)["results"]
+    assert [r["mean_step_s"] for r in decided] == [sync["mean_step_s"], ours["mean_step_s"]]
+    assert decided[1]["decisions"] > ours["decisions"]
     proc = sim(
         "--workload", str(workload), "--policies", "async@2,venus@2", "--steps", "2", "--json"
     )
