@@ -328,7 +328,8 @@ class _Span:
     before an iteration that needs an eviction and the next event starts with it. An arrival or
     an owner's change that could change the plan, or a weight update, stops the iterations after
     the one in flight; the next is decided. So the figures are those of deciding every
-    iteration (a test checks it), in far fewer events."""
+    iteration (a test checks it; seconds summed by use differ by float rounding), in far fewer
+    events."""
 
     sampling: list[tuple[_Request, bool]]  # those that sample, in the engine's order; decoding?
     decoding: list[_Request]
@@ -338,6 +339,8 @@ class _Span:
     evicts: bool  # an event's first iteration may evict (no plan depends on what is cached)
     hold: int  # pages that must stay free after an iteration's growth (the reserve)
     release_at: float | None  # no iteration starts from then on (a retention pin expires)
+    # Decodes only: the first request the decision left waiting (it would fail again first).
+    head: _Request | None = None
     repeats: bool = True  # nothing changed since the decision: the plan still repeats
     # The current event: its start; per iteration its end, the device pages in use when it was
     # planned and the prefill request's state before it (to stop early); the seconds of its
@@ -398,15 +401,27 @@ class _Engine:
 
     def submit(self, req: _Request) -> None:
         entry = self.idle.get(req.traj.tid)
+        unreserved = False
         if entry is not None:  # the tool answered: its KV is the new request's now
+            unreserved = self._reserves(entry)
             entry.set_owner(priority=req.priority, pin_deadline=None, finished=entry.finished)
         self.waiting.append(req)
         self._unsorted = True
         if not self.busy:
             self.busy = True
             self.sim.clock.at(self.sim.clock.now, self._step)
-        else:
-            self._disturb()  # a real engine's next iteration takes the newcomer into account
+            return
+        # A real engine's next iteration takes the newcomer into account: it changes the plan
+        # unless it queues behind a request the plan left waiting (which waits on) and it
+        # gives no pages back to the reserve.
+        span = self._span
+        head = span.head if span is not None else None
+        if (
+            unreserved
+            or head is None
+            or (-req.priority, req.arrival) < (-head.priority, head.arrival)
+        ):
+            self._disturb()
 
     def wait_on_tool(self, tid: str, deadline: float) -> None:
         entry = self.idle.get(tid)
@@ -419,8 +434,10 @@ class _Engine:
         know it is finished, by its last use with LRU."""
         entry = self.idle.get(tid)
         if entry is not None and not entry.finished:  # (its reward's end says it again)
+            unreserved = self._reserves(entry)
             entry.set_owner(priority=entry.priority, pin_deadline=entry.pin_deadline, finished=True)
-            self._disturb()
+            if unreserved:  # the plan reads the owners of idle KV through the reserve only
+                self._disturb()
 
     def pause(self, until: float) -> None:
         """New weights load until then: the iteration in flight is the last before."""
@@ -557,6 +574,7 @@ class _Engine:
             evicted = sim.counters.evictions != evictions
             span.repeats = not evicted or not (self.waiting or len(ran) < len(self.running))
             span.evicts = not self.waiting
+            span.head = self.waiting[0] if self.waiting else None
         elif not plan.preempt and len(prefilling) == 1 and prefilling[0].prefill_left:
             # A prefill chunk that takes the rest of the token budget, the others decoding:
             # the same again while that prefill lasts, if whoever did not run came after it
@@ -861,16 +879,18 @@ class _Engine:
         ):
             return 0, None
         now = sim.clock.now
-        reserved = sim.retention.reserved
-        pinned = [
-            e
-            for e in self.idle.values()
-            # Finished KV has no live owner, whom a reservation would be for (the engine skips
-            # such nodes too).
-            if e.device and not e.finished and reserved(e.view(), now)
-        ]
+        pinned = [e for e in self.idle.values() if self._reserves(e)]
         pages = sum(e.device for e in pinned) // self.page_size
         return pages, min((e.pin_deadline or now for e in pinned), default=None)
+
+    def _reserves(self, entry: _Idle) -> bool:
+        """Is this idle KV in the reserve? Finished KV has no live owner, whom a reservation
+        would be for (the engine skips such nodes too)."""
+        return bool(
+            entry.device
+            and not entry.finished
+            and self.sim.retention.reserved(entry.view(), self.sim.clock.now)
+        )
 
     def _kick(self) -> None:
         if not self.busy and (self.running or self.waiting):
