@@ -541,6 +541,7 @@ class _Engine:
         for rid in plan.preempt:
             self._preempt(self.running.pop(rid))
         evictions = sim.counters.evictions
+        seen = self._seen(reserved, head)
         ran, split, pages = self._run(plan, head)
         if not ran:
             self.busy = False
@@ -569,12 +570,12 @@ class _Engine:
         seconds += sim.cost.decode_step_s(len(decoding), context) or sim.cost.gpu.t_fix
         span = _Span(sampling, decoding, None, 0, False, False, 0, release_at, repeats=False)
         if not plan.preempt and not prefilling:
-            # Decodes only. An eviction changes what the next plan sees of the queue (its
-            # cache, the reserved pages), unless nothing waits and every running request ran.
-            evicted = sim.counters.evictions != evictions
-            span.repeats = not evicted or not (self.waiting or len(ran) < len(self.running))
-            span.evicts = not self.waiting
-            span.head = self.waiting[0] if self.waiting else None
+            # Decodes only, the same again unless an eviction changed what the plan reads.
+            span.repeats = sim.counters.evictions == evictions or seen == self._seen(
+                self._reserved_pages(head)[0], head
+            )
+            span.evicts = True
+            span.head = head[0] if head else None
         elif not plan.preempt and len(prefilling) == 1 and prefilling[0].prefill_left:
             # A prefill chunk that takes the rest of the token budget, the others decoding:
             # the same again while that prefill lasts, if whoever did not run came after it
@@ -645,7 +646,13 @@ class _Engine:
             if growth > capacity - used:
                 if not evict or i:
                     break
-                self._make_room(used, growth)
+                if req is None:  # decodes: the eviction may change what the next plan reads
+                    head = [span.head] if span.head else []
+                    seen = self._seen(self._reserved_pages(head)[0], head)
+                    self._make_room(used, growth)
+                    span.repeats = seen == self._seen(self._reserved_pages(head)[0], head)
+                else:  # a plan that takes the whole token budget reads no cache
+                    self._make_room(used, growth)
                 idle = self.idle_device // ps
             transfers, self._transfer_s = self._transfer_s, 0.0  # evicting, copied to host
             prefill = reprefill = 0.0
@@ -669,6 +676,8 @@ class _Engine:
             pages.append(used)
             running += growth
             i += 1
+            if not span.repeats:
+                break
         span.running_pages = running
         return i > first
 
@@ -882,6 +891,14 @@ class _Engine:
         pinned = [e for e in self.idle.values() if self._reserves(e)]
         pages = sum(e.device for e in pinned) // self.page_size
         return pages, min((e.pin_deadline or now for e in pinned), default=None)
+
+    def _seen(self, reserved: int, head: list[_Request]) -> tuple[int, int, int]:
+        """What evicting idle KV can change of the next plan when no request that waits is
+        admitted: the pages in the reserve (`reserved`, of `_reserved_pages(head)`), and the
+        cached KV (on the device, on host) of the first request waiting, where the plan
+        stopped reading the queue."""
+        entry = self.idle.get(head[0].traj.tid) if head else None
+        return (reserved, entry.device, entry.host) if entry is not None else (reserved, 0, 0)
 
     def _reserves(self, entry: _Idle) -> bool:
         """Is this idle KV in the reserve? Finished KV has no live owner, whom a reservation
