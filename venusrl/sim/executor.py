@@ -336,7 +336,6 @@ class _Span:
     prefill: _Request | None  # whose chunk takes the rest of the token budget every iteration
     chunk: int
     budget_bound: bool  # the plan takes the whole token budget: nothing waiting can change it
-    evicts: bool  # an event's first iteration may evict (no plan depends on what is cached)
     hold: int  # pages that must stay free after an iteration's growth (the reserve)
     release_at: float | None  # no iteration starts from then on (a retention pin expires)
     # Decodes only: the first request the decision left waiting (it would fail again first).
@@ -568,13 +567,12 @@ class _Engine:
                 prefilling.append(req)
         seconds = sum(split.values())  # and the decodes, with the iteration's fixed cost:
         seconds += sim.cost.decode_step_s(len(decoding), context) or sim.cost.gpu.t_fix
-        span = _Span(sampling, decoding, None, 0, False, False, 0, release_at, repeats=False)
+        span = _Span(sampling, decoding, None, 0, False, 0, release_at, repeats=False)
         if not plan.preempt and not prefilling:
             # Decodes only, the same again unless an eviction changed what the plan reads.
             span.repeats = sim.counters.evictions == evictions or seen == self._seen(
                 self._reserved_pages(head)[0], head
             )
-            span.evicts = True
             span.head = head[0] if head else None
         elif not plan.preempt and len(prefilling) == 1 and prefilling[0].prefill_left:
             # A prefill chunk that takes the rest of the token budget, the others decoding:
@@ -583,7 +581,7 @@ class _Engine:
             req = span.prefill = prefilling[0]
             span.chunk = next(n for r, n, _ in ran if r is req)
             order = (-req.priority, req.arrival)
-            span.budget_bound = span.evicts = sum(n for _, n, _ in ran) == cfg.token_budget
+            span.budget_bound = sum(n for _, n, _ in ran) == cfg.token_budget
             decoders = sum(1 for r in self.running.values() if not r.prefill_left)
             span.repeats = (
                 span.budget_bound
@@ -769,7 +767,7 @@ class _Engine:
             span.start = sim.clock.now
             span.ends, span.pages, span.undo = [], [], []
             span.spent = [0.0, 0.0, 0.0]
-            if self._iterate(span, evict=span.evicts):
+            if self._iterate(span, evict=True):
                 self._span = span
                 self._end_at(span.ends[-1])
                 return
