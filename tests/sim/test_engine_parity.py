@@ -5,7 +5,10 @@ at the same virtual times, on the real engine (a random-weight Qwen3 on CPU) wit
 policies. The plans of the scheduler (who runs how many tokens, who is admitted, who is
 preempted), the evictions (whose KV, how much, offloaded or dropped), when each action finished
 and the cache counters must be the same: the simulator executes the policy objects on the
-state the engine would have, not copies of them.
+state the engine would have, not copies of them. The simulator is checked twice: asking the
+scheduler at every iteration, when its plans are the engine's one for one, and as it runs by
+default, merging iterations whose plan it knows without asking, when each plan it does ask for
+is the engine's at that moment and everything else is the same.
 
 Lockstep: the cost model makes every engine iteration take one virtual second and the replay
 advances the engine's clock by one second per forward pass. Tool calls, sandbox starts and
@@ -82,6 +85,7 @@ ONE_SECOND_ITERATIONS = CostModel(
 
 SIM_CONFIG = SimConfig(
     steps=3,
+    decide_every_iteration=True,
     page_size=PAGE,
     token_budget=TOKEN_BUDGET,
     max_running=MAX_RUNNING,
@@ -97,14 +101,8 @@ class Decisions:
         self.plans: list[tuple[float, StepPlan]] = []
         self.evictions: list[tuple[float, str, int, bool]] = []
 
-    def distinct_plans(self, until: float) -> list[tuple[float, StepPlan]]:
-        """Plans before `until`, a plan repeated over consecutive iterations once (the simulator
-        merges decode iterations that repeat a plan)."""
-        out: list[tuple[float, StepPlan]] = []
-        for t, plan in self.plans:
-            if t < until and (not out or out[-1][1] != plan):
-                out.append((round(t, 6), plan))
-        return out
+    def plans_before(self, until: float) -> list[tuple[float, StepPlan]]:
+        return [(round(t, 6), plan) for t, plan in self.plans if t < until]
 
 
 class RecordingScheduler(PriorityScheduler):
@@ -139,10 +137,13 @@ class RecordingRetention:
         return offload
 
 
-def simulate(policy: str, seed: int) -> tuple[Simulation, Decisions]:
+def simulate(policy: str, seed: int, merged: bool = False) -> tuple[Simulation, Decisions]:
+    """`merged`: as the simulator runs by default, asking the scheduler only when it cannot
+    know the plan."""
     # A pin of 4.5 s rather than 5: whole seconds would expire exactly on iteration boundaries.
     sim_policy = dataclasses.replace(POLICIES[policy], pin_s=4.5)
-    sim = Simulation(WORKLOAD, sim_policy, seed, SIM_CONFIG, ONE_SECOND_ITERATIONS, record=True)
+    config = dataclasses.replace(SIM_CONFIG, decide_every_iteration=not merged)
+    sim = Simulation(WORKLOAD, sim_policy, seed, config, ONE_SECOND_ITERATIONS, record=True)
     decisions = Decisions(lambda: sim.clock.now)
     sim.scheduler = RecordingScheduler(decisions)
     sim.retention = RecordingRetention(sim.retention, decisions)
@@ -247,15 +248,27 @@ def test_the_simulator_decides_what_the_engine_decides_on_the_same_events(
     if POLICIES[policy].retention == "trajectory":
         assert c.host_hit_tokens > 0, c
 
-    sim_plans, engine_plans = expected.distinct_plans(end), actual.distinct_plans(end)
+    sim_plans, engine_plans = expected.plans_before(end), actual.plans_before(end)
     for i, (s, e) in enumerate(zip(sim_plans, engine_plans, strict=False)):
         assert s == e, f"decision {i} differs: simulator {s}, engine {e}"
     assert len(sim_plans) == len(engine_plans)
     evictions = [e for e in actual.evictions if e[0] < end]
     assert [e for e in expected.evictions if e[0] < end] == evictions
-    assert [(round(t, 6), r) for t, r in sim.finishes if t < end] == [
-        (round(t, 6), r) for t, r in finishes
-    ]
+    finished = [(round(t, 6), r) for t, r in finishes]
+    assert [(round(t, 6), r) for t, r in sim.finishes if t < end] == finished
+
+    # By default the simulator asks for fewer plans, each the engine's at that moment; what
+    # happens is the same.
+    merged, asked = simulate(policy, seed, merged=True)
+    assert merged.finishes is not None
+    merged_plans = asked.plans_before(end)
+    assert len(merged_plans) < len(engine_plans)
+    assert not set(merged_plans) - set(engine_plans)
+    assert [e for e in asked.evictions if e[0] < end] == evictions
+    assert [(round(t, 6), r) for t, r in merged.finishes if t < end] == finished
+    assert dataclasses.replace(merged.counters, iterations=0, decisions=0) == dataclasses.replace(
+        c, iterations=0, decisions=0
+    )
     stats = engine.stats
     assert stats.preemptions == c.preemptions
     assert stats.device_hit_tokens == c.device_hit_tokens

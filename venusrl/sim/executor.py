@@ -16,7 +16,8 @@ retention policy's order), preemption by priority (the preempted KV stays idle, 
 re-prefill of whatever KV was lost. `tests/sim/test_engine_parity.py` replays a simulated run on
 the real engine and checks that every plan and eviction is the same. Iterations that repeat a
 decision's plan run without asking the scheduler again, many to an event (`_Span`: decodes until
-one finishes its action, a prefill chunk that fills the token budget until that prefill ends;
+one finishes its action, a prefill chunk that fills the token budget until that prefill ends,
+and after an iteration whose prefills end, the decodes that follow when the plan can be known;
 an arrival waits for the iteration in flight, as on a real engine): the figures are those of
 deciding every iteration (`SimConfig.decide_every_iteration`, checked by a test), and a scenario
 of millions of tokens runs in minutes.
@@ -321,8 +322,10 @@ class _Span:
     """Engine iterations that repeat one plan, run as one event.
 
     After a decision, the iterations that would plan the same again (the same requests, as many
-    tokens each) run without asking the scheduler: decodes until one finishes its action, and a
-    prefill chunk that takes the rest of the token budget until that prefill ends. Each is
+    tokens each) run without asking the scheduler: decodes until one finishes its action, a
+    prefill chunk that takes the rest of the token budget until that prefill ends, and after an
+    iteration where prefills end, every running request decoding (with one whose first chunk
+    took the budget left taking it all, while its prefill lasts). Each is
     planned as the decision would plan it: its pages, its cost. Only the first iteration of an
     event evicts (it starts when the event does, on the state of that moment), so an event ends
     before an iteration that needs an eviction and the next event starts with it. An arrival or
@@ -331,8 +334,9 @@ class _Span:
     iteration (a test checks it; seconds summed by use differ by float rounding), in far fewer
     events."""
 
-    sampling: list[tuple[_Request, bool]]  # those that sample, in the engine's order; decoding?
-    decoding: list[_Request]
+    # Those that sample, in the engine's order, each with the KV position its token of iteration
+    # g goes to, less g (a prefill that ends in iteration 0 decodes from iteration 1 on).
+    sampling: list[tuple[_Request, int]]
     prefill: _Request | None  # whose chunk takes the rest of the token budget every iteration
     chunk: int
     budget_bound: bool  # the plan takes the whole token budget: nothing waiting can change it
@@ -482,8 +486,8 @@ class _Engine:
         if span is not None:  # as if each iteration so far had been an event of its own
             k = span.started(self.sim.clock.now)
             ps, ended = self.page_size, span.done + k - 1
-            for r in span.decoding:
-                pages += -(-(r.computed + ended) // ps) - -(-r.computed // ps)
+            for r, base in span.sampling:
+                pages += -(-max(r.computed, base + ended) // ps) - -(-r.computed // ps)
             if span.prefill is not None and k < len(span.undo):
                 computed = span.prefill.computed
                 pages -= -(-computed // ps) - -(-span.undo[k][0] // ps)
@@ -539,8 +543,12 @@ class _Engine:
         plan = sim.scheduler.schedule(snap)
         for rid in plan.preempt:
             self._preempt(self.running.pop(rid))
+        # Where the scheduler stopped reading the queue: the first request of the head it does
+        # not admit (it admits in order).
+        admitted = sum(1 for rid, _ in plan.run if rid not in self.running)
+        stop = head[admitted] if admitted < len(head) else None
         evictions = sim.counters.evictions
-        seen = self._seen(reserved, head)
+        seen = self._seen(reserved, stop)
         ran, split, pages = self._run(plan, head)
         if not ran:
             self.busy = False
@@ -553,28 +561,31 @@ class _Engine:
             return
         # The engine packs single-token rows first and samples in that order.
         ran.sort(key=lambda item: item[1] > 1)
-        sampling: list[tuple[_Request, bool]] = []
-        decoding: list[_Request] = []
+        sampling: list[tuple[_Request, int]] = []
         prefilling: list[_Request] = []
-        context = 0
+        decoders = context = 0
         for req, _, decodes in ran:
-            if not req.prefill_left:
-                sampling.append((req, decodes))
             if decodes:
-                decoding.append(req)
+                sampling.append((req, req.computed))
+                decoders += 1
                 context += req.computed
             else:
                 prefilling.append(req)
+                if not req.prefill_left:  # its last chunk samples; it decodes from the next on
+                    sampling.append((req, req.computed - 1))
         seconds = sum(split.values())  # and the decodes, with the iteration's fixed cost:
-        seconds += sim.cost.decode_step_s(len(decoding), context) or sim.cost.gpu.t_fix
-        span = _Span(sampling, decoding, None, 0, False, 0, release_at, repeats=False)
-        if not plan.preempt and not prefilling:
+        seconds += sim.cost.decode_step_s(decoders, context) or sim.cost.gpu.t_fix
+        span = _Span(sampling, None, 0, False, 0, release_at, repeats=False)
+        hold = reserved
+        if plan.preempt:
+            pass
+        elif not prefilling:
             # Decodes only, the same again unless an eviction changed what the plan reads.
             span.repeats = sim.counters.evictions == evictions or seen == self._seen(
-                self._reserved_pages(head)[0], head
+                self._reserved_pages(head)[0], stop
             )
-            span.head = head[0] if head else None
-        elif not plan.preempt and len(prefilling) == 1 and prefilling[0].prefill_left:
+            span.head = stop
+        elif len(prefilling) == 1 and prefilling[0].prefill_left:
             # A prefill chunk that takes the rest of the token budget, the others decoding:
             # the same again while that prefill lasts, if whoever did not run came after it
             # (and so found no budget left).
@@ -582,10 +593,9 @@ class _Engine:
             span.chunk = next(n for r, n, _ in ran if r is req)
             order = (-req.priority, req.arrival)
             span.budget_bound = sum(n for _, n, _ in ran) == cfg.token_budget
-            decoders = sum(1 for r in self.running.values() if not r.prefill_left)
             span.repeats = (
                 span.budget_bound
-                and decoders == len(decoding)
+                and decoders == sum(1 for r in self.running.values() if not r.prefill_left)
                 and all(
                     (-r.priority, r.arrival) > order
                     for r in self.running.values()
@@ -593,9 +603,35 @@ class _Engine:
                 )
             )
             span.undo.append((0, 0, 0, 0))  # iteration 0's state: never restored
+        elif len(sampling) == len(self.running) - 1 and prefilling[-1].prefill_left:
+            # Prefills ended but the last admitted (its first chunk took what budget was left):
+            # from the next iteration on, every other running request decodes and its chunks
+            # take the rest of the token budget, as long as its prefill lasts.
+            span.prefill, span.chunk = prefilling[-1], cfg.token_budget - len(sampling)
+            span.budget_bound = span.repeats = True
+            span.undo.append((0, 0, 0, 0))
+            hold, span.release_at = self._reserved_pages(self.waiting[: cfg.waiting_head])
+        elif len(sampling) == len(self.running) and (
+            not self.waiting
+            or (
+                # The plan stopped at the first request waiting, having token budget left for
+                # it (or no room for one more request): it failed for pages, and fails again.
+                self.waiting[0] is stop
+                and (
+                    sum(n for _, n, _ in ran) < cfg.token_budget
+                    or len(self.running) >= min(cfg.max_running, cfg.token_budget)
+                )
+            )
+        ):
+            # The prefills ended: from the next iteration on, every running request decodes,
+            # unless admitting or evicting changed what the plan reads.
+            head = self.waiting[: cfg.waiting_head]
+            hold, span.release_at = self._reserved_pages(head)
+            span.repeats = not head or seen == self._seen(hold, stop)
+            span.head = stop if head else None
         span.repeats = span.repeats and not cfg.decide_every_iteration
-        if span.repeats and any(r.priority < HIGH for r in (*decoding, *prefilling)):
-            span.hold = reserved
+        if span.repeats and any(r.priority < HIGH for r, _, _ in ran):
+            span.hold = hold
         span.start = now
         span.ends.append(now + seconds)
         span.pages.append(pages)
@@ -603,13 +639,18 @@ class _Engine:
         span.spent = list(span.first)
         if span.repeats:
             ps = self.page_size
-            span.crossing = [0] * ps
-            span.most = min((r.decode_left for r in decoding), default=1 << 62)
-            for r in decoding:
-                span.crossing[r.computed % ps] += 1
-            span.context = context
+            span.crossing = crossing = [0] * ps
+            for r, base in sampling:
+                if base == r.computed:  # it decodes in this iteration
+                    crossing[base % ps] += 1
             held = sum(-(-r.computed // ps) for r in self.running.values())
-            span.running_pages = held + span.crossing[0]  # with this iteration's pages
+            span.running_pages = held + crossing[0]  # with this iteration's pages
+            for r, base in sampling:
+                if base != r.computed:  # it decodes from the next iteration on
+                    crossing[base % ps] += 1
+                    context += base
+            span.context = context
+            span.most = min((r.decode_left for r, _ in sampling), default=1 << 62)
             self._iterate(span, evict=False)
         self._span = span
         self._end_at(span.ends[-1])
@@ -624,7 +665,7 @@ class _Engine:
         decode, t_fix = sim.cost.decode_step_s, sim.cost.gpu.t_fix
         most = min(span.most - span.done, sim.config.max_merged_iterations)
         req, m, hold, release_at = span.prefill, span.chunk, span.hold, span.release_at
-        crossing, batch, context = span.crossing, len(span.decoding), span.context
+        crossing, batch, context = span.crossing, len(span.sampling), span.context
         ends, pages, spent = span.ends, span.pages, span.spent
         running = span.running_pages
         idle = self.idle_device // ps
@@ -646,9 +687,9 @@ class _Engine:
                     break
                 if req is None:  # decodes: the eviction may change what the next plan reads
                     head = [span.head] if span.head else []
-                    seen = self._seen(self._reserved_pages(head)[0], head)
+                    seen = self._seen(self._reserved_pages(head)[0], span.head)
                     self._make_room(used, growth)
-                    span.repeats = seen == self._seen(self._reserved_pages(head)[0], head)
+                    span.repeats = seen == self._seen(self._reserved_pages(head)[0], span.head)
                 else:  # a plan that takes the whole token budget reads no cache
                     self._make_room(used, growth)
                 idle = self.idle_device // ps
@@ -772,9 +813,8 @@ class _Engine:
                 self._end_at(span.ends[-1])
                 return
         n, done = span.done, []
-        for req, decodes in span.sampling:  # the simulator's innermost loop: kept lean
-            if decodes:
-                req.computed += n  # the KV of the token sampled before
+        for req, base in span.sampling:  # the simulator's innermost loop: kept lean
+            req.computed = base + n  # with the KV of the token sampled before
             req.decode_left -= n
             t = req.traj
             t.context += n
@@ -890,12 +930,11 @@ class _Engine:
         pages = sum(e.device for e in pinned) // self.page_size
         return pages, min((e.pin_deadline or now for e in pinned), default=None)
 
-    def _seen(self, reserved: int, head: list[_Request]) -> tuple[int, int, int]:
+    def _seen(self, reserved: int, stop: _Request | None) -> tuple[int, int, int]:
         """What evicting idle KV can change of the next plan when no request that waits is
-        admitted: the pages in the reserve (`reserved`, of `_reserved_pages(head)`), and the
-        cached KV (on the device, on host) of the first request waiting, where the plan
-        stopped reading the queue."""
-        entry = self.idle.get(head[0].traj.tid) if head else None
+        admitted: the pages in the reserve (`reserved`, of `_reserved_pages`), and the cached
+        KV (on the device, on host) of the request where the plan stopped reading the queue."""
+        entry = self.idle.get(stop.traj.tid) if stop is not None else None
         return (reserved, entry.device, entry.host) if entry is not None else (reserved, 0, 0)
 
     def _reserves(self, entry: _Idle) -> bool:
