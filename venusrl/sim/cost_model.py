@@ -114,9 +114,19 @@ class CostModel:
         """One decode iteration of `batch` requests whose contexts sum to `context_tokens`."""
         if batch == 0:
             return 0.0
+        fixed, kv_bytes, kv_rate, per_request = self._decode_terms
+        return fixed + context_tokens * kv_bytes / kv_rate + batch * per_request
+
+    @cached_property  # the simulator costs every iteration: what does not change, once
+    def _decode_terms(self) -> tuple[float, float, float, float]:
+        """t_fix + W / (tp BW_w), kv, tp BW_kv, t_per_request."""
         weights = self.model.weight_bytes / (self.tp * self.gpu.bw_weights)
-        kv = context_tokens * self.model.kv_bytes_per_token / (self.tp * self.gpu.bw_kv)
-        return self.gpu.t_fix + weights + kv + batch * self.gpu.t_per_request
+        return (
+            self.gpu.t_fix + weights,
+            self.model.kv_bytes_per_token,
+            self.tp * self.gpu.bw_kv,
+            self.gpu.t_per_request,
+        )
 
     def prefill_s(self, new_tokens: float, prefix_tokens: float) -> float:
         """Computing `new_tokens` after `prefix_tokens` already in KV (one request's chunk)."""

@@ -369,6 +369,11 @@ class _Span:
         return min(len(self.ends), bisect.bisect_right(self.ends, now) + 1)
 
 
+def _queue_order(req: _Request) -> tuple[int, int]:
+    """`PriorityScheduler.queue_order`, of a request."""
+    return (-req.priority, req.arrival)
+
+
 class _Engine:
     """One rollout engine, modelled as `venusrl.engine.Engine` runs: the same scheduler on the
     same snapshot; the first token of an action sampled by the prefill's last chunk; whole pages
@@ -386,8 +391,7 @@ class _Engine:
         self.host_used = 0
         self._transfer_s = 0.0  # device-to-host copies made while planning this iteration
         self.running: dict[str, _Request] = {}
-        self.waiting: list[_Request] = []
-        self._unsorted = False  # an arrival or a preemption since `waiting` was sorted
+        self.waiting: list[_Request] = []  # in the scheduler's queue order (`_enqueue`)
         self.idle: dict[str, _Idle] = {}  # trajectory id -> its KV between requests
         self.idle_device = 0  # tokens of `idle` on the device
         self.peak_pages = 0  # the most device pages in use when an iteration was planned
@@ -408,8 +412,7 @@ class _Engine:
         if entry is not None:  # the tool answered: its KV is the new request's now
             unreserved = self._reserves(entry)
             entry.set_owner(priority=req.priority, pin_deadline=None, finished=entry.finished)
-        self.waiting.append(req)
-        self._unsorted = True
+        self._enqueue(req)
         if not self.busy:
             self.busy = True
             self.sim.clock.at(self.sim.clock.now, self._step)
@@ -419,11 +422,7 @@ class _Engine:
         # gives no pages back to the reserve.
         span = self._span
         head = span.head if span is not None else None
-        if (
-            unreserved
-            or head is None
-            or (-req.priority, req.arrival) < (-head.priority, head.arrival)
-        ):
+        if unreserved or head is None or _queue_order(req) < _queue_order(head):
             self._disturb()
 
     def wait_on_tool(self, tid: str, deadline: float) -> None:
@@ -469,6 +468,9 @@ class _Engine:
                 del req.segments[segments:], span.undo[k:]
                 span.spent = spent
             self._end_at(span.ends[-1])
+
+    def _enqueue(self, req: _Request) -> None:
+        bisect.insort(self.waiting, req, key=_queue_order)
 
     # --- one decision ------------------------------------------------------------------------
 
@@ -521,9 +523,6 @@ class _Engine:
             sim.clock.at(self.paused_until, self._step)
             return
         sim.counters.decisions += 1
-        if self._unsorted and len(self.waiting) > 1:
-            self.waiting.sort(key=lambda r: (-r.priority, r.arrival))
-        self._unsorted = False
         head = self.waiting[: cfg.waiting_head]
         running, waiting = self._views(head)
         # As the engine counts it: free pages plus every idle page (evictable, a waiting request's
@@ -544,8 +543,12 @@ class _Engine:
         for rid in plan.preempt:
             self._preempt(self.running.pop(rid))
         # Where the scheduler stopped reading the queue: the first request of the head it does
-        # not admit (it admits in order).
-        admitted = sum(1 for rid, _ in plan.run if rid not in self.running)
+        # not admit (it admits in order, after planning those running).
+        admitted = 0
+        for rid, _ in reversed(plan.run):
+            if rid in self.running:
+                break
+            admitted += 1
         stop = head[admitted] if admitted < len(head) else None
         evictions = sim.counters.evictions
         seen = self._seen(reserved, stop)
@@ -591,13 +594,13 @@ class _Engine:
             # (and so found no budget left).
             req = span.prefill = prefilling[0]
             span.chunk = next(n for r, n, _ in ran if r is req)
-            order = (-req.priority, req.arrival)
+            order = _queue_order(req)
             span.budget_bound = sum(n for _, n, _ in ran) == cfg.token_budget
             span.repeats = (
                 span.budget_bound
                 and decoders == sum(1 for r in self.running.values() if not r.prefill_left)
                 and all(
-                    (-r.priority, r.arrival) > order
+                    _queue_order(r) > order
                     for r in self.running.values()
                     if r.prefill_left and r is not req
                 )
@@ -639,21 +642,24 @@ class _Engine:
         span.spent = list(span.first)
         if span.repeats:
             ps = self.page_size
-            span.crossing = crossing = [0] * ps
-            for r, base in sampling:
-                if base == r.computed:  # it decodes in this iteration
-                    crossing[base % ps] += 1
             held = sum(-(-r.computed // ps) for r in self.running.values())
-            span.running_pages = held + crossing[0]  # with this iteration's pages
-            for r, base in sampling:
-                if base != r.computed:  # it decodes from the next iteration on
-                    crossing[base % ps] += 1
-                    context += base
-            span.context = context
-            span.most = min((r.decode_left for r, _ in sampling), default=1 << 62)
-            self._iterate(span, evict=False)
+            # with the pages this iteration's decodes open
+            held += sum(1 for r, base in sampling if base == r.computed and not base % ps)
+            self._decode_on(span, held, evict=False)
         self._span = span
         self._end_at(span.ends[-1])
+
+    def _decode_on(self, span: _Span, held: int, evict: bool) -> bool:
+        """Plans the span's iterations from its next, its `sampling` decoding in every one, and
+        says if it planned any; `held`: the pages running requests hold before it."""
+        ps = self.page_size
+        span.crossing = crossing = [0] * ps
+        for _, base in span.sampling:
+            crossing[base % ps] += 1
+        span.context = sum(base for _, base in span.sampling)
+        span.most = min((r.decode_left for r, _ in span.sampling), default=1 << 62)
+        span.running_pages = held
+        return self._iterate(span, evict)
 
     def _iterate(self, span: _Span, evict: bool) -> bool:
         """Plans the span's next iterations, as decisions would, while a decision would plan the
@@ -757,8 +763,7 @@ class _Engine:
                     if admitted is not None:
                         del self.running[rid]
                         self._release(req)
-                        self.waiting.append(req)
-                        self._unsorted = True
+                        self._enqueue(req)
                     continue
                 used += growth
             if admitted is not None:
@@ -825,10 +830,36 @@ class _Engine:
             del self.running[req.rid]
             self._release(req)
             sim.turn_done(req.traj)
+        if span.repeats and done and self._decodes_go_on(span):
+            return
         if self.running or self.waiting:
             self._step()
         else:
             self.busy = False
+
+    def _decodes_go_on(self, span: _Span) -> bool:
+        """After decodes finished their actions, when the rest were all that ran and nothing
+        waits (nor any weight update): the next plan is the rest decoding, against the reserve
+        as the finished ones left it. Runs it without asking the scheduler, if it fits as it
+        is; says if it did."""
+        now = self.sim.clock.now
+        if span.prefill is not None or self.waiting or now < self.paused_until:
+            return False
+        sampling = [(r, r.computed) for r, _ in span.sampling if r.decode_left]
+        if not sampling or len(sampling) != len(self.running):
+            return False
+        span = _Span(sampling, None, 0, False, 0, None, start=now, spent=[0.0, 0.0, 0.0])
+        hold, span.release_at = self._reserved_pages([])
+        if any(r.priority < HIGH for r, _ in sampling):
+            span.hold = hold
+        ps = self.page_size
+        if self.sim.config.decide_every_iteration or not self._decode_on(
+            span, sum(-(-r.computed // ps) for r in self.running.values()), evict=True
+        ):
+            return False
+        self._span = span
+        self._end_at(span.ends[-1])
+        return True
 
     # --- KV ------------------------------------------------------------------------------------
 
@@ -912,8 +943,7 @@ class _Engine:
         self.sim.counters.preemptions += 1
         self._release(req)
         req.resumed = True
-        self.waiting.append(req)
-        self._unsorted = True
+        self._enqueue(req)
 
     def _reserved_pages(self, head: list[_Request]) -> tuple[int, float | None]:
         """As the engine counts them: idle device pages of high-priority trajectories within their
