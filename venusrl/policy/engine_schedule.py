@@ -137,7 +137,9 @@ class PriorityScheduler:
             return True
 
         # Decodes before prefill chunks, so a long prompt never starves the decoding batch.
-        for view in sorted(by_order, key=lambda v: v.tokens_to_compute > 1):
+        decodes_first = [v for v in by_order if v.tokens_to_compute <= 1]
+        decodes_first += [v for v in by_order if v.tokens_to_compute > 1]
+        for view in decodes_first:
             if budget > 0 and view.request_id not in preempted:
                 plan(view, waiting=False)  # if it gets no pages it waits a step
 

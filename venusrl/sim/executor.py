@@ -193,7 +193,7 @@ class _Traj:
     plan: TrajectoryPlan
     started_at: float
     turn: int = 0
-    context: int = 0  # tokens of the record so far
+    context: int = 0  # tokens of the record so far (a running request's, when it lets go)
     generated: int = 0
     engine: _Engine | None = None
     expected_cached: int = 0  # tokens of its context the engine cached when it last let go of it
@@ -206,6 +206,7 @@ class _Request:
     arrival: int
     priority: int  # sent with the request, as the coordinator does: fixed from then on
     decode_left: int  # tokens of the action still to sample
+    recorded: int = 0  # tokens sampled and added to the trajectory's record (when it lets go)
     computed: int = 0  # tokens of the context with KV on the device for this request
     prefill_left: int = 0
     cached: int = 0  # of `computed`, the whole pages handed to the radix tree
@@ -821,9 +822,6 @@ class _Engine:
         for req, base in span.sampling:  # the simulator's innermost loop: kept lean
             req.computed = base + n  # with the KV of the token sampled before
             req.decode_left -= n
-            t = req.traj
-            t.context += n
-            t.generated += n
             if not req.decode_left:
                 done.append(req)
         for req in done:
@@ -838,22 +836,26 @@ class _Engine:
             self.busy = False
 
     def _decodes_go_on(self, span: _Span) -> bool:
-        """After decodes finished their actions, when the rest were all that ran and nothing
-        waits (nor any weight update): the next plan is the rest decoding, against the reserve
-        as the finished ones left it. Runs it without asking the scheduler, if it fits as it
-        is; says if it did."""
-        now = self.sim.clock.now
-        if span.prefill is not None or self.waiting or now < self.paused_until:
+        """After decodes finished their actions in iterations nothing disturbed, the next plan
+        is known without asking the scheduler: the rest decoding, if they were all that ran and
+        nothing waits; or, if a prefill's chunks took the rest of the token budget, the rest
+        decoding and its chunk taking what they leave (no waiting request is read while the
+        budget is spent). Runs it, unless new weights load or it does not fit as it is; says if
+        it did. The reserve is as the finished ones left it."""
+        now, cfg = self.sim.clock.now, self.sim.config
+        req = span.prefill
+        if now < self.paused_until or cfg.decide_every_iteration or (req is None and self.waiting):
             return False
         sampling = [(r, r.computed) for r, _ in span.sampling if r.decode_left]
-        if not sampling or len(sampling) != len(self.running):
+        if req is None and (not sampling or len(sampling) != len(self.running)):
             return False
-        span = _Span(sampling, None, 0, False, 0, None, start=now, spent=[0.0, 0.0, 0.0])
-        hold, span.release_at = self._reserved_pages([])
-        if any(r.priority < HIGH for r, _ in sampling):
+        chunk = cfg.token_budget - len(sampling)
+        span = _Span(sampling, req, chunk, req is not None, 0, None, start=now, spent=[0.0] * 3)
+        hold, span.release_at = self._reserved_pages(self.waiting[: cfg.waiting_head])
+        if any(r.priority < HIGH for r, _ in sampling) or (req and req.priority < HIGH):
             span.hold = hold
         ps = self.page_size
-        if self.sim.config.decide_every_iteration or not self._decode_on(
+        if not self._decode_on(
             span, sum(-(-r.computed // ps) for r in self.running.values()), evict=True
         ):
             return False
@@ -927,8 +929,12 @@ class _Engine:
 
     def _release(self, req: _Request) -> None:
         """The request lets go of its KV: its whole pages stay in the tree, idle, the rest is
-        freed."""
+        freed; the tokens it sampled join its trajectory's record."""
         sim, t = self.sim, req.traj
+        sampled = t.plan.turns[t.turn].action_tokens - req.decode_left - req.recorded
+        t.context += sampled
+        t.generated += sampled
+        req.recorded += sampled
         self._cache(req)
         t.expected_cached = max(t.expected_cached, req.cached)
         if req.segments:
