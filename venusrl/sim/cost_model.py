@@ -145,8 +145,15 @@ class CostModel:
         """Moving `tokens` of KV between host and device memory."""
         if tokens <= 0:
             return 0.0
-        bw = self.gpu.pcie_h2d if to_device else self.gpu.pcie_d2h
-        return tokens * self.model.kv_bytes_per_token / (self.tp * bw) + self.transfer_latency_s
+        kv_bytes, h2d, d2h, latency = self._transfer_terms
+        return tokens * kv_bytes / (h2d if to_device else d2h) + latency
+
+    @cached_property
+    def _transfer_terms(self) -> tuple[float, float, float, float]:
+        """kv, tp B_h2d, tp B_d2h, the fixed latency."""
+        tp, gpu = self.tp, self.gpu
+        kv = self.model.kv_bytes_per_token
+        return kv, tp * gpu.pcie_h2d, tp * gpu.pcie_d2h, self.transfer_latency_s
 
     def train_s(self, tokens: float, mean_sequence: float, gpus: int) -> float:
         """A trainer step over `tokens`: (10 N + 2.5 A S) FLOPs per token at `train_mfu`

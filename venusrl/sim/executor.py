@@ -961,10 +961,15 @@ class _Engine:
             r.priority >= HIGH for r in head
         ):
             return 0, None
-        now = sim.clock.now
-        pinned = [e for e in self.idle.values() if self._reserves(e)]
-        pages = sum(e.device for e in pinned) // self.page_size
-        return pages, min((e.pin_deadline or now for e in pinned), default=None)
+        now, reserved = sim.clock.now, sim.retention.reserved
+        tokens, release_at = 0, None
+        for e in self.idle.values():  # `_reserves`, inlined: this runs at every decision
+            if e.device and not e.finished and reserved(e.view(), now):
+                tokens += e.device
+                deadline = e.pin_deadline or now
+                if release_at is None or deadline < release_at:
+                    release_at = deadline
+        return tokens // self.page_size, release_at
 
     def _seen(self, reserved: int, stop: _Request | None) -> tuple[int, int, int]:
         """What evicting idle KV can change of the next plan when no request that waits is
@@ -1002,13 +1007,14 @@ class _Engine:
             for tid, e in self.idle.items()
             if e.device and tid != keep
         )
+        evicted = 0
         for key, tid in candidates:
             entry = self.idle[tid]
             while need > free and entry.device:
                 i = len(entry.segments) - entry.on_host - 1
                 tokens = entry.segments[i]
                 free += tokens // ps
-                sim.counters.evictions += 1
+                evicted += 1
                 entry.device -= tokens
                 self.idle_device -= tokens
                 if ret.offload(entry.view(i), now) and self._to_host(tokens, key):
@@ -1022,6 +1028,7 @@ class _Engine:
                         del self.idle[tid]
             if need <= free:
                 break
+        sim.counters.evictions += evicted
         return self.capacity - free
 
     def _to_host(self, tokens: int, key: tuple[Any, float]) -> bool:
