@@ -579,7 +579,8 @@ class _Engine:
                     sampling.append((req, req.computed - 1))
         seconds = sum(split.values())  # and the decodes, with the iteration's fixed cost:
         seconds += sim.cost.decode_step_s(decoders, context) or sim.cost.gpu.t_fix
-        span = _Span(sampling, None, 0, False, 0, release_at, repeats=False)
+        span = _Span(sampling, prefill=None, chunk=0, budget_bound=False, hold=0,
+                     release_at=release_at, repeats=False)  # fmt: skip
         hold = reserved
         if plan.preempt:
             pass
@@ -849,10 +850,11 @@ class _Engine:
         sampling = [(r, r.computed) for r, _ in span.sampling if r.decode_left]
         if req is None and (not sampling or len(sampling) != len(self.running)):
             return False
-        chunk = cfg.token_budget - len(sampling)
-        span = _Span(sampling, req, chunk, req is not None, 0, None, start=now, spent=[0.0] * 3)
+        span = _Span(sampling, prefill=req, chunk=cfg.token_budget - len(sampling),
+                     budget_bound=req is not None, hold=0, release_at=None, start=now,
+                     spent=[0.0] * 3)  # fmt: skip
         hold, span.release_at = self._reserved_pages(self.waiting[: cfg.waiting_head])
-        if any(r.priority < HIGH for r, _ in sampling) or (req and req.priority < HIGH):
+        if any(r.priority < HIGH for r, _ in sampling) or (req is not None and req.priority < HIGH):
             span.hold = hold
         ps = self.page_size
         if not self._decode_on(
