@@ -63,6 +63,7 @@ from venusrl.policy.engine_schedule import (
     RequestView,
     pages_for,
     pages_needed,
+    queue_order,
 )
 from venusrl.policy.kv_retention import (
     IdleKV,
@@ -567,7 +568,7 @@ class Engine:
 
     def _enqueue(self, r: Request) -> None:
         r.status = Status.WAITING
-        bisect.insort(self.waiting, r, key=lambda x: (-x.priority, x.arrival))
+        bisect.insort(self.waiting, r, key=queue_order)
 
     def _admit(self, r: Request) -> int | None:
         """Moves the request to the running set with its cached prefix; returns how many of its

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 
 @dataclass(slots=True)  # built for every request on every step: keep it cheap
@@ -76,16 +77,25 @@ def pages_needed(view: RequestView, num_tokens: int, page_size: int) -> int:
     return max(0, pages_for(view.num_computed + num_tokens, page_size) - view.pages_held)
 
 
-class PriorityScheduler:
-    def queue_order(self, view: RequestView) -> tuple[int, int]:
-        """Sort key of the waiting queue and of the running set: priority, then arrival."""
-        return (-view.priority, view.arrival)
+class Queued(Protocol):
+    @property
+    def priority(self) -> int: ...
+    @property
+    def arrival(self) -> int: ...
 
+
+def queue_order(item: Queued) -> tuple[int, int]:
+    """Sort key of the waiting queue and of the running set: priority, then arrival. Engines
+    keep their queues in it (the real one and the simulated one alike)."""
+    return (-item.priority, item.arrival)
+
+
+class PriorityScheduler:
     def schedule(self, snap: EngineSnapshot) -> StepPlan:
         budget, free = snap.token_budget, snap.free_pages
         planned: dict[str, int] = {}
         preempted: list[str] = []
-        by_order = sorted(snap.running, key=self.queue_order)
+        by_order = sorted(snap.running, key=queue_order)
         victims = list(by_order)  # the last one is preempted first
 
         def make_room(need: int, view: RequestView, waiting: bool) -> bool:
@@ -101,7 +111,7 @@ class PriorityScheduler:
                 if victim is view or (
                     victim.priority >= view.priority
                     if waiting
-                    else self.queue_order(victim) <= self.queue_order(view)
+                    else queue_order(victim) <= queue_order(view)
                 ):
                     break
                 chosen.append(victim)

@@ -61,6 +61,7 @@ from venusrl.policy.engine_schedule import (
     PriorityScheduler,
     RequestView,
     StepPlan,
+    queue_order,
 )
 from venusrl.policy.kv_retention import (
     IdleKV,
@@ -370,11 +371,6 @@ class _Span:
         return min(len(self.ends), bisect.bisect_right(self.ends, now) + 1)
 
 
-def _queue_order(req: _Request) -> tuple[int, int]:
-    """`PriorityScheduler.queue_order`, of a request."""
-    return (-req.priority, req.arrival)
-
-
 class _Engine:
     """One rollout engine, modelled as `venusrl.engine.Engine` runs: the same scheduler on the
     same snapshot; the first token of an action sampled by the prefill's last chunk; whole pages
@@ -423,7 +419,7 @@ class _Engine:
         # gives no pages back to the reserve.
         span = self._span
         head = span.head if span is not None else None
-        if unreserved or head is None or _queue_order(req) < _queue_order(head):
+        if unreserved or head is None or queue_order(req) < queue_order(head):
             self._disturb()
 
     def wait_on_tool(self, tid: str, deadline: float) -> None:
@@ -471,7 +467,7 @@ class _Engine:
             self._end_at(span.ends[-1])
 
     def _enqueue(self, req: _Request) -> None:
-        bisect.insort(self.waiting, req, key=_queue_order)
+        bisect.insort(self.waiting, req, key=queue_order)
 
     # --- one decision ------------------------------------------------------------------------
 
@@ -596,13 +592,13 @@ class _Engine:
             # (and so found no budget left).
             req = span.prefill = prefilling[0]
             span.chunk = next(n for r, n, _ in ran if r is req)
-            order = _queue_order(req)
+            order = queue_order(req)
             span.budget_bound = sum(n for _, n, _ in ran) == cfg.token_budget
             span.repeats = (
                 span.budget_bound
                 and decoders == sum(1 for r in self.running.values() if not r.prefill_left)
                 and all(
-                    _queue_order(r) > order
+                    queue_order(r) > order
                     for r in self.running.values()
                     if r.prefill_left and r is not req
                 )
@@ -635,32 +631,35 @@ class _Engine:
             span.repeats = not head or seen == self._seen(hold, stop)
             span.head = stop if head else None
         span.repeats = span.repeats and not cfg.decide_every_iteration
-        if span.repeats and any(r.priority < HIGH for r, _, _ in ran):
-            span.hold = hold
         span.start = now
         span.ends.append(now + seconds)
         span.pages.append(pages)
         span.first = (split["prefill"], split["reprefill"], split["transfers"])
         span.spent = list(span.first)
-        if span.repeats:
-            ps = self.page_size
-            held = sum(-(-r.computed // ps) for r in self.running.values())
-            # with the pages this iteration's decodes open
-            held += sum(1 for r, base in sampling if base == r.computed and not base % ps)
-            self._decode_on(span, held, evict=False)
+        if span.repeats:  # after the pages this iteration's decodes open
+            opened = sum(
+                1 for r, base in sampling if base == r.computed and not base % cfg.page_size
+            )
+            self._decode_on(span, hold, evict=False, opened=opened)
         self._span = span
         self._end_at(span.ends[-1])
 
-    def _decode_on(self, span: _Span, held: int, evict: bool) -> bool:
-        """Plans the span's iterations from its next, its `sampling` decoding in every one, and
-        says if it planned any; `held`: the pages running requests hold before it."""
-        ps = self.page_size
+    def _decode_on(self, span: _Span, hold: int, evict: bool, opened: int = 0) -> bool:
+        """Plans the span's iterations from its next, its `sampling` decoding in every one (and
+        its prefill's chunks, if any), and says if it planned any. `hold`: the reserve, kept if a
+        request of the plan is best-effort; `opened`: pages running requests opened in the
+        iterations already planned (not yet in their `computed`)."""
+        ps, req = self.page_size, span.prefill
+        if any(r.priority < HIGH for r, _ in span.sampling) or (
+            req is not None and req.priority < HIGH
+        ):
+            span.hold = hold
+        span.running_pages = sum(-(-r.computed // ps) for r in self.running.values()) + opened
         span.crossing = crossing = [0] * ps
         for _, base in span.sampling:
             crossing[base % ps] += 1
         span.context = sum(base for _, base in span.sampling)
         span.most = min((r.decode_left for r, _ in span.sampling), default=1 << 62)
-        span.running_pages = held
         return self._iterate(span, evict)
 
     def _iterate(self, span: _Span, evict: bool) -> bool:
@@ -854,12 +853,7 @@ class _Engine:
                      budget_bound=req is not None, hold=0, release_at=None, start=now,
                      spent=[0.0] * 3)  # fmt: skip
         hold, span.release_at = self._reserved_pages(self.waiting[: cfg.waiting_head])
-        if any(r.priority < HIGH for r, _ in sampling) or (req is not None and req.priority < HIGH):
-            span.hold = hold
-        ps = self.page_size
-        if not self._decode_on(
-            span, sum(-(-r.computed // ps) for r in self.running.values()), evict=True
-        ):
+        if not self._decode_on(span, hold, evict=True):
             return False
         self._span = span
         self._end_at(span.ends[-1])
