@@ -75,7 +75,9 @@ class EngineConfig(_Section):
     )
     prefix_cache: bool = Field(True, description="reuse KV of shared prefixes (radix tree)")
     salt_cache_by_version: bool = Field(
-        False, description="key cached prefixes by weight version, so stale KV is never reused"
+        True,
+        description="key cached KV by the weight version its trajectory started under: a new"
+        " trajectory never reads KV that older weights computed, one in flight keeps its own",
     )
     threads: int | None = Field(None, ge=1, description="torch CPU threads; None leaves torch's")
     seed: int = Field(0, ge=0, description="seed of requests that give none")

@@ -164,6 +164,25 @@ def test_salted_cache_is_not_reused_across_weight_versions(tiny_qwen3: Path) -> 
     assert engine.generate([prompt], GREEDY)[0].cached_prompt_tokens == 0
 
 
+def test_a_trajectory_keeps_its_kv_across_weight_updates_but_new_ones_never_read_it(
+    tiny_qwen3: Path,
+) -> None:
+    """The shared prompt of every episode stays hot in the cache: reused by trajectories started
+    under later weights, the engine would sample from a policy no trainer step ever saw."""
+    engine = engine_for(tiny_qwen3)  # salt_cache_by_version is the default
+    prompt = list(range(10, 50))
+    first = engine.add_request(prompt, GREEDY, trajectory_id="old")
+    drain(engine)
+    context = [*prompt, *engine.pop_finished(first.request_id).token_ids, 7, 8, 9]
+    engine.update_weights(engine.model.hf_state_dict().items())
+    later_turn = engine.add_request(context, GREEDY, trajectory_id="old")
+    new = engine.add_request(prompt, GREEDY, trajectory_id="new")
+    drain(engine)
+    assert engine.pop_finished(later_turn.request_id).cached_prompt_tokens >= len(prompt)
+    assert engine.pop_finished(new.request_id).cached_prompt_tokens == 0
+    engine.check()
+
+
 def test_abort_frees_the_request_pages(tiny_qwen3: Path) -> None:
     engine = engine_for(tiny_qwen3, prefix_cache=False)
     r = engine.add_request(list(range(10, 60)), GREEDY)

@@ -61,6 +61,14 @@ def retention_tree(alloc: PageAllocator, host_pages: int, pinned: set[str]) -> R
     )
 
 
+def evictable(node: RadixNode) -> bool:
+    """What eviction may take, read off the whole tree: an unlocked device node with no child
+    on device."""
+    return (
+        not node.on_host and node.lock_ref == 0 and all(c.on_host for c in node.children.values())
+    )
+
+
 @settings(max_examples=300, deadline=None)
 @given(operations, st.integers(0, 12))
 def test_tree_and_allocators_invariants_hold_after_every_operation(
@@ -97,7 +105,10 @@ def test_tree_and_allocators_invariants_hold_after_every_operation(
         elif op == "unlock" and locks:
             tree.unlock(locks.pop(arg % len(locks)))
         elif op == "evict":
-            alloc.free(tree.evict(arg))
+            freed = tree.evict(arg)
+            alloc.free(freed)
+            if len(freed) < arg:  # short: nothing evictable may be left anywhere in the tree
+                assert not [n for n in tree.nodes() if evictable(n)]
         elif op == "pin":
             pinned.add(arg)
         elif op == "end" and arg in ends:

@@ -88,7 +88,7 @@ def test_guess_number_secret_is_in_the_sandbox_not_in_the_prompt():
     assert all(f"secret = {secret_of(t)}" in t.setup for t in tasks)
 
 
-def test_guess_number_expert_wins_with_several_calls_and_random_sibling_loses():
+def test_guess_number_expert_wins_with_several_calls_and_random_sibling_loses_on_its_last_guess():
     task = next(GuessNumber.tasks(1))
     guesser = RandomGuesser(seed=2)
     assert secret_of(task) not in guesser.guesses  # else it would win by luck
@@ -111,6 +111,9 @@ def test_guess_number_expert_wins_with_several_calls_and_random_sibling_loses():
     assert not expert_steps[-1].info["truncated"]
     assert random_reward == 0.0
     assert sum(s.info["tool_calls"] for s in random_steps) == MAX_GUESSES
+    # The game is lost with the last guess: the episode ends there, not at the turn cap.
+    assert len(random_steps) == MAX_GUESSES
+    assert random_steps[-1].done and not random_steps[-1].info["truncated"]
 
 
 class NappingGuessNumber(GuessNumber):

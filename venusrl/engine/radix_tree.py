@@ -14,6 +14,10 @@ on device.
 
 Eviction frees device pages from unlocked nodes none of whose children are on device, smallest
 eviction key first (LRU by default; the engine passes a key built from a retention policy). The
+tree keeps the nodes that may be evictable as they become so (unlocked, inserted, loaded back, a
+child gone from the device), so an eviction ranks those instead of walking the whole tree: the
+engine evicts whenever a full cache must give a page, and a long run caches thousands of nodes.
+The
 `offload_if` predicate says, per node, whether its KV moves to the host tier (through `tiers`,
 which copies the data) or is dropped; dropping a node drops the host part of the subtree below it.
 Nodes record the trajectories whose context runs through them (`owners`), so a retention policy
@@ -113,6 +117,10 @@ class RadixTree:
         self.offloaded_pages = 0  # pages moved to host, ever
         self.loaded_pages = 0  # pages moved back to device, ever
         self.dropped_pages = 0  # pages dropped, ever (either tier)
+        # Every evictable node, and some that stopped being so (dropped from here when an
+        # eviction ranks the candidates). Insertion-ordered, so ties in the key break the same
+        # way in every run.
+        self._candidates: dict[RadixNode, None] = {}
 
     # -- lookup -------------------------------------------------------------------------------
 
@@ -182,6 +190,7 @@ class RadixTree:
         self.loaded_pages += len(node.pages)
         node.pages, node.on_host = device_pages, False
         self.evictable_pages += len(device_pages)
+        self._candidates[node] = None
 
     def cached(self, tokens: Sequence[int], namespace: Hashable = None) -> Cached:
         """How many whole pages of `tokens` are cached, on device then on host; read-only (no
@@ -262,6 +271,7 @@ class RadixTree:
             )
             node.children[span[offset : offset + ps]] = child
             self._count(child, +1)
+            self._candidates[child] = None
             node, cached = child, cached + new_pages
         if owner is not None:
             up: RadixNode | None = node
@@ -310,6 +320,7 @@ class RadixTree:
             if node.lock_ref == 0:
                 self.evictable_pages += len(node.pages)
                 self.protected_pages -= len(node.pages)
+                self._candidates[node] = None
             node = node.parent  # type: ignore[assignment]
 
     def _count(self, node: RadixNode, sign: int) -> None:
@@ -339,17 +350,21 @@ class RadixTree:
         return fewer when not enough pages are evictable.
         """
         order = itertools.count()  # tie-break so nodes themselves are never compared
-        heap = [(self.eviction_key(n), next(order), n) for n in self.nodes() if self._evictable(n)]
+        for node in [n for n in self._candidates if not self._evictable(n)]:
+            del self._candidates[node]
+        heap = [(self.eviction_key(n), next(order), n) for n in self._candidates]
         heapq.heapify(heap)
         freed: list[int] = []
         while heap and len(freed) < num_pages:
             key, _, node = heapq.heappop(heap)
+            del self._candidates[node]
             parent = node.parent
             assert parent is not None
             freed.extend(node.pages)
             if not (offload and self._offload(node, key)):
                 self._drop(node)
             if self._evictable(parent):
+                self._candidates[parent] = None
                 heapq.heappush(heap, (self.eviction_key(parent), next(order), parent))
         return freed
 
@@ -396,6 +411,8 @@ class RadixTree:
         """Remove `node` and its subtree (whose nodes are all on host) from the tree."""
         assert node.parent is not None
         del node.parent.children[node.key[: self.page_size]]
+        self._candidates.pop(node, None)
+        self._candidates[node.parent] = None  # its last device child may be gone
         stack = [node]
         while stack:
             n = stack.pop()
@@ -458,6 +475,8 @@ class RadixTree:
                 evictable += len(node.pages)
             else:
                 protected += len(node.pages)
+            if self._evictable(node):
+                assert node in self._candidates, "an evictable node is not an eviction candidate"
         assert evictable == self.evictable_pages, "evictable page count drifted"
         assert protected == self.protected_pages, "protected page count drifted"
         assert host == self.host_pages, "host page count drifted"

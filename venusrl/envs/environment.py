@@ -196,7 +196,7 @@ class Environment(ABC):
         if not calls:
             self.done = True
             return StepResult(None, True, {"tool_calls": 0, "tool_errors": 0, "truncated": False})
-        responses = []
+        answers: list[str] = []
         errors = 0
         for number, call in enumerate(calls, 1):
             if number > self.max_tool_calls_per_turn:
@@ -208,11 +208,21 @@ class Environment(ABC):
             else:
                 text, failed = await self._answer(call)
             errors += failed
-            responses.append(format_tool_response(text, self.max_observation_chars))
-        truncated = self.turns >= self.max_turns
-        self.done = truncated
+            answers.append(text)
+        ended = self.ended(answers)
+        truncated = not ended and self.turns >= self.max_turns
+        self.done = ended or truncated
         info = {"tool_calls": len(calls), "tool_errors": errors, "truncated": truncated}
-        return StepResult(None if truncated else "\n".join(responses), truncated, info)
+        if self.done:
+            return StepResult(None, True, info)
+        responses = (format_tool_response(a, self.max_observation_chars) for a in answers)
+        return StepResult("\n".join(responses), False, info)
+
+    def ended(self, answers: list[str]) -> bool:
+        """Whether the task's rules end the episode after a turn whose tool calls were answered
+        `answers` (a game lost with no moves left): no turn follows, since none could change the
+        reward, and the model is not trained on turns played after the outcome was settled."""
+        return False
 
     async def _answer(self, call: ToolCall | ToolCallError) -> tuple[str, bool]:
         """(response text, whether it is an error) for one call; only InfraFailure escapes."""

@@ -557,6 +557,10 @@ async def train(
                             "entropy": stats.entropy,
                             "kl": stats.kl,
                             "clip_fraction": stats.clip_fraction,
+                            # Trainer over engine probability of the sampled tokens: far from 1
+                            # when the engine samples from other weights than it says.
+                            "ratio_mean": stats.mean_ratio,
+                            "grad_norm": stats.grad_norm,
                             "tokens": stats.tokens,
                             "sandboxes_running": pool.sandboxes_running(),
                             "groups_dropped": coordinator.stats.groups_dropped,

@@ -23,7 +23,8 @@ deciding every iteration (`SimConfig.decide_every_iteration`, checked by a test)
 of millions of tokens runs in minutes.
 
 Simplifications (each a bias the same for every policy): a group's members do not share their
-prompt's KV (it is 3 % of a swe-long context); KV survives weight updates (no version salt);
+prompt's KV (it is 3 % of a swe-long context); a trajectory's KV survives weight updates (as on
+the engine, whose version salt only keeps trajectories started later from reading it);
 sandboxes are charged their whole RSS, unshared. Host memory for offloaded KV is bounded
 (`CostModel.host_kv_bytes_per_gpu`); when it is full, host KV ranked below what is offloaded
 is dropped to make room, else what would be offloaded is dropped. Copies to host are charged to

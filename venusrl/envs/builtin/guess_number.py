@@ -14,7 +14,7 @@ import json
 import random
 from collections.abc import Iterator
 
-from venusrl.envs.environment import Environment, Task, Tool
+from venusrl.envs.environment import Environment, SandboxVerbs, Task, Tool
 from venusrl.envs.tool_calls import CALL_CLOSE, CALL_OPEN, RESPONSE_OPEN
 from venusrl.envs.types import MiB, TemplateSpec
 
@@ -73,6 +73,16 @@ class GuessNumber(Environment):
         ),
     )
     max_turns = MAX_GUESSES + 2  # every guess in its own turn, the answer, slack
+
+    def __init__(self, task: Task, sandbox: SandboxVerbs) -> None:
+        super().__init__(task, sandbox)
+        self.guesses_left = MAX_GUESSES
+
+    def ended(self, answers: list[str]) -> bool:
+        """No guess is left and none of this turn's was correct: nothing the model does next can
+        change the reward. (The answers are the sandbox's own text, never the model's.)"""
+        self.guesses_left -= sum(a.startswith(("higher:", "lower:", "correct:")) for a in answers)
+        return self.guesses_left <= 0 and not any(a.startswith("correct:") for a in answers)
 
     @classmethod
     def tasks(cls, seed: int) -> Iterator[Task]:
