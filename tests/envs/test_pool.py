@@ -103,14 +103,18 @@ asyncio.run(main())
 """
 
 
-def test_orphans_of_a_killed_pool_are_reaped_by_the_next_pool() -> None:
+@pytest.mark.parametrize("died_while_killing", [False, True])
+def test_orphans_of_a_killed_pool_are_reaped_by_the_next_pool(died_while_killing: bool) -> None:
     proc = subprocess.Popen([sys.executable, "-c", ORPHAN_MAKER], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     name = proc.stdout.readline().strip()
     assert name.startswith("pool-")
+    orphan = Cgroup(f"{CGROUP_BASE}/{name}", detect_version())
+    if died_while_killing:  # it froze a sandbox to kill it, and was killed before it thawed it
+        sandbox = next(d.name for d in orphan.dirs()[0].iterdir() if d.name.startswith("sb"))
+        orphan.child(sandbox).freeze(True)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    orphan = Cgroup(f"{CGROUP_BASE}/{name}", detect_version())
 
     async def main() -> None:
         async with SandboxPool(memory_budget_bytes=1 << 30):

@@ -141,6 +141,19 @@ class Cgroup:
             with contextlib.suppress(FileNotFoundError):
                 self._file("cpu", "cgroup.freeze").write_text("1" if frozen else "0")
 
+    def _thaw_subtree(self) -> None:
+        """Thaw this node and every descendant. Thawing a node does not thaw a child frozen on
+        its own account: one a process froze to kill it and then died (a run killed mid-kill)
+        stays frozen, and its processes, their SIGKILL pending, never exit."""
+        if self.version == 1:
+            base, name, thawed = V1_ROOT / "freezer" / self.rel, "freezer.state", "THAWED"
+        else:
+            base, name, thawed = self.dirs()[0], "cgroup.freeze", "0"
+        for root, _dirs, files in os.walk(base):
+            if name in files:
+                with contextlib.suppress(OSError):  # removed meanwhile
+                    Path(root, name).write_text(thawed)
+
     def kill(self, timeout_s: float = 5.0) -> None:
         """SIGKILL every process in this subtree. A pid-namespace init ignores SIGTERM and a fork
         bomb outruns a kill loop, so: freeze, kill, thaw (the kills land), repeat until empty."""
@@ -153,7 +166,7 @@ class Cgroup:
             for pid in self.all_pids():
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-            self.freeze(False)
+            self._thaw_subtree()
             if time.monotonic() > deadline:
                 raise RuntimeError(f"cgroup {self.rel} still has processes {pids[:8]} after kill")
             time.sleep(0.002)

@@ -841,7 +841,11 @@ def reap_orphans(version: int) -> list[str]:
     if base.exists():
         names = (d.name for d in base.dirs()[0].iterdir() if d.is_dir())
         for name in _dead_pool_names(names):
-            base.child(name).remove()
+            try:
+                base.child(name).remove()
+            except (RuntimeError, OSError) as e:  # a process stuck in the kernel: not our run's
+                log.warning("could not reap the cgroup of dead pool %s: %s", name, e)
+                continue
             reaped.append(name)
     if RUNTIME_BASE.exists():
         for name in _dead_pool_names(d.name for d in RUNTIME_BASE.iterdir()):
