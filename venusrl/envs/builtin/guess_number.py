@@ -5,7 +5,8 @@ The model calls `guess(n)` and reads "higher", "lower" or "correct"; it has MAX_
 With N = 63 = 2**6 - 1 and 6 guesses, only binary search wins every time (it needs all 6 for 32
 secrets, and at least 3 for 60 of the 63), so success means reading and using the observations:
 a policy that ignores them wins with probability 6 / 63 = 10 %, one that guesses anywhere inside
-the known interval about 49 %. Reward: 1 when a guess was correct, else 0.
+the known interval about 49 %. Reward: 1 when a guess was correct, else 0. The episode ends with
+the game: at the correct guess or at the last one.
 """
 
 from __future__ import annotations
@@ -52,8 +53,7 @@ def guess(n):
 
 _PROMPT = (
     f"I am thinking of an integer between 1 and {N}. Find it with the guess tool, which answers"
-    f" higher, lower or correct. You have {MAX_GUESSES} guesses. Once a guess is correct, reply"
-    " with the number and no tool call."
+    f" higher, lower or correct. You have {MAX_GUESSES} guesses."
 )
 
 
@@ -72,17 +72,19 @@ class GuessNumber(Environment):
             },
         ),
     )
-    max_turns = MAX_GUESSES + 2  # every guess in its own turn, the answer, slack
+    max_turns = MAX_GUESSES + 2  # every guess in its own turn, and slack for calls that fail
 
     def __init__(self, task: Task, sandbox: SandboxVerbs) -> None:
         super().__init__(task, sandbox)
         self.guesses_left = MAX_GUESSES
 
     def ended(self, answers: list[str]) -> bool:
-        """No guess is left and none of this turn's was correct: nothing the model does next can
-        change the reward. (The answers are the sandbox's own text, never the model's.)"""
+        """The game is over, won or out of guesses: nothing the model does next can change the
+        reward. (The answers are the sandbox's own text, never the model's.) Turns after a win
+        would teach nothing but get reinforced with it: trained on, policies learnt to go on
+        calling the tool after the correct guess."""
         self.guesses_left -= sum(a.startswith(("higher:", "lower:", "correct:")) for a in answers)
-        return self.guesses_left <= 0 and not any(a.startswith("correct:") for a in answers)
+        return self.guesses_left <= 0 or any(a.startswith("correct:") for a in answers)
 
     @classmethod
     def tasks(cls, seed: int) -> Iterator[Task]:
@@ -124,10 +126,6 @@ class BinarySearchExpert:
     def __call__(self, observation: str) -> str:
         if self.last_guess is not None:
             reply = observation.removeprefix(f"{RESPONSE_OPEN}\n")
-            if reply.startswith("correct"):
-                return f"The number is {self.last_guess}."
-            if self.guesses == MAX_GUESSES:
-                return f"I could not find it in {MAX_GUESSES} guesses."
             if reply.startswith("higher"):
                 self.low = max(self.low, self.last_guess + 1)
             elif reply.startswith("lower"):
@@ -142,7 +140,7 @@ class BinarySearchExpert:
 
 
 class RandomGuesser:
-    """A policy that ignores the observations: MAX_GUESSES distinct random guesses, then an answer.
+    """A policy that ignores the observations: MAX_GUESSES distinct random guesses.
     It plays the way an untrained model does and wins only by luck."""
 
     def __init__(self, seed: int) -> None:
