@@ -194,6 +194,15 @@ def sandbox_processes() -> set[int]:
     return found
 
 
+def sandboxes_left(before: set[int], timeout_s: float = 10.0) -> set[int]:
+    """Sandbox processes not there `before`, once those being killed had time to exit (a
+    killed process leaves /proc only when its parent has reaped it)."""
+    deadline = time.monotonic() + timeout_s
+    while (left := sandbox_processes() - before) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
 def test_a_killed_sandbox_pool_costs_its_groups_and_the_run_completes(
     two_nodes: Cluster, tmp_path: Path
 ) -> None:
@@ -205,10 +214,7 @@ def test_a_killed_sandbox_pool_costs_its_groups_and_the_run_completes(
         assert (r["reward"] is None) == (r["finish"] == Finish.INFRA.value)
     # The killed pool's sandboxes were reaped (by its successor, or with the run); the rest
     # closed with the run.
-    deadline = time.monotonic() + 10
-    while (left := sandbox_processes() - before) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not left
+    assert not sandboxes_left(before)
 
 
 def test_a_restarted_sandbox_pool_prepares_its_templates_again_and_takes_new_groups(
@@ -246,7 +252,7 @@ def test_a_restarted_sandbox_pool_prepares_its_templates_again_and_takes_new_gro
                 await g.close()
 
     asyncio.run(scenario())
-    assert not sandbox_processes() - before
+    assert not sandboxes_left(before)
 
 
 @pytest.mark.slow
