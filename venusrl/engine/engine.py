@@ -647,12 +647,15 @@ class Engine:
             r = self.requests[rid]
             if r.status is not Status.RUNNING:
                 break
-            n = min(n, r.tokens_to_compute)
-            short += max(0, pages_for(r.num_computed + n, self.page_size) - len(r.pages))
+            short += max(0, self._pages_short(r, min(n, r.tokens_to_compute)))
         self._make_room(short)
 
+    def _pages_short(self, r: Request, n: int) -> int:
+        """Pages `r` lacks to compute `n` more tokens (negative when it has spare)."""
+        return pages_for(r.num_computed + n, self.page_size) - len(r.pages)
+
     def _reserve_pages(self, r: Request, n: int) -> bool:
-        need = pages_for(r.num_computed + n, self.page_size) - len(r.pages)
+        need = self._pages_short(r, n)
         if need <= 0:
             return True
         if not self._make_room(need):
