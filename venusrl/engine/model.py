@@ -153,10 +153,14 @@ class Linear(nn.Linear):
 
     MKL's fp32 GEMM is slow for the few-row activations of decode steps (measured here: 3 rows
     cost 3x one row); oneDNN with a prepacked weight was 1.5-3x faster for 3-64 rows. The packed
-    copy is used only without autograd and is rebuilt by `pack()` after every weight change.
+    copy is used only without autograd, and only while the weight is the one it was packed from:
+    an in-place change (an optimizer step, a weight load) bumps the tensor's version counter, and
+    a stale copy is ignored until `pack()` runs again. (A trainer's no-grad forward once read the
+    weights as they were at load time.)
     """
 
     _packed: torch.Tensor | None = None
+    _packed_version: int = -1
 
     def pack(self) -> bool:
         self._packed = None
@@ -168,11 +172,15 @@ class Linear(nn.Linear):
             _ = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
         except (AttributeError, RuntimeError):  # a torch built without oneDNN
             return False
-        self._packed = packed
+        self._packed, self._packed_version = packed, self.weight._version
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._packed is not None and not torch.is_grad_enabled():
+        if (
+            self._packed is not None
+            and not torch.is_grad_enabled()
+            and self._packed_version == self.weight._version
+        ):
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
