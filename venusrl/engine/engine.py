@@ -237,10 +237,11 @@ class Engine:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         arrival = next(self._arrivals)
-        generator = None
+        sampling_seed = None
         if not params.greedy:
-            seed = params.seed if params.seed is not None else self.cfg.seed * 1_000_003 + arrival
-            generator = torch.Generator().manual_seed(seed)
+            sampling_seed = (
+                params.seed if params.seed is not None else self.cfg.seed * 1_000_003 + arrival
+            )
         r = Request(
             request_id,
             prompt,
@@ -250,7 +251,7 @@ class Engine:
             trajectory_id=trajectory_id,
             group_id=group_id,
             namespace=self.weight_version if self.cfg.salt_cache_by_version else None,
-            generator=generator,
+            sampling_seed=sampling_seed,
             expected_wait_s=expected_wait_s,
         )
         if trajectory_id is not None:
@@ -543,7 +544,10 @@ class Engine:
             if r.num_computed == r.num_tokens:
                 sampling.append(r)
         tokens, logprobs = sample(
-            logits, [r.params for r in sampling], [r.generator for r in sampling]
+            logits,
+            [r.params for r in sampling],
+            [r.sampling_seed for r in sampling],
+            [len(r.output_ids) for r in sampling],
         )
         finished = []
         for r, token, logprob in zip(sampling, tokens, logprobs, strict=True):

@@ -6,8 +6,6 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-import torch
-
 from venusrl.engine.radix_tree import RadixNode
 
 
@@ -114,7 +112,7 @@ class Request:
     num_shared_pages: int = 0
     tree_node: RadixNode | None = None
     num_computed: int = 0  # tokens of all_ids whose KV sits in pages
-    generator: torch.Generator | None = None
+    sampling_seed: int | None = None  # the sampler's stream (`sampler.uniforms`); None: greedy
 
     all_ids: list[int] = field(init=False, default_factory=list)  # prompt + output
 
