@@ -33,14 +33,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from venusrl.config import load_config  # noqa: E402
-from venusrl.coordinator.agent_loop import ChatFormat, LoopLimits, run_episode  # noqa: E402
-from venusrl.engine.request import SamplingParams  # noqa: E402
+from venusrl.coordinator.agent_loop import ChatFormat  # noqa: E402
 from venusrl.engine.tokenizer import Tokenizer  # noqa: E402
 from venusrl.envs.builtin.guess_number import MAX_GUESSES, GuessNumber, N  # noqa: E402
-from venusrl.envs.pool import SandboxPool  # noqa: E402
 from venusrl.envs.tool_calls import ToolCall, parse_tool_calls  # noqa: E402
-from venusrl.envs.types import GiB  # noqa: E402
-from venusrl.runtime.train import LocalEngine  # noqa: E402
+from venusrl.runtime.evaluate import evaluation_tasks, play_policy  # noqa: E402
 from venusrl.types import Trajectory  # noqa: E402
 
 
@@ -84,35 +81,15 @@ def classify(turns: list[str], secret: int) -> tuple[str, int]:
 
 
 async def play(model_dir: Path, episodes: int, temperature: float, seed: int) -> dict[str, Any]:
-    cfg = load_config(None, [f"engine.seed={seed}"])
+    cfg = load_config(None, [f"engine.seed={seed}", "rollout.env=guess_number"])
     tokenizer = Tokenizer.load(model_dir)
     if tokenizer is None:
         raise SystemExit(f"{model_dir} has no tokenizer")
     fmt = ChatFormat(tokenizer)
-    limits = LoopLimits(cfg.rollout.max_context, cfg.rollout.max_tokens_per_turn)
-    tasks = list(itertools.islice(GuessNumber.tasks(seed + 104729), episodes))
-    slots = asyncio.Semaphore(16)  # sandboxes at a time
-    async with SandboxPool(4 * GiB) as pool:
-        await pool.prepare_template(GuessNumber.template)
-        engine = LocalEngine(model_dir, cfg, 0)
-
-        async def one(i: int) -> tuple[Trajectory, int]:
-            task = tasks[i]
-            async with slots:
-                sandbox = await pool.create(GuessNumber.template.name, setup=task.setup)
-                try:
-                    traj = await run_episode(
-                        GuessNumber(task, sandbox), engine.generate, fmt,
-                        SamplingParams(temperature=temperature), limits, f"e{i}", f"g{i}", task.id,
-                    )  # fmt: skip
-                finally:
-                    await sandbox.close()
-            return traj, int(task.setup.removeprefix("secret = "))
-
-        try:
-            played = await asyncio.gather(*(one(i) for i in range(episodes)))
-        finally:
-            await engine.close()
+    tasks = evaluation_tasks(GuessNumber, seed, episodes)
+    trajectories = await play_policy(model_dir, GuessNumber, tasks, cfg, temperature)
+    secrets = [int(task.setup.removeprefix("secret = ")) for task in tasks]
+    played = list(zip(trajectories, secrets, strict=True))
     kinds: Counter[str] = Counter()
     outside_depth: Counter[int] = Counter()
     wins = 0

@@ -1,6 +1,6 @@
 """Does `venusrl train` learn? The built-in CPU example, once per seed, timed from the command line.
 
-Runs `venusrl train` (the default config: the micro model on guess_number, warm start, then GRPO)
+Runs `venusrl train` (the default config: the micro model on treasure_hunt, warm start, then GRPO)
 as a separate process per seed, one after another, and reads each run's `metrics.jsonl`. The
 reward is the training reward: the mean over the step's sampled episodes (temperature 1), not a
 greedy evaluation.
@@ -10,12 +10,13 @@ reward of the first and the last `--window` steps and their difference (`gain`),
 tool calls of the episodes that won (the task is multi-turn only if that stays >= 3); then the
 smallest gain and the longest wall time over the seeds.
 
-A window of 5 steps holds only 20 groups, and a group's reward depends on its secret as much as on
-the policy, so `gain` is noisy (about +-0.1 between runs). With `--eval-episodes N` (default 256)
-each run's start policy (`start-model/`, after the warm start) and its final checkpoint also play
-the same N tasks at the training temperature (`train_failures.py`), after the run and outside its
-wall time: `eval_start`, `eval_final` and `eval_gain` are what reinforcement learning changed,
-measured on identical tasks.
+A window of 5 steps holds only 20 groups, and a group's reward depends on its task (the length of
+its trail, its secret) as much as on the policy, so `gain` is noisy (about +-0.1 between runs).
+With `--eval-episodes N` (default 256) each run's start policy (`start-model/`, after the warm
+start) and its final checkpoint also play the same N tasks of the run's environment
+(`venusrl.runtime.evaluate`), after the run and outside its wall time, sampled at the run's
+temperature (`eval_start`, `eval_final`, `eval_gain`) and greedy (the same keys with `_greedy`):
+what reinforcement learning changed, measured on identical tasks.
 
     python benchmarks/train_learning.py [--seeds 0,1,2] [--window 5] [--eval-episodes 256]
         [-- extra k=v overrides]
@@ -36,22 +37,32 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 
 def evaluate(run_dir: Path, episodes: int) -> dict[str, Any]:
-    """Win rates of the start policy and the final checkpoint on the same sampled tasks."""
-    from train_failures import play  # the sibling benchmark: plays a checkpoint's episodes
+    """Win rates of the start policy and the final checkpoint on the same tasks of the run's
+    environment, sampled at the run's temperature and greedy."""
+    from venusrl.config import load_config
+    from venusrl.envs.builtin import BUILTIN
+    from venusrl.runtime.evaluate import evaluation_tasks, play_policy
 
+    cfg = load_config(run_dir / "config.yaml", [])
+    if cfg.rollout.mix:
+        raise SystemExit(f"{run_dir}: evaluating a run that mixes environments is not supported")
+    env = BUILTIN[cfg.rollout.env]
+    tasks = evaluation_tasks(env, cfg.run.seed, episodes)
     final = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
-    start = asyncio.run(play(run_dir / "start-model", episodes, 1.0, seed=0))
-    end = asyncio.run(play(final, episodes, 1.0, seed=0))
-    return {
-        "eval_episodes": episodes,
-        "eval_start": round(start["wins"] / episodes, 3),
-        "eval_final": round(end["wins"] / episodes, 3),
-        "eval_gain": round((end["wins"] - start["wins"]) / episodes, 3),
-    }
+    out: dict[str, Any] = {"eval_episodes": episodes}
+    for name, temperature in (("", cfg.rollout.temperature), ("_greedy", 0.0)):
+        wins = {}
+        for which, model in (("start", run_dir / "start-model"), ("final", final)):
+            played = asyncio.run(play_policy(model, env, tasks, cfg, temperature))
+            wins[which] = sum(bool(t.reward) for t in played) / episodes
+        out |= {
+            f"eval_start{name}": round(wins["start"], 3),
+            f"eval_final{name}": round(wins["final"], 3),
+            f"eval_gain{name}": round(wins["final"] - wins["start"], 3),
+        }
+    return out
 
 
 def run_seed(seed: int, window: int, overrides: list[str], out: Path) -> dict[str, Any]:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
+import re
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from itertools import islice
 from typing import Any, TypeVar
@@ -21,6 +24,14 @@ from venusrl.envs.builtin.guess_number import (
     RandomGuesser,
 )
 from venusrl.envs.builtin.swe_mini import CheatByDeletingTests, ScriptedFixer, SweMini
+from venusrl.envs.builtin.treasure_hunt import (
+    CELLS,
+    MAX_CELLS,
+    MIN_CELLS,
+    SLACK,
+    TrailFollower,
+    TreasureHunt,
+)
 from venusrl.envs.environment import Environment, StepResult, Task, Tool
 
 pytestmark = pytest.mark.skipif(
@@ -63,19 +74,76 @@ def secret_of(task: Task) -> int:
 
 def test_builtin_registry_names_each_environment_once():
     assert {
+        "treasure_hunt": TreasureHunt,
         "guess_number": GuessNumber,
         "swe_mini": SweMini,
         "agent_workload": AgentWorkload,
     } == BUILTIN
 
 
-@pytest.mark.parametrize("env", [GuessNumber, SweMini])
+@pytest.mark.parametrize("env", [TreasureHunt, GuessNumber, SweMini])
 def test_same_seed_same_tasks(env: type[Environment]):
     def contents(seed: int) -> list[tuple[str, dict[str, bytes]]]:
         return [(t.setup, dict(t.files)) for t in islice(env.tasks(seed), 5)]
 
     assert list(islice(env.tasks(3), 5)) == list(islice(env.tasks(3), 5))
     assert contents(3) != contents(4)
+
+
+# --- treasure_hunt -----------------------------------------------------------------------------
+
+
+def test_treasure_hunt_prompt_names_only_the_first_cell_of_the_trail():
+    tasks = list(islice(TreasureHunt.tasks(0), 50))
+    for t in tasks:
+        trail = t.reference["trail"]
+        assert MIN_CELLS <= len(trail) <= MAX_CELLS and len(set(trail)) == len(trail)
+        assert f"opening cell {trail[0]}:" in t.prompt
+        numbers = [int(n) for n in re.findall(r"\d+", t.prompt)]
+        assert numbers == [CELLS, trail[0], len(trail) + SLACK]  # no other cell of the trail
+        assert f"trail = {trail}" in t.setup
+    assert {len(t.reference["trail"]) for t in tasks} == set(range(MIN_CELLS, MAX_CELLS + 1))
+
+
+def test_treasure_hunt_is_won_by_following_every_clue_and_lost_by_ignoring_them():
+    task = next(TreasureHunt.tasks(1))
+    trail = task.reference["trail"]
+    stray = next(c for c in range(1, CELLS + 1) if c not in trail)
+
+    def ignoring(observation: str) -> str:  # opens the first cell, then one cell over and over
+        return call("open_cell", cell=trail[0] if "clue" not in observation else stray)
+
+    async def body(pool: SandboxPool) -> tuple[Episode, Episode]:
+        group = await pool.create_group(TreasureHunt.template.name, 2, setup=task.setup)
+        try:
+            return await asyncio.gather(
+                play(TreasureHunt(task, group[0]), TrailFollower(trail[0], random.Random(0))),
+                play(TreasureHunt(task, group[1]), ignoring),
+            )
+        finally:
+            await group.close()
+
+    (won, won_steps), (lost, lost_steps) = with_pool(TreasureHunt, body)
+    assert won == 1.0 and len(won_steps) == len(trail) >= 3
+    assert sum(s.info["tool_calls"] for s in won_steps) == len(trail)
+    assert lost == 0.0
+    # Out of opens (the trail's length and the slack) ends the game, not the turn cap.
+    assert len(lost_steps) == len(trail) + SLACK and not lost_steps[-1].info["truncated"]
+
+
+def test_a_careless_trail_follower_copies_the_wrong_number_of_a_clue_at_its_rate():
+    clue = "<tool_response>\nclue: cell 5 says the next clue is in cell 9\n</tool_response>"
+    careless = TrailFollower(5, random.Random(0), slip=0.3)
+    assert careless("") == call("open_cell", cell=5)  # the prompt's cell: nothing to mix up
+    opened = Counter(careless(clue) for _ in range(2000))
+    assert set(opened) == {call("open_cell", cell=9), call("open_cell", cell=5)}
+    assert abs(opened[call("open_cell", cell=5)] / 2000 - 0.3) < 0.04
+    careful = TrailFollower(5, random.Random(0))
+    assert careful("") == call("open_cell", cell=5)
+    assert all(careful(clue) == call("open_cell", cell=9) for _ in range(100))
+    # A cell that was empty (a model's slip): the cell the last clue named is opened again.
+    empty = "<tool_response>\nempty: cell 12 is empty\n</tool_response>"
+    assert careful(empty) == call("open_cell", cell=9)
 
 
 # --- guess_number ------------------------------------------------------------------------------
