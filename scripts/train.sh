@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job: set up .venv/, then `venusrl train` on the built-in CPU example (a from-scratch
-# micro Qwen3 model learns guess_number in real sandboxes: warm start, then GRPO). Needs root for
+# micro Qwen3 model learns treasure_hunt in real sandboxes: warm start, then GRPO). Needs root for
 # the sandboxes (namespaces, cgroups). Extra arguments go to `venusrl train` (k=v overrides,
 # --run-dir, --resume).
 set -euo pipefail

@@ -92,7 +92,7 @@ class ServerConfig(_Section):
     model_name: str | None = Field(None, description="name served at /v1/models; default: dir name")
 
 
-EnvName = Literal["guess_number", "swe_mini", "agent_workload"]
+EnvName = Literal["treasure_hunt", "guess_number", "swe_mini", "agent_workload"]
 
 
 class MixEntry(_Section):
@@ -108,7 +108,7 @@ class RolloutConfig(_Section):
     """Groups, batches and the agent loop (`venusrl train`)."""
 
     env: EnvName = Field(
-        "guess_number",
+        "treasure_hunt",
         description="built-in task when `mix` is empty (agent_workload: a scheduler benchmark)",
     )
     mix: list[MixEntry] = Field(
@@ -121,7 +121,7 @@ class RolloutConfig(_Section):
     max_infra_retries: int = Field(2, ge=0, description="replacement members per group")
     priorities: Literal["critical", "fifo"] = "critical"
     temperature: float = Field(1.0, ge=0)
-    max_tokens_per_turn: int = Field(48, ge=1)
+    max_tokens_per_turn: int = Field(24, ge=1)
     max_context: int = Field(1024, ge=16)
     group_timeout_s: float = Field(900.0, gt=0)
     tool_wait_pin_s: float = Field(
@@ -156,7 +156,7 @@ class TrainerSection(_Section):
     device: str = Field(
         "cpu", description="torch device of the trained model (fp32 weights and AdamW state)"
     )
-    lr: float = Field(2e-4, gt=0)
+    lr: float = Field(5e-4, gt=0)
     clip_eps: float = Field(0.2, gt=0, lt=1)
     entropy_coef: float = Field(0.0, ge=0)
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the policy RL starts from")
@@ -184,7 +184,7 @@ class RunConfig(_Section):
     warm_start_episodes: int = Field(
         256, ge=0, description="scripted demonstrations imitated before RL (0 = no warm start)"
     )
-    warm_start_epochs: int = Field(5, ge=1)
+    warm_start_epochs: int = Field(15, ge=1)
     warm_start_batch: int = Field(8, ge=1, description="demonstrations per imitation step")
     warm_start_lr: float = Field(2e-3, gt=0, description="learning rate of the imitation steps")
     engine_url: str | None = Field(

@@ -152,27 +152,41 @@ def test_training_against_venusrl_serve_over_http(tmp_path: Path) -> None:
         server.wait(10)
 
 
-def test_warm_start_gives_a_multi_turn_policy_that_wins_far_above_chance(tmp_path: Path) -> None:
-    """The warm start (demonstrations played in sandboxes, a tokenizer learnt from them,
-    imitation) must leave RL a policy that calls the tool turn after turn and sometimes wins:
-    one that ignores the observations wins 6 / 63 = 10 % of the time."""
-    cfg = load_config(
-        None,
-        [
-            "run.steps=4",
-            "rollout.batch_groups=4",
-            "engine.threads=1",
-        ],  # the default warm start
-    )
+def test_reinforcement_learning_raises_the_reward_of_the_warm_started_policy(
+    tmp_path: Path,
+) -> None:
+    """The default warm start (a careless trail follower's episodes played in sandboxes, a
+    tokenizer learnt from them, imitation) leaves RL a policy that calls the tool turn after turn
+    and sometimes wins; 60 GRPO steps of the default config must then raise its sampled reward.
+    A policy that ignores the observations finds the treasure about (1 / 63) ** 3 of the time."""
+    cfg = load_config(None, ["run.steps=60", "engine.threads=1"])
     metrics = asyncio.run(train(cfg, tmp_path))
     warm = json.loads((tmp_path / "warm_start.json").read_text())
-    assert warm["demo_reward_mean"] == 1.0 and warm["nll_last"] < warm["nll_first"] / 10
-    assert warm["demo_tokens_mean"] < 200  # the learnt tokenizer: ~900 bytes in ~130 tokens
+    assert 0.3 < warm["demo_reward_mean"] < 0.7  # poor demonstrations: room for RL to improve
+    assert warm["nll_last"] < warm["nll_first"] / 10
+    assert warm["demo_tokens_mean"] < 200  # the learnt tokenizer: ~1,500 bytes in ~140 tokens
     rewards = [m["reward_mean"] for m in metrics]
-    assert sum(rewards) / len(rewards) > 0.2
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert first > 0.05  # the start policy reads the clues
+    assert last > first + 0.15  # seed 0: from 0.28 to 0.56 (2026-12-02)
     wins = sum(m["wins"] for m in metrics)
     calls = sum(m["wins"] * m["tool_calls_per_win"] for m in metrics if m["wins"])
     assert calls / wins >= 3  # winning takes several turns of reading the observations
+
+
+@pytest.mark.slow
+def test_the_cpu_example_raises_its_reward_by_0_4_within_ten_minutes(tmp_path: Path) -> None:
+    """`venusrl train` with no arguments, as a user runs it (the issue's bar; the benchmark
+    `train_learning.py` runs it for three seeds and evaluates start against final policy)."""
+    started = time.monotonic()
+    cmd = [sys.executable, "-m", "venusrl.cli", "train", "--run-dir", str(tmp_path)]
+    subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert time.monotonic() - started < 600
+    metrics = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rewards = [m["reward_mean"] for m in metrics]
+    assert sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5 >= 0.4
+    wins = [(m["wins"], m["tool_calls_per_win"]) for m in metrics if m["wins"]]
+    assert sum(n * c for n, c in wins) / sum(n for n, _ in wins) >= 3
 
 
 def test_a_model_path_that_is_not_a_model_directory_is_refused_and_left_alone(
