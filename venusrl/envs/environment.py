@@ -173,6 +173,14 @@ class Environment(ABC):
     async def reward(self) -> float:
         """The episode's score, read from the sandbox's state; 0 for a failed episode."""
 
+    async def flag_reward(self, variable: str) -> float:
+        """1 when the sandbox interpreter's `variable` is True, else 0: the reward of a game
+        whose tool functions keep the outcome in the sandbox, out of the model's reach."""
+        r = await self.sandbox.run_python(f"print({variable})", timeout_s=self.tool_timeout_s)
+        if not r.ok:
+            raise RuntimeError(f"{self.name}: reading the sandbox's state failed: {r.text()}")
+        return 1.0 if r.stdout.strip() == b"True" else 0.0
+
     @classmethod
     def demonstrator(cls, task: Task, seed: int) -> Callable[[str], str] | None:
         """A scripted text policy for warm-start demonstrations (called with the prompt, then

@@ -125,6 +125,11 @@ def _parse_body(body: str, number: int, block: str) -> ToolCall | ToolCallError:
     return ToolCall(name, arguments)
 
 
+def format_tool_call(name: str, arguments: dict[str, Any]) -> str:
+    """One call block as a model writes it (what scripted demonstrators produce)."""
+    return f"{CALL_OPEN}\n{json.dumps({'name': name, 'arguments': arguments})}\n{CALL_CLOSE}"
+
+
 def format_tool_response(content: str, max_chars: int) -> str:
     """One response block; content over `max_chars` keeps its head and tail around a marker.
 

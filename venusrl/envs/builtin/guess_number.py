@@ -11,12 +11,11 @@ the game: at the correct guess or at the last one.
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Iterator
 
 from venusrl.envs.environment import Environment, SandboxVerbs, Task, Tool
-from venusrl.envs.tool_calls import CALL_CLOSE, CALL_OPEN, RESPONSE_OPEN
+from venusrl.envs.tool_calls import RESPONSE_OPEN, format_tool_call
 from venusrl.envs.types import MiB, TemplateSpec
 
 N = 63
@@ -104,14 +103,11 @@ class GuessNumber(Environment):
         return BinarySearchExpert()
 
     async def reward(self) -> float:
-        r = await self.sandbox.run_python("print(solved)", timeout_s=self.tool_timeout_s)
-        if not r.ok:
-            raise RuntimeError(f"{self.name}: reading the sandbox's state failed: {r.text()}")
-        return 1.0 if r.stdout.strip() == b"True" else 0.0
+        return await self.flag_reward("solved")
 
 
 def _guess_call(n: int) -> str:
-    return f"{CALL_OPEN}\n{json.dumps({'name': 'guess', 'arguments': {'n': n}})}\n{CALL_CLOSE}"
+    return format_tool_call("guess", {"n": n})
 
 
 class BinarySearchExpert:

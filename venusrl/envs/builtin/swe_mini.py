@@ -14,14 +14,13 @@ own imports).
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from venusrl.envs.environment import Environment, SandboxVerbs, Task, Tool
-from venusrl.envs.tool_calls import CALL_CLOSE, CALL_OPEN, RESPONSE_CLOSE, RESPONSE_OPEN
+from venusrl.envs.tool_calls import RESPONSE_CLOSE, RESPONSE_OPEN, format_tool_call
 from venusrl.envs.types import InfraFailure, MiB, SandboxError, TemplateSpec
 
 _REPO: dict[str, str] = {
@@ -250,7 +249,7 @@ class SweMini(Environment):
 
 
 def _call(name: str, **arguments: str) -> str:
-    return f"{CALL_OPEN}\n{json.dumps({'name': name, 'arguments': arguments})}\n{CALL_CLOSE}"
+    return format_tool_call(name, arguments)
 
 
 def _response_content(observation: str) -> str:

@@ -17,13 +17,12 @@ task of the CPU example (`guess_number`, whose deep decisions are each visited b
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from collections.abc import Iterator
 
 from venusrl.envs.environment import Environment, SandboxVerbs, Task, Tool
-from venusrl.envs.tool_calls import CALL_CLOSE, CALL_OPEN
+from venusrl.envs.tool_calls import format_tool_call
 from venusrl.envs.types import MiB, TemplateSpec
 
 CELLS = 63
@@ -112,15 +111,11 @@ class TreasureHunt(Environment):
         return TrailFollower(int(task.reference["trail"][0]), random.Random(seed), slip=SLIP)
 
     async def reward(self) -> float:
-        r = await self.sandbox.run_python("print(found)", timeout_s=self.tool_timeout_s)
-        if not r.ok:
-            raise RuntimeError(f"{self.name}: reading the sandbox's state failed: {r.text()}")
-        return 1.0 if r.stdout.strip() == b"True" else 0.0
+        return await self.flag_reward("found")
 
 
 def open_call(cell: int) -> str:
-    call = {"name": "open_cell", "arguments": {"cell": cell}}
-    return f"{CALL_OPEN}\n{json.dumps(call)}\n{CALL_CLOSE}"
+    return format_tool_call("open_cell", {"cell": cell})
 
 
 class TrailFollower:
