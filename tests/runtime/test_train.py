@@ -61,7 +61,7 @@ def test_kill_9_mid_run_then_resume_completes_with_every_step_once(tmp_path: Pat
     run = tmp_path / "run"
     cmd = [
         sys.executable, "-m", "venusrl.cli", "train", "--run-dir", str(run),
-        "run.steps=4", "run.checkpoint_every=1", *SMALL[1:],
+        "run.steps=8", "run.checkpoint_every=1", *SMALL[1:],
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     metrics = run / "metrics.jsonl"
@@ -77,13 +77,19 @@ def test_kill_9_mid_run_then_resume_completes_with_every_step_once(tmp_path: Pat
     resumed = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     lines = [json.loads(x) for x in metrics.read_text().splitlines()]
-    assert [m["step"] for m in lines] == [0, 1, 2, 3]
-    assert [m["weight_version"] for m in lines] == [1, 2, 3, 4]
+    assert [m["step"] for m in lines] == list(range(8))
+    assert [m["weight_version"] for m in lines] == list(range(1, 9))
     # The trajectories of the steps redone after the checkpoint are recorded once, not twice.
-    assert sorted(r["step"] for r in read_records(run)) == [s for s in range(4) for _ in range(4)]
+    records = list(read_records(run))
+    assert sorted(r["step"] for r in records) == [s for s in range(8) for _ in range(4)]
+    # The resumed run keeps the staleness bound: it does not start a batch's worth of groups
+    # for every version trained before it.
+    for r in records:
+        trained_at = lines[r["step"]]["weight_version"] - 1
+        assert all(trained_at - int(v) <= 1 for v in r["versions"]), (r["step"], r["versions"])
     assert (run / "plots" / "reward.png").exists()
     final = sorted((run / "checkpoints").glob("step-*"))[-1]
-    assert final.name == "step-000003" and (final / "model.safetensors").exists()
+    assert final.name == "step-000007" and (final / "model.safetensors").exists()
     # A second plain start refuses to clobber the run.
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert again.returncode == 2 and "--resume" in again.stderr

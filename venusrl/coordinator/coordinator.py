@@ -126,6 +126,9 @@ class Coordinator:
         self.config = config
         self.weight_version = weight_version
         self.bound = StalenessBound(config.batch_groups, config.max_staleness)
+        # The bound numbers groups from version 0; a resumed run starts at a later version, with
+        # the groups of every batch trained before it counted as started.
+        self._groups_before = weight_version() * config.batch_groups
         self.policy = CriticalGroups() if config.priorities == "critical" else FifoGroups()
         self.lengths = LengthPredictor()
         self.stats = CoordinatorStats()
@@ -187,7 +190,7 @@ class Coordinator:
         while True:
             # A dropped group gives its place in a batch back: with max_staleness=0 the batch
             # could otherwise never fill.
-            placed = self.stats.groups_started - self.stats.groups_dropped
+            placed = self._groups_before + self.stats.groups_started - self.stats.groups_dropped
             startable = self.bound.startable(placed, self.weight_version())
             for _ in range(startable):
                 self._spawn(self._run_group(next(self.tasks), self.stats.groups_started))
