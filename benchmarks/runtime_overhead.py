@@ -1,14 +1,16 @@
 """What the Ray runtime costs per trainer step, against one process, on the same CPU example.
 
 Runs `venusrl train` (the built-in CPU example, same seed) with `--runtime local` and with
-`--runtime ray` (one engine actor, one sandbox-pool actor, on a one-node Ray cluster the command
-starts), alternating the order over `--repeats`, each a separate process. A step's time comes from
+`--runtime ray` (one rollout worker actor: the engine, the sandbox pool and the agent loops, on a
+one-node Ray cluster the command starts), alternating the order over `--repeats`, each a
+separate process. A step's time comes from
 the run's own `metrics.jsonl` (`wall_s` at each step's end), over the steps after the first
 (`--skip`, while the first groups fill the pipeline); start-up (Ray, actors, warm start) is
 reported apart, as `startup_s`. A Ray run also reports its actor calls by method (warm-start
 demonstrations included), and `actor_call_ms` / `actor_call_caller_cpu_ms` time 2,000 calls
-shaped like a turn's `generate` to an actor that does nothing. Sampling makes
-the two runtimes' episodes differ in length, so the overhead is given per step and per token.
+shaped like a turn's `generate` to an actor that does nothing (what a call per turn would cost).
+Sampling makes the two runtimes' episodes differ in length, so the overhead is given per step
+and per token.
 
 Prints one JSON object: per runtime the step times and token rates of each repeat, then
 `overhead_per_step` (median Ray step time / median local step time - 1) and

@@ -43,7 +43,6 @@ def test_yaml_and_dotted_overrides_compose(tmp_path: Path) -> None:
         (["runtime.kind=slurm"], "runtime.kind"),
         (["runtime.engines=2"], "runtime.engines > 1 needs runtime.kind=ray"),
         (["runtime.kind=ray", "run.engine_url=http://x"], "run.engine_url trains against one"),
-        (["runtime.kind=ray", "faults.kill_sandboxes=0.1"], "faults.kill_sandboxes reaches"),
         (["rollout.admission=window"], "rollout.admission"),
         (["rollout.admission=aimd", "runtime.kind=ray"], "rollout.admission reads the cache"),
         (["rollout.admission=aimd", "run.engine_url=http://x"], "in-process engine"),

@@ -205,6 +205,12 @@ class FaultsSection(_Section):
     """Fault injection, to show the run survives the platform failing under it."""
 
     kill_sandboxes: float = Field(0.0, ge=0, le=1, description="fraction of sandboxes killed")
+    preempt_sandboxes: float = Field(
+        0.0, ge=0, le=1, description="fraction of sandboxes preempted by their pool"
+    )
+    fault_within_s: float = Field(
+        1.0, gt=0, description="a sandbox killed or preempted goes at a uniform time within this"
+    )
     engine_errors: float = Field(0.0, ge=0, le=1, description="fraction of engine calls failed")
 
 
@@ -216,12 +222,12 @@ class RuntimeSection(_Section):
         None, description="Ray cluster to join ('auto', 'ray://host:10001'); None starts one here"
     )
     namespace: str = Field("venusrl", min_length=1, description="Ray namespace of the actors")
-    engines: int = Field(1, ge=1, description="rollout engines (one actor each)")
+    engines: int = Field(
+        1, ge=1, description="rollout engines (one rollout worker actor each, with its sandboxes)"
+    )
     engine_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves for each engine")
     engine_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves for each engine")
-    actor_restarts: int = Field(
-        3, ge=0, description="times Ray restarts an engine or environment manager that died"
-    )
+    actor_restarts: int = Field(3, ge=0, description="times Ray restarts a worker that died")
 
 
 class Config(_Section):
@@ -248,10 +254,6 @@ class Config(_Section):
             raise ValueError(
                 "rollout.admission reads the cache of an in-process engine: use runtime.kind=local"
                 " without run.engine_url"
-            )
-        if rt.kind == "ray" and self.faults.kill_sandboxes:
-            raise ValueError(
-                "faults.kill_sandboxes reaches into a local pool: use runtime.kind=local"
             )
         return self
 

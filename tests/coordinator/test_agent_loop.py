@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import os
 from pathlib import Path
@@ -20,7 +21,7 @@ from venusrl.engine.request import GenerationOutput, SamplingParams
 from venusrl.engine.tokenizer import Tokenizer
 from venusrl.envs import SandboxPool
 from venusrl.envs.builtin.guess_number import BinarySearchExpert, GuessNumber
-from venusrl.types import Finish
+from venusrl.types import Finish, Trajectory
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
 torch.set_num_threads(1)
@@ -169,3 +170,55 @@ def test_context_cap_and_infrastructure_failure_end_the_episode_with_named_outco
     assert capped.finish is Finish.CONTEXT_CAP and capped.reward is not None
     assert len(capped.token_ids) <= capped.prompt_len + 120
     assert broken.finish is Finish.INFRA and broken.reward is None and broken.failure
+
+
+def test_an_episode_whose_sandbox_died_goes_on_from_its_record_in_a_new_sandbox(
+    model_dir: Path,
+) -> None:
+    tokenizer = Tokenizer.load(model_dir)
+    assert tokenizer is not None
+    fmt, limits = ChatFormat(tokenizer), LoopLimits(max_context=8192)
+    task = next(GuessNumber.tasks(seed=1))
+
+    async def main() -> tuple[Any, Any, Any, Any]:
+        async with SandboxPool(memory_budget_bytes=2 << 30) as pool:
+            await pool.prepare_template(GuessNumber.template)
+
+            async def play(
+                policy: ScriptedPolicy, tid: str, kill_at_turn: int = 0, **kw: Any
+            ) -> Any:
+                sb = await pool.create(GuessNumber.template.name, setup=task.setup)
+
+                def on_turn(traj: Trajectory) -> None:
+                    if len(traj.turn_starts) == kill_at_turn:
+                        sb.cgroup.kill()  # the sandbox dies before the tool call of this turn
+
+                kw["on_turn"] = on_turn
+                try:
+                    env = GuessNumber(task, sb)
+                    return await run_episode(env, policy, fmt, SamplingParams(), limits, tid,
+                                             "g0", "p0", **kw)  # fmt: skip
+                finally:
+                    await sb.close()
+
+            whole = await play(ScriptedPolicy(tokenizer), "t0")
+            policy = ScriptedPolicy(tokenizer)
+            broken = await play(policy, "t1", kill_at_turn=2)
+            # The same policy goes on where it was: in a new sandbox, the environment acts
+            # again on the two turns the model took, and the episode ends as if never cut.
+            resumed = await play(policy, "t1", replay=broken)
+            tampered = dataclasses.replace(broken, token_ids=list(broken.token_ids))
+            tampered.token_ids[broken.turn_starts[1] - 1] += 1  # an observation it never got
+            diverged = await play(ScriptedPolicy(tokenizer), "t1", replay=tampered)
+            return whole, broken, resumed, diverged
+
+    whole, broken, resumed, diverged = asyncio.run(main())
+    assert broken.finish is Finish.INFRA and len(broken.turn_starts) == 2
+    assert resumed.finish is Finish.DONE and resumed.reward == whole.reward == 1.0
+    assert (resumed.token_ids, resumed.mask) == (whole.token_ids, whole.mask)
+    assert (resumed.logprobs, resumed.versions) == (whole.logprobs, whole.versions)
+    assert resumed.tool_calls == whole.tool_calls
+    assert len(resumed.turn_times) == len(resumed.turn_starts)
+    # A tool that does not answer as recorded cannot be replayed: the platform's failure.
+    assert diverged.finish is Finish.INFRA and diverged.reward is None
+    assert (diverged.failure or "").startswith("ReplayDiverged")

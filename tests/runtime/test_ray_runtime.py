@@ -1,5 +1,5 @@
-"""`runtime.kind=ray`: the same run with its engines and sandbox pools as actors of a real Ray
-cluster of two nodes (two raylets on this machine)."""
+"""`runtime.kind=ray`: the same run with its rollout workers (an engine, a sandbox pool and the
+agent loops each) as actors of a real Ray cluster of two nodes (two raylets on this machine)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,16 +17,16 @@ from ray.cluster_utils import Cluster
 
 from tests.runtime import SMALL
 from venusrl.config import load_config
+from venusrl.coordinator.agent_loop import LoopLimits
 from venusrl.engine.model_dir import init_model_dir, load_model
 from venusrl.engine.request import SamplingParams
-from venusrl.envs.types import SandboxCrashed, TemplateSpec
-from venusrl.runtime.cluster.engines import EngineFleet, EngineLost
+from venusrl.envs.builtin.treasure_hunt import TreasureHunt
 from venusrl.runtime.cluster.ray_cluster import RayCluster, check_reachable
-from venusrl.runtime.cluster.sandboxes import ClusterPool
+from venusrl.runtime.cluster.workers import RemoteGroup, RolloutFleet
 from venusrl.runtime.record import read_records
 from venusrl.runtime.train import train
 from venusrl.trainer.trainer import GRPOTrainer, TrainerConfig
-from venusrl.types import Finish
+from venusrl.types import Finish, Trajectory
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
 
@@ -50,8 +50,8 @@ def two_nodes() -> Iterator[Cluster]:
 
 
 class KillAfterFirstStep(threading.Thread):
-    """Kill the named actor, as a crashed worker process would die (Ray restarts it), once the
-    run in `run_dir` has finished its first step."""
+    """Kill the named rollout worker, as a crashed worker process would die (Ray restarts it),
+    once the run in `run_dir` has finished its first step and the worker plays an episode."""
 
     def __init__(self, run_dir: Path, actor: str) -> None:
         super().__init__(daemon=True)
@@ -63,10 +63,12 @@ class KillAfterFirstStep(threading.Thread):
         metrics = self.run_dir / "metrics.jsonl"
         while time.monotonic() < deadline:
             if metrics.exists() and metrics.read_text().count("\n") >= 1:
-                ray.kill(ray.get_actor(self.actor, namespace=NAMESPACE), no_restart=False)
-                self.killed.set()
-                return
-            time.sleep(0.05)
+                worker = ray.get_actor(self.actor, namespace=NAMESPACE)
+                if ray.get(worker.report.remote())["episodes_in_flight"]:
+                    ray.kill(worker, no_restart=False)
+                    self.killed.set()
+                    return
+            time.sleep(0.01)
 
 
 def run_killing(actor: str, run_dir: Path, steps: int = 10) -> tuple[list[dict], dict]:
@@ -81,15 +83,7 @@ def run_killing(actor: str, run_dir: Path, steps: int = 10) -> tuple[list[dict],
     return metrics, json.loads((run_dir / "cluster.json").read_text())
 
 
-async def fails_soon(error: type[Exception], attempt: Callable[[], Awaitable[object]]) -> None:
-    """`ray.kill` lands asynchronously: calls right after it may still reach the old actor."""
-    with pytest.raises(error):
-        for _ in range(100):
-            await attempt()
-            await asyncio.sleep(0.05)
-
-
-def test_two_engines_and_two_pools_keep_each_trajectory_on_one_engine_and_each_group_on_one_node(
+def test_two_workers_keep_each_trajectory_on_one_engine_and_each_group_on_one_node(
     two_nodes: Cluster, tmp_path: Path
 ) -> None:
     cfg = load_config(None, [*RAY_RUN, "run.steps=3"])
@@ -97,21 +91,26 @@ def test_two_engines_and_two_pools_keep_each_trajectory_on_one_engine_and_each_g
     assert [m["step"] for m in metrics] == [0, 1, 2]
     assert [m["weight_version"] for m in metrics] == [1, 2, 3]
     report = json.loads((tmp_path / "cluster.json").read_text())
-    # One engine per node (each node has one CPU, each engine asks for one).
-    assert len({e["node"] for e in report["engines"]}) == 2
-    assert len(report["sandbox_nodes"]) == 2
-    # Every trajectory was served by exactly one engine, and both engines served.
+    workers = report["workers"]
+    # One worker per node (each node has one CPU, each engine asks for one).
+    assert len({w["node"] for w in workers}) == 2
     trained = [r["trajectory_id"] for r in read_records(tmp_path)]
     assert len(trained) == 3 * 2 * 2
+    # No trajectory id reached two engines, and both workers played episodes of groups
+    # placed on them, each group's sandboxes made by that worker's own pool.
     assert report["trajectories_on_several_engines"] == []
-    assert all(n > 0 for n in report["trajectories_per_engine"])
-    assert sum(report["trajectories_per_engine"]) >= len(trained)
-    # Each group's members were forked on one node, and groups went to both nodes.
-    assert report["groups_on_several_nodes"] == 0
-    assert all(n > 0 for n in report["groups_per_node"])
+    assert all(w["episodes_played"] > 0 and w["groups_placed"] > 0 for w in workers)
+    assert sum(w["episodes_played"] for w in workers) >= len(trained)
+    assert sum(w["trajectories_served"] for w in workers) >= len(trained)
+    assert all(w["pool"]["sandboxes_created"] > 0 for w in workers)
     assert sum(m["infra_failures"] for m in metrics) == 0
-    # Each node's own pool made the sandboxes of the groups it took.
-    assert all(pool["sandboxes_created"] > 0 for pool in report["pools"])
+    # One actor call per episode: turns and tool calls never cross a process boundary.
+    # (Episodes still in flight when the run ended were cancelled: at most the groups the
+    # staleness bound lets run ahead, 2 x B=2 groups of K=2.)
+    calls, played = report["actor_calls"], sum(w["episodes_played"] for w in workers)
+    assert played <= calls["play"] <= played + 2 * 2 * 2
+    assert "generate" not in calls and "verb" in calls  # only the warm start's sandboxes
+    assert calls["verb"] < 16 * 16  # 16 demonstrations of at most 8 turns, a call or two each
 
 
 def test_engines_the_cluster_cannot_hold_are_refused_before_any_actor_starts(
@@ -121,63 +120,6 @@ def test_engines_the_cluster_cannot_hold_are_refused_before_any_actor_starts(
     with pytest.raises(ValueError, match=r"engine_cpus=1\.0 needs 3 CPUs; the cluster has 2"):
         asyncio.run(train(cfg, tmp_path))
     assert ray.util.list_named_actors() == []
-
-
-def test_a_killed_engine_costs_its_trajectories_as_infrastructure_failures_and_the_run_completes(
-    two_nodes: Cluster, tmp_path: Path
-) -> None:
-    metrics, report = run_killing("engine-0", tmp_path)
-    restarted, other = report["engines"]
-    assert (restarted["restarts"], other["restarts"]) == (1, 0)
-    # The trajectories engine 0 held were replaced, not scored.
-    assert sum(m["infra_failures"] for m in metrics) >= 1
-    assert report["trajectories_on_several_engines"] == []
-    for r in read_records(tmp_path):
-        assert (r["reward"] is None) == (r["finish"] == Finish.INFRA.value)
-        # Every token is within the staleness bound, including any the restarted engine served
-        # (its start-up weights would be version 0).
-        trained_at = metrics[r["step"]]["weight_version"] - 1
-        assert all(0 <= trained_at - int(v) <= 1 for v in r["versions"])
-
-
-def test_a_restarted_engine_is_given_the_current_weights_and_serves_new_trajectories(
-    two_nodes: Cluster, tmp_path: Path
-) -> None:
-    # The fleet on its own, so that the test waits for Ray's restart however long it takes
-    # on a loaded machine, instead of hoping a run of N steps outlasts it.
-    cfg = load_config(None, RAY_RUN)
-    model_dir = tmp_path / "model"
-    init_model_dir(model_dir, preset=cfg.run.preset, seed=0)
-    trainer = GRPOTrainer(load_model(model_dir, "cpu"), TrainerConfig(), version=3)
-    two_tokens = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    prompt = [5, 6, 7, 8]
-
-    async def scenario() -> None:
-        fleet = await EngineFleet(cfg, model_dir, version=0).start()
-        try:
-            await fleet.publish(trainer, tmp_path, model_dir)
-            await fleet.generate(prompt, two_tokens, trajectory_id="held")
-            held = fleet.router.engine_of("held")
-            assert held is not None
-            ray.kill(fleet.actors[held], no_restart=False)
-            await fails_soon(
-                EngineLost, lambda: fleet.generate(prompt, two_tokens, trajectory_id="held")
-            )
-            await fleet.end_trajectory("held")
-            deadline = time.monotonic() + 300
-            while held not in fleet.replicas.up:
-                assert time.monotonic() < deadline, "the killed engine never came back"
-                await asyncio.sleep(0.2)
-            # Two trajectories at once go to the two engines, the restarted one included, and
-            # both generate with the weights published before the kill.
-            outs = [await fleet.generate(prompt, two_tokens, trajectory_id=t) for t in "ab"]
-            assert {fleet.router.engine_of(t) for t in "ab"} == {0, 1}
-            assert all(out.weight_versions == [3, 3] for out in outs)
-            assert fleet.report()["engines"][held]["restarts"] == 1
-        finally:
-            await fleet.close()
-
-    asyncio.run(scenario())
 
 
 def sandbox_processes() -> set[int]:
@@ -203,53 +145,110 @@ def sandboxes_left(before: set[int], timeout_s: float = 10.0) -> set[int]:
     return left
 
 
-def test_a_killed_sandbox_pool_costs_its_groups_and_the_run_completes(
+def test_a_killed_rollout_worker_costs_its_episodes_as_infra_failures_and_the_run_completes(
     two_nodes: Cluster, tmp_path: Path
 ) -> None:
     before = sandbox_processes()
-    _, report = run_killing("sandboxes-1", tmp_path)
-    assert report["manager_restarts"] == [0, 1]
-    assert report["groups_on_several_nodes"] == 0
+    metrics, report = run_killing("rollout-0", tmp_path)
+    restarted, other = report["workers"]
+    assert (restarted["restarts"], other["restarts"]) == (1, 0)
+    # The episodes worker 0 held were replaced, not scored.
+    assert sum(m["infra_failures"] for m in metrics) >= 1
+    assert report["trajectories_on_several_engines"] == []
     for r in read_records(tmp_path):
         assert (r["reward"] is None) == (r["finish"] == Finish.INFRA.value)
+        # Every token is within the staleness bound, including any the restarted engine served
+        # (its start-up weights would be version 0).
+        trained_at = metrics[r["step"]]["weight_version"] - 1
+        assert all(0 <= trained_at - int(v) <= 1 for v in r["versions"])
     # The killed pool's sandboxes were reaped (by its successor, or with the run); the rest
     # closed with the run.
     assert not sandboxes_left(before)
 
 
-def test_a_restarted_sandbox_pool_prepares_its_templates_again_and_takes_new_groups(
-    two_nodes: Cluster,
+def test_an_episode_whose_sandbox_is_preempted_moves_to_the_other_worker_and_goes_on_there(
+    two_nodes: Cluster, tmp_path: Path
 ) -> None:
-    # The pools on their own, so that the test waits for Ray's restart however long it takes.
+    # 70 % of the sandboxes are preempted by their pool in their first 0.25 s (an episode of
+    # this small run takes about 0.2 s), as a node running short of memory would: an episode
+    # cut after its first turn moves to the other worker and is replayed there.
+    steps = 6
+    faults = ["faults.preempt_sandboxes=0.7", "faults.fault_within_s=0.25"]
+    cfg = load_config(None, [*RAY_RUN, f"run.steps={steps}", *faults])
+    metrics = asyncio.run(train(cfg, tmp_path))
+    assert [m["step"] for m in metrics] == list(range(steps))
+    report = json.loads((tmp_path / "cluster.json").read_text())
+    moved = set(report["migrated_trajectories"])
+    assert report["migrated_completed"] >= 1 and len(moved) >= report["migrated_completed"]
+    # Only the moved episodes reached a second engine; the rest stayed where their KV was.
+    assert set(report["trajectories_on_several_engines"]) <= moved
+    assert sum(w["pool"]["preemptions"] for w in report["workers"]) >= len(moved)
+    records = list(read_records(tmp_path))
+    assert any(r["trajectory_id"] in moved and r["reward"] is not None for r in records)
+    for r in records:
+        assert (r["reward"] is None) == (r["finish"] == Finish.INFRA.value)
+        trained_at = metrics[r["step"]]["weight_version"] - 1
+        assert all(0 <= trained_at - int(v) <= 1 for v in r["versions"])
+
+
+def test_a_restarted_worker_gets_the_templates_the_model_and_the_current_weights_back(
+    two_nodes: Cluster, tmp_path: Path
+) -> None:
+    # The fleet on its own, so that the test waits for Ray's restart however long it takes
+    # on a loaded machine, instead of hoping a run of N steps outlasts it.
     cfg = load_config(None, RAY_RUN)
-    nodes = RayCluster(cfg.runtime).nodes()
+    model_dir = tmp_path / "model"
+    init_model_dir(model_dir, preset=cfg.run.preset, seed=0)
+    trainer = GRPOTrainer(load_model(model_dir, "cpu"), TrainerConfig(), version=3)
+    tasks = TreasureHunt.tasks(0)
     before = sandbox_processes()
 
     async def scenario() -> None:
-        async with ClusterPool(cfg, nodes) as pool:
-            await pool.prepare_template(TemplateSpec(name="t", setup="ANSWER = 42"))
-            groups = [await pool.open_group("t") for _ in range(2)]
-            doomed = next(g for g in groups if g.node == 1)
-            member = await doomed.add()
-            ray.kill(pool.managers[1], no_restart=False)
-            await fails_soon(SandboxCrashed, lambda: member.run_python("print(1)", timeout_s=10))
-            await doomed.close()
+        async with RolloutFleet(cfg, RayCluster(cfg.runtime)) as fleet:
+            await fleet.prepare_template(TreasureHunt.template)
+            await fleet.start_engines(
+                model_dir,
+                0,
+                SamplingParams(temperature=1.0),
+                LoopLimits(max_context=4096, max_tokens_per_turn=8),
+            )
+            await fleet.publish(trainer, tmp_path, model_dir)
+
+            async def open_group(gid: str) -> RemoteGroup:
+                return await fleet.open_group(gid, TreasureHunt, next(tasks), 1)
+
+            def played(traj: Trajectory) -> bool:
+                versions = [v for v, m in zip(traj.versions, traj.mask, strict=True) if m]
+                return traj.finish is not Finish.INFRA and set(versions) == {3}
+
+            group = await open_group("g0")
+            assert played(await group.play("g0-a", lambda tokens, turns: None))
+            held = group.worker
+            ray.kill(fleet.workers[held], no_restart=False)
+            # Episodes in flight there, or sent before Ray notices, fail as the platform's fault.
+            for _ in range(100):
+                traj = await group.play("g0-b", lambda tokens, turns: None)
+                if traj.finish is Finish.INFRA:
+                    break
+                await asyncio.sleep(0.05)
+            assert traj.finish is Finish.INFRA and traj.reward is None
+            # The group's next member plays on a worker that is up, its group opened there.
+            assert played(await group.play("g0-c", lambda tokens, turns: None))
+            assert fleet.is_up(group.worker, group.epoch) and fleet.reopened_groups == 1
+            await group.close()
             deadline = time.monotonic() + 300
-            while 1 not in pool.replicas.up:
-                assert time.monotonic() < deadline, "the killed pool never came back"
+            while held not in fleet.replicas.up:
+                assert time.monotonic() < deadline, "the killed worker never came back"
                 await asyncio.sleep(0.2)
-            # Its successor reaped the dead pool's sandbox and has the template again.
-            new = [await pool.open_group("t") for _ in range(2)]
-            assert 1 in {g.node for g in new}
-            for g in new:
-                out = await (await g.add()).run_python("print(ANSWER)", timeout_s=10)
-                assert out.stdout == b"42\n"
-                await g.close()
-            report = await pool.report()
-            assert report["manager_restarts"] == [0, 1]
-            assert report["groups_since_start"][1] == sum(g.node == 1 for g in new)
+            # Two groups at once go to the two workers, the restarted one included, and both
+            # play with the weights published before the kill.
+            groups = [await open_group(g) for g in ("g1", "g2")]
+            assert {g.worker for g in groups} == {0, 1}
             for g in groups:
+                assert played(await g.play(f"{g.group_id}-a", lambda tokens, turns: None))
                 await g.close()
+            report = await fleet.report()
+            assert [w["restarts"] for w in report["workers"]][held] == 1
 
     asyncio.run(scenario())
     assert not sandboxes_left(before)
@@ -272,9 +271,7 @@ def test_the_full_size_cpu_example_runs_on_two_nodes_with_two_engines(
     assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10 + 0.15
     report = json.loads((tmp_path / "cluster.json").read_text())
     assert report["trajectories_on_several_engines"] == []
-    assert report["groups_on_several_nodes"] == 0
-    assert all(n > 0 for n in report["trajectories_per_engine"])
-    assert all(n > 0 for n in report["groups_per_node"])
+    assert all(w["episodes_played"] > 0 and w["groups_placed"] > 0 for w in report["workers"])
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -77,6 +78,10 @@ class LoopLimits:
     expected_tool_s: float | None = None  # sent with each turn: the engine's KV retention pin
 
 
+class ReplayDiverged(InfraFailure):
+    """Acting again on a record's turns in a new sandbox did not give its observations back."""
+
+
 async def run_episode(
     env: Environment,
     generate: Generate,
@@ -88,19 +93,66 @@ async def run_episode(
     prompt_id: str,
     priority: Callable[[], int] = lambda: 0,
     on_turn: Callable[[Trajectory], None] = lambda traj: None,
+    replay: Trajectory | None = None,
 ) -> Trajectory:
     """One episode. Infrastructure failures end it with `Finish.INFRA` and no reward (the
     coordinator replaces or masks it); the model's own failures end it normally and are scored.
     `on_turn` sees the record after each model turn, before the environment acts on it (the
-    coordinator's progress view of its members)."""
+    coordinator's progress view of its members).
+
+    `replay`: the record of this episode up to where its sandbox failed. The environment acts
+    again on each of its model turns, in this episode's fresh sandbox, and the episode goes on
+    from there: the turns already generated are kept, not sampled again. The observations must
+    come out as recorded (`ReplayDiverged` otherwise: a tool that is not deterministic)."""
     messages = await env.reset()
     traj = Trajectory.start(trajectory_id, group_id, prompt_id, fmt.prompt_ids(messages))
     try:
-        traj.finish = await _turns(env, generate, fmt, sampling, limits, traj, priority, on_turn)
+        finish = await _replay(env, fmt, limits, replay, traj) if replay else None
+        traj.finish = finish or await _turns(
+            env, generate, fmt, sampling, limits, traj, priority, on_turn
+        )
         traj.reward = float(await asyncio.wait_for(env.reward(), limits.reward_timeout_s))
     except (InfraFailure, TimeoutError) as e:
         traj.finish, traj.failure, traj.reward = Finish.INFRA, f"{type(e).__name__}: {e}", None
     return traj
+
+
+async def _replay(
+    env: Environment, fmt: ChatFormat, limits: LoopLimits, record: Trajectory, traj: Trajectory
+) -> Finish | None:
+    """Act again on each model turn of `record`; a finish if the episode ended there."""
+    turns = [*record.turn_starts, len(record.token_ids)]
+    for start, following in itertools.pairwise(turns):
+        end = start + [*record.mask[start:following], 0].index(0)  # the model's tokens
+        model_ids = record.token_ids[start:end]
+        if traj.token_ids != record.token_ids[:start]:
+            raise ReplayDiverged(f"turn {len(traj.turn_starts)}: the observation came out changed")
+        traj.add_model_turn(model_ids, record.logprobs[start:end], record.versions[start:end])
+        acted = time.monotonic()
+        finish = await _act(env, fmt, limits, traj, model_ids)
+        traj.turn_times.append(TurnTimes(acted, acted, time.monotonic()))
+        if finish is not None:
+            return finish
+    recorded = min(len(traj.token_ids), len(record.token_ids))
+    if traj.token_ids[:recorded] != record.token_ids[:recorded]:
+        raise ReplayDiverged("the last observation came out changed")
+    return None
+
+
+async def _act(
+    env: Environment, fmt: ChatFormat, limits: LoopLimits, traj: Trajectory, model_ids: list[int]
+) -> Finish | None:
+    """The environment acts on a model turn; the observation joins the record, unless the
+    episode ends (its finish)."""
+    result = await asyncio.wait_for(env.step(fmt.text(model_ids)), limits.step_timeout_s)
+    traj.tool_calls += int(result.info.get("tool_calls", 0))
+    if result.done:
+        return Finish.TURN_CAP if result.info.get("truncated") else Finish.DONE
+    obs = fmt.observation_ids(result.observation or "", model_ids)
+    if len(traj.token_ids) + len(obs) >= limits.max_context:
+        return Finish.CONTEXT_CAP
+    traj.add_observation(obs)
+    return None
 
 
 async def _turns(
@@ -131,12 +183,7 @@ async def _turns(
         traj.add_model_turn(out.token_ids, out.logprobs, out.weight_versions)
         on_turn(traj)
         generated = time.monotonic()
-        result = await asyncio.wait_for(env.step(fmt.text(out.token_ids)), limits.step_timeout_s)
+        finish = await _act(env, fmt, limits, traj, out.token_ids)
         traj.turn_times.append(TurnTimes(requested, generated, time.monotonic()))
-        traj.tool_calls += int(result.info.get("tool_calls", 0))
-        if result.done:
-            return Finish.TURN_CAP if result.info.get("truncated") else Finish.DONE
-        obs = fmt.observation_ids(result.observation or "", out.token_ids)
-        if len(traj.token_ids) + len(obs) >= limits.max_context:
-            return Finish.CONTEXT_CAP
-        traj.add_observation(obs)
+        if finish is not None:
+            return finish

@@ -2,17 +2,15 @@
 
 The coordinator opens a group for each task while the staleness bound allows
 (`policy.staleness`), runs its K members as episodes of the agent loop, each in its own sandbox
-forked from the group's warm zygote, and hands the trainer batches of B complete groups.
+forked from the group's warm zygote (`rollouts`: in this process, or on the rollout worker that
+holds the group), and hands the trainer batches of B complete groups.
 
 Priorities: the ranking's view of each member follows it turn by turn (tokens and turns so far),
 and every time a member finishes its episode or a group opens or closes, the open groups are
 re-ranked by the critical-group policy (`policy.critical_groups`): the groups that complete the
 next batch get high priority, and every generation request a member sends carries its group's
-current priority. The simulator (`venusrl.sim`) feeds the policy at the same moments.
-
-Admission: with an `AdmissionWindow` (`coordinator.admission`), a member's episode starts only
-while the engine runs fewer episodes than the window (its sandbox is up meanwhile, as in the
-simulator); without one, every member runs at once.
+current priority (`Rollouts.set_priorities`). The simulator (`venusrl.sim`) feeds the policy at
+the same moments.
 
 Failure semantics: an episode that ends in an infrastructure failure (sandbox died or was
 preempted, an engine call failed, a service timed out) is re-run by a replacement member, up to
@@ -25,19 +23,15 @@ dropped (counted). Every wait is bounded: a group that does not complete within
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-from venusrl.coordinator.admission import AdmissionWindow
-from venusrl.coordinator.agent_loop import ChatFormat, Generate, LoopLimits, run_episode
 from venusrl.coordinator.mixing import GroupTask
-from venusrl.engine.request import SamplingParams
+from venusrl.coordinator.rollouts import GroupEpisodes, Rollouts
 from venusrl.envs.environment import Environment, Task
-from venusrl.envs.service import GroupHandle, SandboxService
 from venusrl.envs.types import InfraFailure
 from venusrl.policy.critical_groups import (
     BEST_EFFORT,
@@ -106,23 +100,13 @@ class Coordinator:
     def __init__(
         self,
         tasks: Iterator[GroupTask],
-        pool: SandboxService,
-        generate: Generate,
-        fmt: ChatFormat,
-        sampling: SamplingParams,
-        limits: LoopLimits,
+        rollouts: Rollouts,
         config: CoordinatorConfig,
         weight_version: Callable[[], int],
-        end_trajectory: Callable[[str], Awaitable[None]] | None = None,
-        admission: AdmissionWindow | None = None,
     ) -> None:
-        """`tasks`: what each new group plays (`mixing.mixed_tasks`); `end_trajectory` tells the
-        engine that an episode is over, so that the KV it kept for the trajectory between turns
-        can go; `admission`: episodes run only while its window has room (None: all at once)."""
-        self.tasks, self.pool = tasks, pool
-        self.end_trajectory = end_trajectory
-        self.admission = admission
-        self.generate, self.fmt, self.sampling, self.limits = generate, fmt, sampling, limits
+        """`tasks`: what each new group plays (`mixing.mixed_tasks`); `rollouts`: where the
+        groups' episodes run."""
+        self.tasks, self.rollouts = tasks, rollouts
         self.config = config
         self.weight_version = weight_version
         self.bound = StalenessBound(config.batch_groups, config.max_staleness)
@@ -140,14 +124,11 @@ class Coordinator:
         self._tasks: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         self._launcher: asyncio.Task[None] | None = None
-        self._control: asyncio.Task[None] | None = None
 
     # --- the trainer's side ---------------------------------------------------------------------
 
     def start(self) -> None:
         self._launcher = asyncio.create_task(self._launch())
-        if self.admission is not None:
-            self._control = asyncio.create_task(self.admission.control())
 
     async def next_batch(self) -> list[GroupResult]:
         """B complete groups for the trainer at its current version: every group the staleness
@@ -179,7 +160,7 @@ class Coordinator:
         self._wake.set()
 
     async def close(self) -> None:
-        tasks = [t for t in [self._launcher, self._control, *self._tasks] if t is not None]
+        tasks = [t for t in [self._launcher, *self._tasks] if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -213,14 +194,11 @@ class Coordinator:
         state.results = [None] * k
         self._open[gid] = state
         self._rerank()
-        group: GroupHandle | None = None
+        group: GroupEpisodes | None = None
         try:
             async with asyncio.timeout(self.config.group_timeout_s):
-                group = await self.pool.open_group(
-                    work.env.template.name,
-                    priority=self._priority.get(gid, BEST_EFFORT),
-                    setup=task.setup,
-                    files=task.files,
+                group = await self.rollouts.open_group(
+                    gid, work.env, task, self._priority.get(gid, BEST_EFFORT)
                 )
                 await asyncio.gather(*(self._run_member(state, group, i) for i in range(k)))
             result = GroupResult(
@@ -250,40 +228,12 @@ class Coordinator:
             self._wake.set()
             self._changed.set()
 
-    async def _run_member(self, state: _OpenGroup, group: GroupHandle, index: int) -> None:
+    async def _run_member(self, state: _OpenGroup, group: GroupEpisodes, index: int) -> None:
         while True:
             tid = f"{state.group_id}-m{index}-{next(self._ids)}"
-            try:
-                sandbox = await group.add()
-            except InfraFailure as e:
-                traj = Trajectory.start(tid, state.group_id, state.task.id, [])
-                traj.finish, traj.failure = Finish.INFRA, f"sandbox did not start: {e}"
-            else:
-                slot = self.admission.slot() if self.admission else contextlib.nullcontext()
-                try:
-                    async with slot:
-                        traj = await run_episode(
-                            state.env(state.task, sandbox),
-                            self.generate,
-                            self.fmt,
-                            self.sampling,
-                            self.limits,
-                            tid,
-                            state.group_id,
-                            state.task.id,
-                            priority=lambda: self._priority.get(state.group_id, BEST_EFFORT),
-                            on_turn=lambda t: self._progress(state, index, t),
-                        )
-                except Exception as e:  # an engine call that failed is the platform's fault too
-                    traj = Trajectory.start(tid, state.group_id, state.task.id, [])
-                    traj.finish, traj.failure = Finish.INFRA, f"{type(e).__name__}: {e}"
-                finally:
-                    await sandbox.close()
-                    if self.end_trajectory is not None:
-                        # A hint for the engine's cache: an engine that cannot take it (down,
-                        # restarting) has lost that KV anyway.
-                        with contextlib.suppress(Exception):
-                            await self.end_trajectory(tid)
+            traj = await group.play(
+                tid, lambda tokens, turns: self._progress(state, index, tokens, turns)
+            )
             if traj.finish is Finish.INFRA:
                 state.infra_failures += 1
                 self.stats.infra_failures += 1
@@ -296,13 +246,11 @@ class Coordinator:
             self._rerank()
             return
 
-    def _progress(self, state: _OpenGroup, index: int, traj: Trajectory) -> None:
+    def _progress(self, state: _OpenGroup, index: int, tokens: int, turns: int) -> None:
         """A member finished a model turn: the ranking's view of it moves on (its tokens and
         turns so far; now waiting on the environment). Re-ranking waits for the next member to
         finish, as in the simulator, so a turn costs no sort."""
-        state.members[index] = MemberView(
-            False, traj.model_tokens, len(traj.turn_starts), waiting_on_tool=True
-        )
+        state.members[index] = MemberView(False, tokens, turns, waiting_on_tool=True)
 
     def _rerank(self) -> None:
         version = self.weight_version()
@@ -323,3 +271,4 @@ class Coordinator:
             self.lengths.predictions([g.prompt_id for g in groups]),
         )
         self._priority = dict(self.policy.decide(snap).priority)
+        self.rollouts.set_priorities(self._priority)

@@ -649,16 +649,12 @@ class SandboxPool:
             entry = self._running.get(sid)
             if entry is None or entry.is_zygote:
                 continue
-            self._preemptions += 1
             if entry.sandbox is None:  # still starting: its creator sees SandboxPreempted
+                self._preemptions += 1
                 entry.record.outcome = "preempted"
                 await asyncio.to_thread(entry.cgroup.kill)
                 continue
-            await self._kill(
-                entry.sandbox,
-                SandboxPreempted(f"sandbox {sid} was preempted: the pool's memory ran high"),
-                outcome="preempted",
-            )
+            await self.preempt(entry.sandbox, "the pool's memory ran high")
         admitted = set(decision.admit)
         now = time.monotonic()
         for p in [p for p in self._pending if p.request_id in admitted]:
@@ -670,6 +666,12 @@ class SandboxPool:
                 p.admitted.set_result(None)
 
     # --- ending sandboxes ---------------------------------------------------------------------
+
+    async def preempt(self, sb: Sandbox, why: str) -> None:
+        """Take a running sandbox down as the pool does under memory pressure: its caller sees
+        `SandboxPreempted` (fault injection uses this to preempt on purpose)."""
+        self._preemptions += 1
+        await self._kill(sb, SandboxPreempted(f"sandbox {sb.id} was preempted: {why}"), "preempted")
 
     async def _kill(self, sb: Sandbox, error: InfraFailure, outcome: str = "crashed") -> None:
         """Take a sandbox down now (preemption, TTL, unresponsive); its caller sees `error`."""

@@ -1,5 +1,6 @@
-"""What the coordinator needs of a sandbox service: the local `SandboxPool`, or the pools of a
-cluster behind `runtime.cluster.ClusterPool`."""
+"""What a run needs of a sandbox service: the local `SandboxPool`; on a Ray cluster the rollout
+workers (`runtime.cluster.workers.RolloutFleet`) make single sandboxes for the warm start, and
+each runs its groups on a pool of its own."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ class GroupHandle(Protocol):
     async def close(self) -> None: ...
 
 
-class SandboxService(Protocol):
+class SandboxSource(Protocol):
+    """Templates and single sandboxes."""
+
     async def prepare_template(self, spec: TemplateSpec) -> None: ...
 
     async def create(
@@ -33,6 +36,12 @@ class SandboxService(Protocol):
         files: Mapping[str, bytes] | None = None,
     ) -> SandboxHandle: ...
 
+    def sandboxes_running(self) -> int: ...
+
+
+class SandboxService(SandboxSource, Protocol):
+    """Single sandboxes, and groups forked from one zygote."""
+
     async def open_group(
         self,
         template: str,
@@ -40,5 +49,3 @@ class SandboxService(Protocol):
         setup: str | None = None,
         files: Mapping[str, bytes] | None = None,
     ) -> GroupHandle: ...
-
-    def sandboxes_running(self) -> int: ...

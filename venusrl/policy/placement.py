@@ -1,12 +1,16 @@
 """Where work goes when a run has several rollout engines and several sandbox pools.
 
-Pure: the Ray runtime (`venusrl.runtime.cluster`) and the simulator call the same functions.
+Pure. The Ray runtime (`venusrl.runtime.cluster`) places whole groups (`place_group`); the
+simulator routes each new trajectory to the least loaded engine (`least_loaded`), as its members
+share no prompt KV there.
 
-- Trajectories are sticky: every turn after the first goes to the engine that holds the
-  trajectory's KV (moving it would mean prefilling its whole context again); a new trajectory
-  goes to the engine with the fewest active trajectories.
-- A group's K sandboxes live on one node, so that they fork from one warm zygote and share its
-  pages; a new group goes to the node with the most memory left to admit sandboxes into.
+- A trajectory never moves: every turn goes to the engine that holds its KV (moving it would
+  mean prefilling its whole context again).
+- On a cluster a group is placed whole, on one rollout worker: its K sandboxes fork there from
+  one warm zygote and share its pages, and its K trajectories share the engine's cached prompt.
+  A new group goes to the worker that holds the fewest open groups (the engine's load to come:
+  groups are counted from the moment they open, so that groups opened together spread out),
+  among those with memory left to admit sandboxes into.
 """
 
 from __future__ import annotations
@@ -22,37 +26,11 @@ def least_loaded(loads: Sequence[int], up: Collection[int] | None = None) -> int
     return min(candidates, key=lambda i: (loads[i], i))
 
 
-def most_room(free_bytes: Sequence[int]) -> int:
-    """The node a new group goes to: the one with the most admissible memory (ties: the lowest
-    index, so that placement is reproducible)."""
-    if not free_bytes:
-        raise ValueError("no sandbox pool to place a group on")
-    return min(range(len(free_bytes)), key=lambda i: (-free_bytes[i], i))
-
-
-class StickyRouter:
-    """Engine per trajectory: least loaded for its first turn, the same one after that."""
-
-    def __init__(self, engines: int) -> None:
-        if engines < 1:
-            raise ValueError(f"engines must be >= 1, got {engines}")
-        self.active = [0] * engines  # trajectories routed and not yet ended, per engine
-        self._engine_of: dict[str, int] = {}
-
-    def route(self, trajectory_id: str, up: Collection[int] | None = None) -> int:
-        """The engine of the trajectory's next turn. A trajectory already routed stays where it
-        is, even if that engine is not in `up`: the caller decides what a lost engine means."""
-        engine = self._engine_of.get(trajectory_id)
-        if engine is None:
-            engine = least_loaded(self.active, up)
-            self._engine_of[trajectory_id] = engine
-            self.active[engine] += 1
-        return engine
-
-    def engine_of(self, trajectory_id: str) -> int | None:
-        return self._engine_of.get(trajectory_id)
-
-    def end(self, trajectory_id: str) -> None:
-        engine = self._engine_of.pop(trajectory_id, None)
-        if engine is not None:
-            self.active[engine] -= 1
+def place_group(loads: Sequence[int], free_bytes: Sequence[int]) -> int:
+    """The worker a new group goes to: among those with memory left to admit into (every one,
+    when none has), the one with the smallest load; ties: the most room, then the lowest index,
+    so that placement is reproducible."""
+    if not loads or len(loads) != len(free_bytes):
+        raise ValueError(f"need one load and one room per worker, got {loads} and {free_bytes}")
+    roomy = [i for i in range(len(loads)) if free_bytes[i] > 0] or range(len(loads))
+    return min(roomy, key=lambda i: (loads[i], -free_bytes[i], i))

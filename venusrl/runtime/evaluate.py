@@ -19,6 +19,7 @@ from venusrl.engine.tokenizer import Tokenizer
 from venusrl.envs.environment import Environment, Task
 from venusrl.envs.pool import SandboxPool
 from venusrl.envs.types import GiB
+from venusrl.runtime.engines import LocalEngine
 from venusrl.types import Trajectory
 
 EVAL_TASK_SEED_OFFSET = 104729  # evaluation tasks come from a stream training never draws
@@ -38,8 +39,6 @@ async def play_policy(
 ) -> list[Trajectory]:
     """One episode per task, in task order; `cfg` gives the engine and the loop's limits
     (`rollout.max_context`, `rollout.max_tokens_per_turn`) and `engine.seed` the sampling."""
-    from venusrl.runtime.train import LocalEngine  # the training runtime's engine, on its thread
-
     tokenizer = Tokenizer.load(model_dir)
     if tokenizer is None or tokenizer.chat_template is None:
         raise ValueError(f"{model_dir} needs a tokenizer with a chat template to play episodes")

@@ -1,7 +1,8 @@
 """Fault injection for `venusrl train`: the platform failing under a run, on purpose.
 
 Sandboxes are killed for real (every process in their cgroup gets SIGKILL at a random moment of
-their life), as a crashed container would be. Engine failures cannot be produced on demand by a
+their life), as a crashed container would be, or preempted by their pool through the path its
+memory running high takes. Engine failures cannot be produced on demand by a
 healthy engine, so those are injected in front of it: the call raises instead of generating.
 Both must end up as infrastructure failures the coordinator replaces or masks, never as rewards.
 """
@@ -12,6 +13,7 @@ import asyncio
 import random
 from typing import Any
 
+from venusrl.config import FaultsSection
 from venusrl.engine.request import GenerationOutput, SamplingParams
 from venusrl.envs.pool import SandboxPool
 from venusrl.envs.sandbox import Sandbox
@@ -36,8 +38,25 @@ class FailingGenerate:
         return out
 
 
-async def kill_sandboxes(pool: SandboxPool, fraction: float, seed: int) -> None:
-    """Runs until cancelled: each new sandbox is, with probability `fraction`, killed 0-1 s in."""
+def sandbox_faults(pool: SandboxPool, faults: FaultsSection, seed: int) -> list[asyncio.Task[None]]:
+    """The sandbox faults `faults` asks for, injected into `pool` until the tasks are
+    cancelled."""
+    within_s = faults.fault_within_s
+    return [
+        asyncio.create_task(kill_sandboxes(pool, fraction, seed + i, within_s, preempt))
+        for i, (fraction, preempt) in enumerate(
+            [(faults.kill_sandboxes, False), (faults.preempt_sandboxes, True)]
+        )
+        if fraction
+    ]
+
+
+async def kill_sandboxes(
+    pool: SandboxPool, fraction: float, seed: int, within_s: float = 1.0, preempt: bool = False
+) -> None:
+    """Runs until cancelled: each new sandbox is, with probability `fraction`, killed (every
+    process of its cgroup, as a crash would) or, with `preempt`, preempted by the pool (as its
+    memory running high would) at a uniform time in its first `within_s` seconds."""
     rng = random.Random(seed)
     seen: set[str] = set()
     pending: set[asyncio.Future[None]] = set()
@@ -47,11 +66,15 @@ async def kill_sandboxes(pool: SandboxPool, fraction: float, seed: int) -> None:
                 continue
             seen.add(sb.id)
             if rng.random() < fraction:
-                pending.add(asyncio.ensure_future(_kill_later(sb, rng.uniform(0.0, 1.0))))
+                later = _end_later(pool, sb, rng.uniform(0.0, within_s), preempt)
+                pending.add(asyncio.ensure_future(later))
         pending = {t for t in pending if not t.done()}
         await asyncio.sleep(0.05)
 
 
-async def _kill_later(sandbox: Sandbox, delay_s: float) -> None:
+async def _end_later(pool: SandboxPool, sandbox: Sandbox, delay_s: float, preempt: bool) -> None:
     await asyncio.sleep(delay_s)
-    await asyncio.to_thread(sandbox.cgroup.kill)
+    if preempt:
+        await pool.preempt(sandbox, "injected fault")
+    else:
+        await asyncio.to_thread(sandbox.cgroup.kill)

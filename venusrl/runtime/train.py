@@ -1,8 +1,8 @@
 """`venusrl train`: engine, sandbox pool, coordinator and trainer, in one process by default;
-with `runtime.kind: ray`, the engines and the sandbox pools are actors of a Ray cluster
-(`runtime.cluster`) and the rest stays as it is.
+with `runtime.kind: ray`, the rollout side (engines, sandbox pools and the agent loops between
+them) runs in rollout workers on a Ray cluster (`runtime.cluster`) and the rest stays as it is.
 
-The loop: the coordinator streams groups through the in-process engine and the sandbox pool;
+The loop: the coordinator streams groups through the engine and the sandbox pool (`rollouts`);
 each trainer step takes B complete groups, computes group-normalised advantages (masked members
 left out), takes one GRPO step and publishes the new weights to the engine (hot update, version
 + 1), which lets the coordinator start the groups the staleness bound was holding back.
@@ -29,24 +29,23 @@ import yaml
 
 from venusrl.config import Config, MixEntry
 from venusrl.coordinator.admission import AdmissionWindow
-from venusrl.coordinator.agent_loop import ChatFormat, Generate, LoopLimits, run_episode
+from venusrl.coordinator.agent_loop import ChatFormat, LoopLimits, run_episode
 from venusrl.coordinator.coordinator import Coordinator, CoordinatorConfig, GroupResult
 from venusrl.coordinator.demonstrations import ScriptedGenerate, retokenize
 from venusrl.coordinator.mixing import EnvShare, mixed_tasks
-from venusrl.engine.async_engine import AsyncEngine
-from venusrl.engine.engine import Engine
+from venusrl.coordinator.rollouts import LocalRollouts, Rollouts
 from venusrl.engine.model import CausalLM
 from venusrl.engine.model_dir import PRESETS, init_model_dir, load_model
-from venusrl.engine.remote import RemoteEngine
 from venusrl.engine.request import SamplingParams
 from venusrl.engine.tokenizer import CHATML_TEMPLATE, Tokenizer, build_byte_level_tokenizer
 from venusrl.envs.builtin import BUILTIN
 from venusrl.envs.environment import Environment, Task
 from venusrl.envs.pool import SandboxPool
-from venusrl.envs.service import SandboxService
-from venusrl.policy.agent_admission import AimdAdmission, CacheSignal
+from venusrl.envs.service import SandboxSource
+from venusrl.policy.agent_admission import AimdAdmission
 from venusrl.runtime import record
-from venusrl.runtime.faults import FailingGenerate, kill_sandboxes
+from venusrl.runtime.engines import LocalEngine, ServedEngine
+from venusrl.runtime.faults import FailingGenerate, sandbox_faults
 from venusrl.trainer.checkpoint import (
     RunState,
     latest_checkpoint,
@@ -58,110 +57,22 @@ from venusrl.trainer.trainer import GRPOTrainer, TrainerConfig
 from venusrl.types import Finish, Trajectory
 
 if TYPE_CHECKING:  # ray is imported for Ray runs only
-    from venusrl.runtime.cluster.ray_cluster import RayCluster
+    from venusrl.runtime.cluster.workers import RolloutFleet
 
 GiB = 1 << 30
 T = TypeVar("T")
 
 
-class LocalEngine:
-    """The in-process engine, on its own thread."""
-
-    def __init__(self, model_dir: Path, cfg: Config, version: int) -> None:
-        core = Engine.from_model_dir(model_dir, cfg.engine)
-        core.weight_version = version
-        self.engine = AsyncEngine(core).start()
-        self.generate = self.engine.generate
-        self._lost = 0  # re-prefill tokens after eviction, at the last cache signal
-
-    async def end_trajectory(self, trajectory_id: str) -> None:
-        await self.engine.call(lambda e: e.end_trajectory(trajectory_id))
-
-    async def cache_signal(self) -> CacheSignal:
-        """What its KV cache did since the last call: live occupancy now, KV lost to eviction
-        and computed again meanwhile (for `rollout.admission`)."""
-
-        def read(e: Engine) -> tuple[float, int]:
-            occupancy = e.live_kv_pages() / e.kv.device_pages.capacity
-            return occupancy, e.stats.reprefill_tokens["evicted"]
-
-        occupancy, lost = await self.engine.call(read)
-        signal = CacheSignal(occupancy, lost - self._lost)
-        self._lost = lost
-        return signal
-
-    async def publish(self, trainer: GRPOTrainer, run_dir: Path, model_dir: Path) -> None:
-        # Runs on the engine's thread between two of its steps: requests in flight keep their
-        # KV and record the new version on the tokens they produce from now on.
-        weights, version = trainer.model.hf_state_dict(), trainer.version
-        await self.engine.call(lambda e: e.update_weights(weights.items(), version=version))
-
-    async def close(self) -> None:
-        self.engine.stop()
-
-
-class ServedEngine:
-    """An engine behind HTTP (`venusrl serve`): weights go through a directory both can read."""
-
-    def __init__(self, url: str) -> None:
-        self.remote = RemoteEngine(url)
-        self.generate = self.remote.generate
-        self.end_trajectory = self.remote.end_trajectory
-
-    async def publish(self, trainer: GRPOTrainer, run_dir: Path, model_dir: Path) -> None:
-        out = run_dir / "published" / f"v{trainer.version}"
-        await asyncio.to_thread(write_model_dir, out, trainer.model, model_dir)
-        await self.remote.update_weights(out, trainer.version)
-        for old in (run_dir / "published").glob("v*"):
-            if old != out:
-                shutil.rmtree(old, ignore_errors=True)
-
-    async def close(self) -> None:
-        await self.remote.close()
-
-
 class RolloutEngine(Protocol):
-    """Where generation requests go and new weights are published: the in-process engine, a
-    served one, or a fleet of engine actors."""
-
-    @property
-    def generate(self) -> Generate: ...
-
-    async def end_trajectory(self, trajectory_id: str) -> None: ...
+    """Where new weights are published: the in-process engine, a served one, or the engines of
+    a cluster's rollout workers."""
 
     async def publish(self, trainer: GRPOTrainer, run_dir: Path, model_dir: Path) -> None: ...
 
     async def close(self) -> None: ...
 
 
-def sandbox_service(
-    cfg: Config, cluster: RayCluster | None
-) -> contextlib.AbstractAsyncContextManager[SandboxService]:
-    """The run's sandboxes: a pool in this process, or one per node of the cluster."""
-    if cluster is not None:
-        from venusrl.runtime.cluster.sandboxes import ClusterPool
-
-        return ClusterPool(cfg, cluster.nodes())
-    return SandboxPool(
-        int(cfg.sandbox.memory_budget_gib * GiB),
-        admission=cfg.sandbox.admission,
-        share_pages=cfg.sandbox.share_pages,
-    )
-
-
-async def rollout_engine(
-    cfg: Config, model_dir: Path, version: int, cluster: RayCluster | None
-) -> RolloutEngine:
-    if cluster is not None:
-        from venusrl.runtime.cluster.engines import EngineFleet
-
-        return await EngineFleet(cfg, model_dir, version).start()
-    if cfg.run.engine_url:
-        return ServedEngine(cfg.run.engine_url)
-    return LocalEngine(model_dir, cfg, version)
-
-
-def admission_window(cfg: Config, engine: RolloutEngine) -> AdmissionWindow | None:
+def admission_window(cfg: Config, engine: LocalEngine | ServedEngine) -> AdmissionWindow | None:
     """`rollout.admission`: the window over the in-process engine's cache (the config allows it
     with that engine only)."""
     r = cfg.rollout
@@ -183,18 +94,6 @@ def admission_metrics(window: AdmissionWindow | None) -> dict[str, int]:
         "episodes_active": window.active,
         "episodes_held_back": window.waiting,
     }
-
-
-async def write_cluster_report(
-    run_dir: Path, cluster: RayCluster, engine: RolloutEngine, pool: SandboxService
-) -> None:
-    """`cluster.json`: where trajectories and groups ran, and what restarted."""
-    from venusrl.runtime.cluster.engines import EngineFleet
-    from venusrl.runtime.cluster.sandboxes import ClusterPool
-
-    assert isinstance(engine, EngineFleet) and isinstance(pool, ClusterPool)
-    report = {**engine.report(), **await pool.report(), "actor_calls": cluster.actor_calls()}
-    (run_dir / "cluster.json").write_text(json.dumps(report, indent=1))
 
 
 def step_metrics(
@@ -291,7 +190,7 @@ def environment_mix(cfg: Config) -> list[EnvShare]:
 
 
 async def play_demonstrations(
-    cfg: Config, mix: list[EnvShare], pool: SandboxService, fmt: ChatFormat, limits: LoopLimits
+    cfg: Config, mix: list[EnvShare], pool: SandboxSource, fmt: ChatFormat, limits: LoopLimits
 ) -> list[Trajectory]:
     """Scripted demonstrations played in real sandboxes through the agent loop. The environments
     of the mix that have a demonstrator share `run.warm_start_episodes` by their weights; the
@@ -399,6 +298,20 @@ def reference_policy(cfg: Config, run_dir: Path, device: torch.device) -> Causal
     return reference
 
 
+def start_fleet(cfg: Config, roles: contextlib.AsyncExitStack) -> RolloutFleet:
+    """The run's rollout workers, on the cluster `runtime.address` names (or one started here,
+    shut down with the run)."""
+    try:
+        from venusrl.runtime.cluster.ray_cluster import RayCluster
+        from venusrl.runtime.cluster.workers import RolloutFleet
+    except ModuleNotFoundError as e:
+        raise ValueError(f"runtime.kind=ray needs Ray ({e}): pip install 'venusrl[ray]'") from None
+    cluster = RayCluster(cfg.runtime)
+    roles.callback(cluster.shutdown)
+    cluster.check_room()
+    return RolloutFleet(cfg, cluster)
+
+
 async def train(
     cfg: Config,
     run_dir: Path,
@@ -431,18 +344,21 @@ async def train(
         return await asyncio.get_running_loop().run_in_executor(trainer_thread, fn, *args)
 
     async with contextlib.AsyncExitStack() as roles:
-        cluster = None
+        # One process: a sandbox pool here. Ray: rollout workers, each with an engine, a pool
+        # and the agent loops of its groups, that also make the warm start's sandboxes.
+        fleet: RolloutFleet | None = None
+        local_pool: SandboxPool | None = None
+        pool: SandboxSource
         if cfg.runtime.kind == "ray":
-            try:
-                from venusrl.runtime.cluster.ray_cluster import RayCluster
-            except ModuleNotFoundError as e:
-                raise ValueError(
-                    f"runtime.kind=ray needs Ray ({e}): pip install 'venusrl[ray]'"
-                ) from None
-            cluster = RayCluster(cfg.runtime)
-            roles.callback(cluster.shutdown)
-            cluster.check_room()
-        pool: SandboxService = await roles.enter_async_context(sandbox_service(cfg, cluster))
+            fleet = await roles.enter_async_context(start_fleet(cfg, roles))
+            pool = fleet
+        else:
+            local_pool = SandboxPool(
+                int(cfg.sandbox.memory_budget_gib * GiB),
+                admission=cfg.sandbox.admission,
+                share_pages=cfg.sandbox.share_pages,
+            )
+            pool = await roles.enter_async_context(local_pool)
         for share in mix:
             await pool.prepare_template(share.env.template)
         demos: list[Trajectory] = []
@@ -488,7 +404,29 @@ async def train(
             trainer.optimizer.load_state_dict(
                 torch.load(model_dir / "optimizer.pt", map_location=cfg.trainer.device)
             )
-        engine = await rollout_engine(cfg, model_dir, state.weight_version, cluster)
+        sampling = SamplingParams(temperature=r.temperature, seed=None)
+        engine: RolloutEngine
+        rollouts: Rollouts
+        window = None
+        if fleet is not None:
+            engine = rollouts = await fleet.start_engines(
+                model_dir, state.weight_version, sampling, limits
+            )
+        else:
+            assert local_pool is not None
+            local = (
+                ServedEngine(cfg.run.engine_url)
+                if cfg.run.engine_url
+                else LocalEngine(model_dir, cfg, state.weight_version)
+            )
+            window = admission_window(cfg, local)
+            generate = local.generate
+            if cfg.faults.engine_errors:
+                generate = FailingGenerate(generate, cfg.faults.engine_errors, cfg.run.seed)
+            engine = local
+            rollouts = LocalRollouts(
+                local_pool, generate, fmt, sampling, limits, local.end_trajectory, window
+            )
         try:
             if demos:
                 info = {"prepare_s": prepare_s, **await on_trainer(imitate, cfg, demos, trainer)}
@@ -504,22 +442,12 @@ async def train(
                 await engine.publish(trainer, run_dir, model_dir)
             if cfg.trainer.kl_coef:
                 trainer.reference = await on_trainer(reference_policy, cfg, run_dir, trainer.device)
-            generate = engine.generate
-            if cfg.faults.engine_errors:
-                generate = FailingGenerate(generate, cfg.faults.engine_errors, cfg.run.seed)
-            killer = None
-            if cfg.faults.kill_sandboxes:
-                assert isinstance(pool, SandboxPool)  # the config allows it on a local run only
-                killer = asyncio.create_task(
-                    kill_sandboxes(pool, cfg.faults.kill_sandboxes, cfg.run.seed)
-                )
+            # Sandbox faults on a cluster: each worker injects them into its own pool.
+            injected = sandbox_faults(local_pool, cfg.faults, cfg.run.seed) if local_pool else []
+            control = asyncio.create_task(window.control()) if window is not None else None
             coordinator = Coordinator(
                 mixed_tasks(mix, cfg.run.seed, consumed),
-                pool,
-                generate,
-                fmt,
-                SamplingParams(temperature=r.temperature, seed=None),
-                limits,
+                rollouts,
                 CoordinatorConfig(
                     batch_groups=r.batch_groups,
                     max_staleness=r.max_staleness,
@@ -528,8 +456,6 @@ async def train(
                     priorities=r.priorities,
                 ),
                 weight_version=lambda: trainer.version,
-                end_trajectory=engine.end_trajectory,
-                admission=admission_window(cfg, engine),
             )
             coordinator.start()
             started = time.monotonic()
@@ -564,7 +490,7 @@ async def train(
                             "tokens": stats.tokens,
                             "sandboxes_running": pool.sandboxes_running(),
                             "groups_dropped": coordinator.stats.groups_dropped,
-                            **admission_metrics(coordinator.admission),
+                            **admission_metrics(window),
                         },
                         by_env=len(mix) > 1,
                     )
@@ -594,12 +520,14 @@ async def train(
                     if on_step is not None:
                         on_step(line)
             finally:
-                if killer is not None:
-                    killer.cancel()
+                for task in [*injected, control]:
+                    if task is not None:
+                        task.cancel()
                 await coordinator.close()
         finally:
-            if cluster is not None:
-                await write_cluster_report(run_dir, cluster, engine, pool)
+            if fleet is not None:  # `cluster.json`: where episodes and groups ran, what restarted
+                report = await fleet.report()
+                (run_dir / "cluster.json").write_text(json.dumps(report, indent=1))
             await engine.close()
             trainer_thread.shutdown()
     return metrics

@@ -1,16 +1,11 @@
 """The same roles on a Ray cluster (`runtime.kind: ray`).
 
-The role code does not know about Ray: the coordinator, the agent loop and the trainer run in the
-driver as they do in one process, and talk to two facades with the interfaces of their local
-counterparts:
+The role code does not know about Ray. The coordinator and the trainer run in the driver as they
+do in one process; the rollout side runs in `runtime.engines` rollout workers
+(`workers.RolloutWorker`), each an engine, a sandbox pool and the agent loops of the groups placed
+on it, as one Ray actor. The driver sees `workers.RolloutFleet`, with the interfaces of the local
+roles: the coordinator's `Rollouts`, the trainer's weight publisher, and single sandboxes.
 
-- `EngineFleet` (`engines.py`) stands where the in-process engine stands: N engine actors, a
-  sticky router in front of them (`policy.placement`), weights published through Ray's object
-  store, and an engine that died restarted, brought to the current weights and routed to again.
-- `ClusterPool` (`sandboxes.py`) stands where the sandbox pool stands: one environment manager
-  actor per node, each with the node's own pool; a group's sandboxes on one node, a new group on
-  the node with the most admissible memory.
-
-An actor that dies costs the trajectories that were on it, as infrastructure failures the
-coordinator replaces or masks; the run goes on.
+A worker that dies costs the episodes that were on it, as infrastructure failures the coordinator
+replaces or masks; the run goes on (`ray_cluster.Replicas` brings the worker back).
 """

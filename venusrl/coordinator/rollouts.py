@@ -1,0 +1,152 @@
+"""Where a group's episodes run: beside the engine and the sandboxes that serve them.
+
+The coordinator decides which groups open, ranks them and collects their results; it hands each
+group to `Rollouts` and asks it for one episode per member. `LocalRollouts` plays them in this
+process: the member's sandbox forks from the group's zygote, the agent loop drives the engine
+turn by turn, and every request carries the group's current priority. On a Ray cluster each
+rollout worker runs a `LocalRollouts` of its own next to its engine and its sandbox pool, so an
+episode is one call from the coordinator, not one per turn and per tool call
+(`venusrl.runtime.cluster.workers`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Protocol
+
+from venusrl.coordinator.admission import AdmissionWindow
+from venusrl.coordinator.agent_loop import ChatFormat, Generate, LoopLimits, run_episode
+from venusrl.engine.request import SamplingParams
+from venusrl.envs.environment import Environment, Task
+from venusrl.envs.service import GroupHandle, SandboxService
+from venusrl.envs.types import InfraFailure, SandboxPreempted
+from venusrl.policy.critical_groups import BEST_EFFORT
+from venusrl.types import Finish, Trajectory
+
+# A member's progress after each model turn: model tokens so far, turns so far.
+OnTurn = Callable[[int, int], None]
+
+
+class GroupEpisodes(Protocol):
+    """An open group: its members' sandboxes fork from one warm zygote, on one machine."""
+
+    async def play(self, trajectory_id: str, on_turn: OnTurn) -> Trajectory:
+        """One member's episode. Never raises for the platform's failures: they come back as a
+        trajectory that finished `Finish.INFRA`, for the coordinator to replace or mask."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class Rollouts(Protocol):
+    async def open_group(
+        self, group_id: str, env: type[Environment], task: Task, priority: int
+    ) -> GroupEpisodes:
+        """Raises `InfraFailure` when no sandbox group can be had for the task."""
+        ...
+
+    def set_priorities(self, priority: Mapping[str, int]) -> None:
+        """Every open group's priority (group id -> class), after the coordinator re-ranked
+        them; groups left out are best effort. Requests sent from now on carry it."""
+        ...
+
+
+def preempted(traj: Trajectory) -> bool:
+    """Whether the episode ended because its pool preempted its sandbox (memory ran high); the
+    record up to there is sound: the model's turns and the observations they got."""
+    return traj.finish is Finish.INFRA and (traj.failure or "").startswith(
+        f"{SandboxPreempted.__name__}:"
+    )
+
+
+def failed(trajectory_id: str, group_id: str, task: Task, why: str) -> Trajectory:
+    traj = Trajectory.start(trajectory_id, group_id, task.id, [])
+    traj.finish, traj.failure = Finish.INFRA, why
+    return traj
+
+
+class LocalRollouts:
+    """Episodes in this process, on `pool` and `generate`."""
+
+    def __init__(
+        self,
+        pool: SandboxService,
+        generate: Generate,
+        fmt: ChatFormat,
+        sampling: SamplingParams,
+        limits: LoopLimits,
+        end_trajectory: Callable[[str], Awaitable[None]] | None = None,
+        admission: AdmissionWindow | None = None,
+    ) -> None:
+        """`end_trajectory` tells the engine that an episode is over, so that the KV it kept for
+        the trajectory between turns can go; `admission`: episodes run only while its window
+        has room (None: all at once)."""
+        self.pool, self.generate, self.fmt = pool, generate, fmt
+        self.sampling, self.limits = sampling, limits
+        self.end_trajectory, self.admission = end_trajectory, admission
+        self.priority: Mapping[str, int] = {}
+
+    async def open_group(
+        self, group_id: str, env: type[Environment], task: Task, priority: int
+    ) -> LocalGroup:
+        handle = await self.pool.open_group(
+            env.template.name, priority=priority, setup=task.setup, files=task.files
+        )
+        return LocalGroup(self, handle, group_id, env, task)
+
+    def set_priorities(self, priority: Mapping[str, int]) -> None:
+        self.priority = priority
+
+
+class LocalGroup:
+    def __init__(
+        self,
+        rollouts: LocalRollouts,
+        handle: GroupHandle,
+        group_id: str,
+        env: type[Environment],
+        task: Task,
+    ) -> None:
+        self.rollouts, self.handle = rollouts, handle
+        self.group_id, self.env, self.task = group_id, env, task
+
+    async def play(
+        self, trajectory_id: str, on_turn: OnTurn, replay: Trajectory | None = None
+    ) -> Trajectory:
+        """`replay`: go on with this record of the episode, whose sandbox failed elsewhere
+        (`agent_loop.run_episode`)."""
+        r, gid = self.rollouts, self.group_id
+        try:
+            sandbox = await self.handle.add()
+        except InfraFailure as e:
+            return failed(trajectory_id, gid, self.task, f"sandbox did not start: {e}")
+        # The sandbox is up while the episode waits for admission, as in the simulator.
+        slot = r.admission.slot() if r.admission else contextlib.nullcontext()
+        try:
+            async with slot:
+                return await run_episode(
+                    self.env(self.task, sandbox),
+                    r.generate,
+                    r.fmt,
+                    r.sampling,
+                    r.limits,
+                    trajectory_id,
+                    gid,
+                    self.task.id,
+                    priority=lambda: r.priority.get(gid, BEST_EFFORT),
+                    on_turn=lambda t: on_turn(t.model_tokens, len(t.turn_starts)),
+                    replay=replay,
+                )
+        except Exception as e:  # an engine call that failed is the platform's fault too
+            return failed(trajectory_id, gid, self.task, f"{type(e).__name__}: {e}")
+        finally:
+            await sandbox.close()
+            if r.end_trajectory is not None:
+                # A hint for the engine's cache: an engine that cannot take it (down,
+                # restarting) has lost that KV anyway.
+                with contextlib.suppress(Exception):
+                    await r.end_trajectory(trajectory_id)
+
+    async def close(self) -> None:
+        await self.handle.close()

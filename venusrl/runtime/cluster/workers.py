@@ -1,0 +1,638 @@
+"""Rollout workers: an engine, a sandbox pool and the agent loops beside them, as one Ray actor.
+
+Each worker runs, in its own process on the CPUs or GPUs Ray gives it, what one process runs
+locally: the in-process engine on its thread, a sandbox pool with the node's memory (shared out
+among the workers of the node), and the agent loops of the groups placed on it
+(`coordinator.rollouts.LocalRollouts`). The coordinator's driver-side view is `RolloutFleet`:
+
+- **One call per episode.** A member's whole episode (fork its sandbox from the group's zygote,
+  every turn's generation, every tool call, the reward) runs in the worker; the trajectory comes
+  back. Turns and tool calls never cross a process boundary, which on a small model was most of
+  what the runtime cost (BENCHMARKS.md, "What the Ray runtime costs").
+- **Placement.** A new group goes to the worker that holds the fewest open groups, ties to the
+  one with the most admissible memory (`policy.placement.place_group`). Its K sandboxes
+  fork on that node from one zygote, and its K trajectories share that engine's prompt KV; a
+  trajectory never leaves the engine that holds its KV.
+- **Priorities** reach the workers when the coordinator re-ranks the groups, each worker only
+  the ones it holds and only when they changed. Members' progress (tokens and turns so far)
+  comes back with each finished episode.
+- **Weights** go through Ray's object store: put once, fetched by every worker.
+- **Failures.** An episode whose sandbox was preempted (a node's pool running out of memory
+  preempts its lowest-priority sandboxes) moves to another worker: the group opens there
+  too, a fresh sandbox forks from its setup, the environment acts again on the turns the model
+  already took, and the episode goes on (the cluster form of the paper's migration fallback;
+  a tool that does not answer as recorded makes it an infrastructure failure after all). A
+  worker that dies takes its engine, its sandboxes and the episodes in flight with it: those are
+  infrastructure failures, and the coordinator replaces them; a group whose worker died opens
+  again on another worker for its replacement members, so the group still completes. Ray
+  restarts the worker (its successor reaps the dead pool's sandboxes); the fleet prepares the
+  templates, loads the model and the current weights into it, and places groups there again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from venusrl.config import Config
+from venusrl.coordinator.agent_loop import ChatFormat, LoopLimits
+from venusrl.coordinator.rollouts import LocalGroup, LocalRollouts, OnTurn, failed, preempted
+from venusrl.engine.request import GenerationOutput, SamplingParams
+from venusrl.engine.tokenizer import Tokenizer
+from venusrl.envs.environment import Environment, Task
+from venusrl.envs.pool import SandboxPool
+from venusrl.envs.sandbox import Sandbox
+from venusrl.envs.types import ExecResult, InfraFailure, SandboxCrashed, TemplateSpec
+from venusrl.policy.critical_groups import BEST_EFFORT
+from venusrl.policy.placement import place_group
+from venusrl.runtime.cluster.ray_cluster import (
+    ActorLost,
+    RayCluster,
+    Replicas,
+    at_default_priority,
+    call,
+    until_alive,
+)
+from venusrl.runtime.engines import LocalEngine
+from venusrl.runtime.faults import FailingGenerate, sandbox_faults
+from venusrl.trainer.trainer import GRPOTrainer
+from venusrl.types import Finish, Trajectory, TurnTimes
+
+GiB = 1 << 30
+START_TIMEOUT_S = 600.0  # loading a large model onto a GPU takes a while
+RESTART_TIMEOUT_S = 300.0
+NODE_MEMORY_FRACTION = 0.8  # of the node's available memory, at most, for its sandboxes
+SANDBOX_VERBS = ("exec", "run_python", "read_file", "write_file")
+
+
+def _available_memory_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("/proc/meminfo has no MemAvailable")
+
+
+class RolloutWorker:
+    """One rollout worker (a Ray actor). Groups and sandboxes are named by keys."""
+
+    def __init__(self, cfg: dict[str, Any], index: int) -> None:
+        at_default_priority()
+        self.cfg = Config.model_validate(cfg)
+        self.index = index
+        torch.set_num_threads(self.cfg.engine.threads or 1)
+        self.pool: SandboxPool | None = None
+        self.engine: LocalEngine | None = None
+        self.rollouts: LocalRollouts | None = None
+        self._groups: dict[str, LocalGroup] = {}
+        self._sandboxes: dict[str, Sandbox] = {}
+        self._progress: dict[str, tuple[int, int]] = {}  # episodes in flight: tokens, turns
+        self.served: set[str] = set()  # trajectory ids this engine generated for
+        self._model_dir: Path | None = None
+        self._faults: list[asyncio.Task[None]] = []  # `faults.*_sandboxes`
+
+    def node_id(self) -> str:
+        return str(ray.get_runtime_context().get_node_id())
+
+    async def ready(self, templates: list[TemplateSpec], workers_on_node: int) -> str:
+        """Start the pool (its share of the node's memory) and prepare `templates` (again,
+        after a restart); the node's id."""
+        if self.pool is None:
+            sb = self.cfg.sandbox
+            # Sized from the node: the configured budget, but never more than the node can give.
+            node_budget = min(
+                int(sb.memory_budget_gib * GiB),
+                int(NODE_MEMORY_FRACTION * _available_memory_bytes()),
+            )
+            pool = SandboxPool(
+                node_budget // workers_on_node, admission=sb.admission, share_pages=sb.share_pages
+            )
+            await pool.start()
+            self.pool = pool
+        for spec in templates:
+            await self.pool.prepare_template(spec)
+        return self.node_id()
+
+    def room(self) -> int:
+        return self._pool().room_bytes()
+
+    async def start_engine(
+        self,
+        model_files: dict[str, bytes],
+        version: int,
+        sampling: SamplingParams,
+        limits: LoopLimits,
+    ) -> None:
+        model_dir = self._model_dir = Path(tempfile.mkdtemp(prefix="venusrl-engine-"))
+        for name, data in model_files.items():
+            (model_dir / name).write_bytes(data)
+        tokenizer = Tokenizer.load(model_dir)
+        if tokenizer is None or tokenizer.chat_template is None:
+            raise ValueError(f"{model_dir} needs a tokenizer with a chat template")
+        self.engine = LocalEngine(model_dir, self.cfg, version)
+        generate: Any = self._generate
+        seed = self.cfg.run.seed + self.index
+        if self.cfg.faults.engine_errors:
+            generate = FailingGenerate(generate, self.cfg.faults.engine_errors, seed)
+        self.rollouts = LocalRollouts(
+            self._pool(), generate, ChatFormat(tokenizer), sampling, limits,
+            end_trajectory=self.engine.end_trajectory,
+        )  # fmt: skip
+        # From here on: the warm start's sandboxes are spared, as in one process.
+        self._faults = sandbox_faults(self._pool(), self.cfg.faults, seed)
+
+    async def _generate(
+        self, prompt_ids: list[int], params: SamplingParams, **metadata: Any
+    ) -> GenerationOutput:
+        assert self.engine is not None
+        self.served.add(metadata["trajectory_id"])
+        return await self.engine.generate(prompt_ids, params, **metadata)
+
+    async def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        assert self.engine is not None
+        await self.engine.load_weights(weights.items(), version)
+
+    # --- groups and their episodes ----------------------------------------------------------
+
+    async def open_group(self, key: str, env: type[Environment], task: Task, priority: int) -> None:
+        rollouts = self._rollouts()
+        rollouts.set_priorities({**rollouts.priority, key: priority})
+        self._groups[key] = await rollouts.open_group(key, env, task, priority)
+
+    async def play(
+        self, key: str, trajectory_id: str, replay: Trajectory | None
+    ) -> tuple[Trajectory, float, dict[str, tuple[int, int]]]:
+        """One member's episode of group `key` (going on from `replay`, when given); when it
+        started on this worker's clock; the progress of the other episodes in flight here."""
+        started = time.monotonic()
+        group = self._groups.get(key)
+        if group is None:  # this worker restarted since the group opened
+            raise SandboxCrashed(f"group {key} is not on this worker (it restarted)")
+        self._progress[trajectory_id] = (0, 0)
+        try:
+            traj = await group.play(
+                trajectory_id,
+                lambda tokens, turns: self._progress.__setitem__(trajectory_id, (tokens, turns)),
+                replay,
+            )
+        finally:
+            del self._progress[trajectory_id]
+        return traj, started, dict(self._progress)
+
+    async def close_group(self, key: str) -> None:
+        group = self._groups.pop(key, None)
+        if group is not None:
+            await group.close()
+
+    def set_priorities(self, priority: dict[str, int]) -> None:
+        self._rollouts().set_priorities(priority)
+
+    # --- single sandboxes (the warm start's demonstrations) ---------------------------------
+
+    async def create(
+        self, template: str, priority: int, setup: str | None, files: Mapping[str, bytes] | None
+    ) -> str:
+        sb = await self._pool().create(template, priority, setup, files)
+        self._sandboxes[sb.id] = sb
+        return sb.id
+
+    async def verb(self, sandbox: str, name: str, args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+        if name not in SANDBOX_VERBS:
+            raise ValueError(f"{name} is not a sandbox verb")
+        sb = self._sandboxes.get(sandbox)
+        if sb is None:
+            raise SandboxCrashed(f"sandbox {sandbox} is not on this worker (it restarted)")
+        return await getattr(sb, name)(*args, **kw)
+
+    async def close_sandbox(self, sandbox: str) -> None:
+        sb = self._sandboxes.pop(sandbox, None)
+        if sb is not None:
+            await sb.close()
+
+    # --- reports and shutdown ---------------------------------------------------------------
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "node": self.node_id(),
+            "pool": self._pool().stats().as_dict(),
+            "served": sorted(self.served),
+            "episodes_in_flight": len(self._progress),
+        }
+
+    async def shutdown(self) -> None:
+        for task in self._faults:
+            task.cancel()
+        if self.engine is not None:
+            await self.engine.close()
+        if self._model_dir is not None:
+            shutil.rmtree(self._model_dir, ignore_errors=True)
+        if self.pool is not None:
+            await self.pool.close()
+
+    def _pool(self) -> SandboxPool:
+        if self.pool is None:
+            raise RuntimeError("the worker's pool is not started: call ready() first")
+        return self.pool
+
+    def _rollouts(self) -> LocalRollouts:
+        if self.rollouts is None:
+            raise RuntimeError("the worker has no engine yet: call start_engine() first")
+        return self.rollouts
+
+
+class RemoteSandbox:
+    """A sandbox of some worker: the verbs of `Sandbox` that environments use, one call each."""
+
+    def __init__(self, fleet: RolloutFleet, worker: int, epoch: int, key: str) -> None:
+        self._fleet, self.worker, self._epoch, self.id = fleet, worker, epoch, key
+        self._closed = False
+        fleet.single_sandboxes += 1
+
+    async def exec(
+        self, command: str | Sequence[str], /, *, timeout_s: float, max_output_bytes: int
+    ) -> ExecResult:
+        kw = {"timeout_s": timeout_s, "max_output_bytes": max_output_bytes}
+        return await self._verb("exec", (command,), kw)
+
+    async def run_python(self, source: str, /, *, timeout_s: float) -> ExecResult:
+        return await self._verb("run_python", (source,), {"timeout_s": timeout_s})
+
+    async def read_file(self, path: str, /) -> bytes:
+        return await self._verb("read_file", (path,), {})
+
+    async def write_file(self, path: str, data: bytes, /) -> None:
+        await self._verb("write_file", (path, data), {})
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._fleet.single_sandboxes -= 1
+        with contextlib.suppress(SandboxCrashed):
+            await self._fleet.call(self.worker, self._epoch, "close_sandbox", self.id)
+
+    async def _verb(self, name: str, args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+        return await self._fleet.call(self.worker, self._epoch, "verb", self.id, name, args, kw)
+
+
+class RemoteGroup:
+    """An open group, on the worker that holds its sandboxes and plays its episodes.
+
+    An episode whose sandbox its pool preempted (the node ran short of memory) moves to another
+    worker: the group is opened there too (its setup replayed from the template), the
+    environment acts again on the turns the model already took, and the episode goes on with
+    that worker's engine (which computes the context's KV anew), rather than starting over. A
+    group whose worker died opens again elsewhere for its next members."""
+
+    def __init__(
+        self,
+        fleet: RolloutFleet,
+        group_id: str,
+        env: type[Environment],
+        task: Task,
+        worker: int,
+        epoch: int,
+    ) -> None:
+        self.fleet, self.group_id, self.env, self.task = fleet, group_id, env, task
+        self.worker, self.epoch = worker, epoch  # where new members play
+        self.opened = {worker: epoch}  # every worker the group is open on, at its epoch
+
+    async def play(self, trajectory_id: str, on_turn: OnTurn) -> Trajectory:
+        fleet = self.fleet
+        if not fleet.is_up(self.worker, self.epoch):
+            try:  # the group's worker died: its replacement members play on another one
+                self.worker, self.epoch = await self._open_on(fleet.up())
+            except InfraFailure as e:
+                return failed(trajectory_id, self.group_id, self.task, str(e))
+            fleet.reopened_groups += 1
+        traj = await self._play(self.worker, self.epoch, trajectory_id, on_turn, None)
+        if not (preempted(traj) and traj.turn_starts):
+            return traj
+        try:
+            elsewhere = [i for i in fleet.up() if i != self.worker] or fleet.up()
+            worker, epoch = await self._open_on(elsewhere)
+        except InfraFailure:
+            return traj
+        fleet.migrated.append(trajectory_id)
+        moved = await self._play(worker, epoch, trajectory_id, on_turn, traj)
+        fleet.migrated_completed += moved.finish is not Finish.INFRA
+        return moved
+
+    async def _open_on(self, candidates: list[int]) -> tuple[int, int]:
+        """The worker `place` picks among `candidates`, with the group open on it."""
+        worker, epoch = await self.fleet.place(candidates)
+        if self.opened.get(worker) != epoch:
+            await self.fleet.open_on(worker, epoch, self.group_id, self.env, self.task)
+            self.opened[worker] = epoch
+        return worker, epoch
+
+    async def _play(
+        self, worker: int, epoch: int, tid: str, on_turn: OnTurn, replay: Trajectory | None
+    ) -> Trajectory:
+        fleet = self.fleet
+        fleet.on_turn[tid] = on_turn
+        fleet.active[worker] += 1
+        sent = time.monotonic()
+        try:
+            traj, started, progress = await fleet.call(
+                worker, epoch, "play", self.group_id, tid, replay
+            )
+        except Exception as e:  # the worker died, or the episode failed there
+            return failed(tid, self.group_id, self.task, f"{type(e).__name__}: {e}")
+        finally:
+            fleet.on_turn.pop(tid, None)
+            fleet.active[worker] -= 1
+        fleet.played[worker] += 1
+        for other, (tokens, turns) in progress.items():
+            if other in fleet.on_turn:
+                fleet.on_turn[other](tokens, turns)
+        # Turn times to this process's clock (off by the call's latency, a millisecond or so).
+        shift = sent - started
+        traj.turn_times = [
+            TurnTimes(t.requested + shift, t.generated + shift, t.acted + shift)
+            for t in traj.turn_times
+        ]
+        return traj
+
+    async def close(self) -> None:
+        self.fleet.group_closed(self.group_id)
+        for worker, epoch in self.opened.items():
+            with contextlib.suppress(InfraFailure):
+                await self.fleet.call(worker, epoch, "close_group", self.group_id)
+
+
+class RolloutFleet:
+    """The run's rollout workers, seen from the driver: the coordinator's `Rollouts`, the
+    trainer's weight publisher, and single sandboxes for the warm start."""
+
+    def __init__(self, cfg: Config, cluster: RayCluster) -> None:
+        rt = cfg.runtime
+        self.cfg, self.cluster = cfg, cluster
+        self.workers: list[Any] = [
+            ray.remote(RolloutWorker)
+            .options(
+                name=f"rollout-{i}",
+                namespace=rt.namespace,
+                num_cpus=rt.engine_cpus,
+                num_gpus=rt.engine_gpus,
+                max_restarts=rt.actor_restarts,
+                max_task_retries=0,  # an episode lost with its worker is the coordinator's call
+            )
+            .remote(cfg.model_dump(), i)
+            for i in range(rt.engines)
+        ]
+        n = len(self.workers)
+        # Restarts per worker are its epochs: keys made before the latest one are gone.
+        self.replicas = Replicas(n, self._revive)
+        self.nodes: list[str] = []
+        self.templates: list[TemplateSpec] = []
+        self.active = [0] * n  # episodes in flight, per worker
+        self.played = [0] * n  # episodes each worker played to their end
+        self.groups_placed = [0] * n
+        self.reopened_groups = 0  # opened again elsewhere, their worker dead
+        self.migrated: list[str] = []  # episodes moved to another worker, their sandbox preempted
+        self.migrated_completed = 0  # of those, the ones that went on to their end
+        self.single_sandboxes = 0
+        self.on_turn: dict[str, OnTurn] = {}  # episodes in flight -> the coordinator's hook
+        self._group_workers: dict[str, set[int]] = {}  # open groups -> the workers they are on
+        self._priority: Mapping[str, int] = {}  # the coordinator's latest, every open group
+        self._pushed: list[dict[str, int]] = [{} for _ in range(n)]
+        self._to_push: dict[int, dict[str, int]] = {}
+        self._pushers: dict[int, asyncio.Task[None]] = {}
+        self._engine: tuple[Any, int, SamplingParams, LoopLimits] | None = None
+        self._weights: tuple[Any, int] | None = None  # the latest published (object ref, version)
+        self._closed = False
+
+    # --- starting -------------------------------------------------------------------------
+
+    async def __aenter__(self) -> RolloutFleet:
+        try:
+            self.nodes = list(
+                await asyncio.wait_for(
+                    asyncio.gather(*(call(w.node_id) for w in self.workers)), START_TIMEOUT_S
+                )
+            )
+        except TimeoutError:
+            await self.close()
+            raise ValueError(
+                f"the {len(self.workers)} rollout workers did not start within "
+                f"{START_TIMEOUT_S:.0f} s: is every node's venusrl install importable, and is "
+                "there room for them?"
+            ) from None
+        await asyncio.gather(
+            *(call(w.ready, [], self._sharing(i)) for i, w in enumerate(self.workers))
+        )
+        self.replicas.up = set(range(len(self.workers)))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _sharing(self, i: int) -> int:
+        """How many workers share worker i's node (and so its sandbox memory)."""
+        return Counter(self.nodes)[self.nodes[i]]
+
+    async def prepare_template(self, spec: TemplateSpec) -> None:
+        self.templates.append(spec)
+        await asyncio.gather(
+            *(call(self.workers[i].ready, [spec], self._sharing(i)) for i in self.up())
+        )
+
+    async def start_engines(
+        self, model_dir: Path, version: int, sampling: SamplingParams, limits: LoopLimits
+    ) -> RolloutFleet:
+        """Load the model into every worker's engine (through the object store, so nodes share
+        no filesystem)."""
+        files = {p.name: p.read_bytes() for p in sorted(model_dir.iterdir()) if p.is_file()}
+        # Held for the fleet's life: a restarted worker loads the model from it again.
+        self._engine = (ray.put(files), version, sampling, limits)
+        await asyncio.gather(
+            *(
+                self.call(i, self.replicas.restarts[i], "start_engine", *self._engine)
+                for i in self.up()
+            )
+        )
+        return self
+
+    # --- the trainer's side -----------------------------------------------------------------
+
+    async def publish(self, trainer: GRPOTrainer, run_dir: Path, model_dir: Path) -> None:
+        weights = {k: v.detach().cpu() for k, v in trainer.model.hf_state_dict().items()}
+        self._weights = (ray.put(weights), trainer.version)
+        await asyncio.gather(*(self._load_weights(i) for i in self.up()))
+
+    async def _load_weights(self, i: int) -> None:
+        with contextlib.suppress(InfraFailure):  # it is being brought back with these weights
+            await self._send_weights(i, self.replicas.restarts[i])
+
+    async def _send_weights(self, i: int, epoch: int) -> None:
+        if self._weights is not None:
+            ref, version = self._weights
+            await self.call(i, epoch, "update_weights", ref, version)
+
+    # --- the coordinator's side (`Rollouts`) ------------------------------------------------
+
+    async def open_group(
+        self, group_id: str, env: type[Environment], task: Task, priority: int
+    ) -> RemoteGroup:
+        self._priority = {**self._priority, group_id: priority}
+        worker, epoch = await self.place(self.up())
+        await self.open_on(worker, epoch, group_id, env, task)
+        return RemoteGroup(self, group_id, env, task, worker, epoch)
+
+    async def place(self, candidates: list[int]) -> tuple[int, int]:
+        """The worker among `candidates` that a group goes to (`place_group`), and its epoch."""
+        if not candidates:
+            raise SandboxCrashed("no rollout worker is up")
+        rooms = await asyncio.gather(*(self._room(i) for i in candidates))
+        groups = Counter(w for ws in self._group_workers.values() for w in ws)
+        worker = candidates[place_group([groups[i] for i in candidates], rooms)]
+        return worker, self.replicas.restarts[worker]
+
+    async def open_on(
+        self, worker: int, epoch: int, group_id: str, env: type[Environment], task: Task
+    ) -> None:
+        priority = self._priority.get(group_id, BEST_EFFORT)
+        await self.call(worker, epoch, "open_group", group_id, env, task, priority)
+        self._group_workers.setdefault(group_id, set()).add(worker)
+        self.groups_placed[worker] += 1
+
+    def group_closed(self, group_id: str) -> None:
+        self._group_workers.pop(group_id, None)
+
+    def set_priorities(self, priority: Mapping[str, int]) -> None:
+        """Each worker gets the priorities of the groups it holds, when they changed; one push
+        in flight per worker, the latest mapping sent after it."""
+        self._priority = priority
+        for i in self.up():
+            mine = {g: p for g, p in priority.items() if i in self._group_workers.get(g, ())}
+            if mine != self._pushed[i]:
+                self._pushed[i] = mine
+                self._to_push[i] = mine
+                if i not in self._pushers:
+                    self._pushers[i] = asyncio.ensure_future(self._push(i))
+
+    async def _push(self, i: int) -> None:
+        try:
+            while i in self._to_push:
+                mine = self._to_push.pop(i)
+                with contextlib.suppress(InfraFailure):
+                    await self.call(i, self.replicas.restarts[i], "set_priorities", mine)
+        finally:
+            del self._pushers[i]
+
+    def sandboxes_running(self) -> int:
+        return sum(self.active) + self.single_sandboxes
+
+    # --- single sandboxes (`SandboxSource`) -------------------------------------------------
+
+    async def create(
+        self,
+        template: str,
+        priority: int = 0,
+        setup: str | None = None,
+        files: Mapping[str, bytes] | None = None,
+    ) -> RemoteSandbox:
+        worker, epoch = await self.place(self.up())
+        key = await self.call(worker, epoch, "create", template, priority, setup, files)
+        return RemoteSandbox(self, worker, epoch, key)
+
+    # --- calls, failures, reports -----------------------------------------------------------
+
+    def up(self) -> list[int]:
+        return sorted(self.replicas.up)
+
+    def is_up(self, i: int, epoch: int) -> bool:
+        return i in self.replicas.up and epoch == self.replicas.restarts[i]
+
+    async def call(self, i: int, epoch: int, method: str, *args: Any) -> Any:
+        """A call to worker i as it was at `epoch`; a worker that died or restarted since is an
+        `InfraFailure` (`SandboxCrashed`), after it was taken out of service."""
+        if not self.is_up(i, epoch):
+            raise SandboxCrashed(f"rollout worker {i} restarted")
+        try:
+            return await self.replicas.call(i, epoch, getattr(self.workers[i], method), *args)
+        except ActorLost as e:
+            raise SandboxCrashed(f"rollout worker {i} died: {e}") from e
+
+    async def _room(self, i: int) -> int:
+        try:
+            return int(await self.call(i, self.replicas.restarts[i], "room"))
+        except InfraFailure:
+            return -1
+
+    async def _revive(self, i: int) -> None:
+        """Wait for Ray to restart worker i; prepare the run's templates on it (its pool reaps
+        the dead pool's sandboxes when it starts), then the model and the current weights."""
+        worker = self.workers[i]
+        self._pushed[i] = {}
+        self.nodes[i] = await until_alive(lambda: call(worker.node_id), RESTART_TIMEOUT_S)
+        await call(worker.ready, self.templates, self._sharing(i))
+        if self._engine is None:
+            return
+        await call(worker.start_engine, *self._engine)
+        while True:
+            version = self._weights[1] if self._weights else None
+            if self._weights is not None:
+                await call(worker.update_weights, *self._weights)
+            # A publish during the load went to the workers that were up: catch up.
+            if (self._weights[1] if self._weights else None) == version:
+                return
+
+    async def report(self) -> dict[str, Any]:
+        """Where episodes and groups ran, what restarted, and each worker's pool statistics
+        (None for a worker that is down)."""
+        reports = await asyncio.gather(*(self._report(i) for i in range(len(self.workers))))
+        served = Counter(t for r in reports if r is not None for t in r["served"])
+        return {
+            "workers": [
+                {
+                    "node": self.nodes[i],
+                    "restarts": self.replicas.restarts[i],
+                    "up": i in self.replicas.up,
+                    "episodes_played": self.played[i],
+                    "groups_placed": self.groups_placed[i],
+                    "pool": r["pool"] if r else None,
+                    "trajectories_served": len(r["served"]) if r else None,
+                }
+                for i, r in enumerate(reports)
+            ],
+            # Trajectory ids that more than one engine generated for: only moved episodes.
+            "trajectories_on_several_engines": sorted(t for t, n in served.items() if n > 1),
+            "migrated_trajectories": self.migrated,
+            "reopened_groups": self.reopened_groups,
+            "migrated_episodes": len(self.migrated),
+            "migrated_completed": self.migrated_completed,
+            "actor_calls": self.cluster.actor_calls(),
+        }
+
+    async def _report(self, i: int) -> dict[str, Any] | None:
+        if i not in self.replicas.up:
+            return None
+        try:
+            return dict(await call(self.workers[i].report))
+        except ActorLost:
+            return None
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.replicas.cancel()
+        for task in list(self._pushers.values()):
+            task.cancel()
+        for i in self.up():
+            with contextlib.suppress(ActorLost):
+                await call(self.workers[i].shutdown)
+        for worker in self.workers:
+            ray.kill(worker, no_restart=True)

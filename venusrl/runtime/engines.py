@@ -1,0 +1,78 @@
+"""The rollout engine of a run in one process: in-process on its own thread, or served over
+HTTP (`venusrl serve`). On a Ray cluster each rollout worker runs a `LocalEngine` of its own
+(`runtime.cluster.workers`)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from venusrl.config import Config
+from venusrl.engine.async_engine import AsyncEngine
+from venusrl.engine.engine import Engine
+from venusrl.engine.remote import RemoteEngine
+from venusrl.policy.agent_admission import CacheSignal
+from venusrl.trainer.checkpoint import write_model_dir
+from venusrl.trainer.trainer import GRPOTrainer
+
+
+class LocalEngine:
+    """The in-process engine, on its own thread."""
+
+    def __init__(self, model_dir: Path, cfg: Config, version: int) -> None:
+        core = Engine.from_model_dir(model_dir, cfg.engine)
+        core.weight_version = version
+        self.engine = AsyncEngine(core).start()
+        self.generate = self.engine.generate
+        self._lost = 0  # re-prefill tokens after eviction, at the last cache signal
+
+    async def end_trajectory(self, trajectory_id: str) -> None:
+        await self.engine.call(lambda e: e.end_trajectory(trajectory_id))
+
+    async def cache_signal(self) -> CacheSignal:
+        """What its KV cache did since the last call: live occupancy now, KV lost to eviction
+        and computed again meanwhile (for `rollout.admission`)."""
+
+        def read(e: Engine) -> tuple[float, int]:
+            occupancy = e.live_kv_pages() / e.kv.device_pages.capacity
+            return occupancy, e.stats.reprefill_tokens["evicted"]
+
+        occupancy, lost = await self.engine.call(read)
+        signal = CacheSignal(occupancy, lost - self._lost)
+        self._lost = lost
+        return signal
+
+    async def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        # Runs on the engine's thread between two of its steps: requests in flight keep their
+        # KV and record the new version on the tokens they produce from now on.
+        await self.engine.call(lambda e: e.update_weights(weights, version=version))
+
+    async def publish(self, trainer: GRPOTrainer, run_dir: Path, model_dir: Path) -> None:
+        await self.load_weights(trainer.model.hf_state_dict().items(), trainer.version)
+
+    async def close(self) -> None:
+        self.engine.stop()
+
+
+class ServedEngine:
+    """An engine behind HTTP (`venusrl serve`): weights go through a directory both can read."""
+
+    def __init__(self, url: str) -> None:
+        self.remote = RemoteEngine(url)
+        self.generate = self.remote.generate
+        self.end_trajectory = self.remote.end_trajectory
+
+    async def publish(self, trainer: GRPOTrainer, run_dir: Path, model_dir: Path) -> None:
+        out = run_dir / "published" / f"v{trainer.version}"
+        await asyncio.to_thread(write_model_dir, out, trainer.model, model_dir)
+        await self.remote.update_weights(out, trainer.version)
+        for old in (run_dir / "published").glob("v*"):
+            if old != out:
+                shutil.rmtree(old, ignore_errors=True)
+
+    async def close(self) -> None:
+        await self.remote.close()
