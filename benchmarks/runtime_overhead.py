@@ -3,20 +3,26 @@
 Runs `venusrl train` (the built-in CPU example, same seed) with `--runtime local` and with
 `--runtime ray` (one rollout worker actor: the engine, the sandbox pool and the agent loops, on a
 one-node Ray cluster the command starts), alternating the order over `--repeats`, each a
-separate process. A step's time comes from
-the run's own `metrics.jsonl` (`wall_s` at each step's end), over the steps after the first
-(`--skip`, while the first groups fill the pipeline); start-up (Ray, actors, warm start) is
-reported apart, as `startup_s`. A Ray run also reports its actor calls by method (warm-start
-demonstrations included), and `actor_call_ms` / `actor_call_caller_cpu_ms` time 2,000 calls
-shaped like a turn's `generate` to an actor that does nothing (what a call per turn would cost).
-Sampling makes the two runtimes' episodes differ in length, so the overhead is given per step
-and per token.
+separate process. A step's time comes from the run's own `metrics.jsonl` (`wall_s` at each
+step's end), over the steps after the first (`--skip`, while the first groups fill the
+pipeline); start-up (Ray, actors, warm start) is reported apart, as `startup_s`. A Ray run also
+reports its actor calls by method (warm-start demonstrations included), and `actor_call_ms` /
+`actor_call_caller_cpu_ms` time 2,000 calls shaped like a turn's `generate` to an actor that
+does nothing (what a call per turn would cost).
+
+The policy is held at the warm start (`trainer.lr=1e-12`: the trainer still computes every step
+and every new version is published to the engines) so that both runtimes play one stationary
+workload. Runs that learn drift apart whatever the runtime: on one seed, the policy of one run
+made 6 tool calls an episode and another's 29, and step times follow that, not the runtime.
+`--learning` measures with the example's own learning rate all the same. Sampling still makes
+episodes differ in length, so the overhead is given per step and per token.
 
 Prints one JSON object: per runtime the step times and token rates of each repeat, then
 `overhead_per_step` (median Ray step time / median local step time - 1) and
 `overhead_per_token` (median local tokens/s / median Ray tokens/s - 1); the target is <= 0.15.
 
-    python benchmarks/runtime_overhead.py [--steps 20] [--repeats 2] [--seed 0] [k=v ...]
+    python benchmarks/runtime_overhead.py [--steps 20] [--repeats 3] [--seed 0] [--learning]
+                                          [k=v ...]
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+FROZEN = "trainer.lr=1e-12"  # the trainer steps and publishes; the policy stays where it started
 
 
 def run(
@@ -99,12 +107,15 @@ def actor_call_cost(calls: int = 2000) -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip", type=int, default=2, help="first steps left out of the timing")
     p.add_argument("--out", type=Path, default=None, help="where the runs go (default: a tmp dir)")
+    p.add_argument("--learning", action="store_true", help="let the policy learn (it drifts)")
     p.add_argument("overrides", nargs="*", help="config overrides passed to both runs")
     args = p.parse_args()
+    if not args.learning:
+        args.overrides = [FROZEN, *args.overrides]
     if args.steps <= args.skip + 1 or args.repeats < 1 or args.skip < 0:
         raise SystemExit("need --steps > --skip + 1 >= 1 and --repeats >= 1")
     out = args.out or Path(tempfile.mkdtemp(prefix="venusrl-runtime-overhead-"))

@@ -22,9 +22,12 @@ def test_it_times_both_runtimes_on_the_same_steps_and_reports_the_overhead() -> 
     assert local["steps_run"] == ray["steps_run"] == 5  # --steps wins over the config's
     assert local["step_s"] > 0 and ray["step_s"] > 0
     assert out["overhead_per_step"] == round(ray["step_s"] / local["step_s"] - 1, 3)
-    # Only the Ray run crosses process boundaries: its engine and sandbox calls are counted.
+    # Both runs play the policy they started from, unless --learning says otherwise.
+    assert out["overrides"][0] == "trainer.lr=1e-12"
+    # Only the Ray run crosses process boundaries: one call per episode, never one per turn.
     assert "actor_calls" not in local
-    assert ray["actor_calls"]["generate"] > 0 and ray["actor_calls"]["verb"] > 0
+    calls = ray["actor_calls"]
+    assert calls["play"] > 0 and "generate" not in calls
 
 
 def test_a_timing_window_with_no_step_is_refused() -> None:
