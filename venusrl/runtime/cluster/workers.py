@@ -429,9 +429,13 @@ class RolloutFleet:
                 f"{START_TIMEOUT_S:.0f} s: is every node's venusrl install importable, and is "
                 "there room for them?"
             ) from None
-        await asyncio.gather(
-            *(call(w.ready, [], self._sharing(i)) for i, w in enumerate(self.workers))
-        )
+        try:
+            await asyncio.gather(
+                *(call(w.ready, [], self._sharing(i)) for i, w in enumerate(self.workers))
+            )
+        except BaseException:  # a pool that cannot start (not root, no cgroups): none stays
+            await self.close()
+            raise
         self.replicas.up = set(range(len(self.workers)))
         return self
 
