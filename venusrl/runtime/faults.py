@@ -38,6 +38,13 @@ class FailingGenerate:
         return out
 
 
+def engine_faults(generate: Any, faults: FaultsSection, seed: int) -> Any:
+    """`generate`, failing `faults.engine_errors` of its calls (as it is when that is 0)."""
+    return (
+        FailingGenerate(generate, faults.engine_errors, seed) if faults.engine_errors else generate
+    )
+
+
 def sandbox_faults(pool: SandboxPool, faults: FaultsSection, seed: int) -> list[asyncio.Task[None]]:
     """The sandbox faults `faults` asks for, injected into `pool` until the tasks are
     cancelled."""

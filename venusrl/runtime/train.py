@@ -42,10 +42,11 @@ from venusrl.envs.builtin import BUILTIN
 from venusrl.envs.environment import Environment, Task
 from venusrl.envs.pool import SandboxPool
 from venusrl.envs.service import SandboxSource
+from venusrl.envs.types import GiB
 from venusrl.policy.agent_admission import AimdAdmission
 from venusrl.runtime import record
 from venusrl.runtime.engines import LocalEngine, ServedEngine
-from venusrl.runtime.faults import FailingGenerate, sandbox_faults
+from venusrl.runtime.faults import engine_faults, sandbox_faults
 from venusrl.trainer.checkpoint import (
     RunState,
     latest_checkpoint,
@@ -59,7 +60,6 @@ from venusrl.types import Finish, Trajectory
 if TYPE_CHECKING:  # ray is imported for Ray runs only
     from venusrl.runtime.cluster.workers import RolloutFleet
 
-GiB = 1 << 30
 T = TypeVar("T")
 
 
@@ -420,9 +420,7 @@ async def train(
                 else LocalEngine(model_dir, cfg, state.weight_version)
             )
             window = admission_window(cfg, local)
-            generate = local.generate
-            if cfg.faults.engine_errors:
-                generate = FailingGenerate(generate, cfg.faults.engine_errors, cfg.run.seed)
+            generate = engine_faults(local.generate, cfg.faults, cfg.run.seed)
             engine = local
             rollouts = LocalRollouts(
                 local_pool, generate, fmt, sampling, limits, local.end_trajectory, window

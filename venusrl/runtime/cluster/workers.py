@@ -52,7 +52,7 @@ from venusrl.engine.tokenizer import Tokenizer
 from venusrl.envs.environment import Environment, Task
 from venusrl.envs.pool import SandboxPool
 from venusrl.envs.sandbox import Sandbox
-from venusrl.envs.types import ExecResult, InfraFailure, SandboxCrashed, TemplateSpec
+from venusrl.envs.types import ExecResult, GiB, InfraFailure, SandboxCrashed, TemplateSpec
 from venusrl.policy.critical_groups import BEST_EFFORT
 from venusrl.policy.placement import place_group
 from venusrl.runtime.cluster.ray_cluster import (
@@ -64,11 +64,10 @@ from venusrl.runtime.cluster.ray_cluster import (
     until_alive,
 )
 from venusrl.runtime.engines import LocalEngine
-from venusrl.runtime.faults import FailingGenerate, sandbox_faults
+from venusrl.runtime.faults import engine_faults, sandbox_faults
 from venusrl.trainer.trainer import GRPOTrainer
 from venusrl.types import Finish, Trajectory, TurnTimes
 
-GiB = 1 << 30
 START_TIMEOUT_S = 600.0  # loading a large model onto a GPU takes a while
 RESTART_TIMEOUT_S = 300.0
 NODE_MEMORY_FRACTION = 0.8  # of the node's available memory, at most, for its sandboxes
@@ -140,10 +139,8 @@ class RolloutWorker:
         if tokenizer is None or tokenizer.chat_template is None:
             raise ValueError(f"{model_dir} needs a tokenizer with a chat template")
         self.engine = LocalEngine(model_dir, self.cfg, version)
-        generate: Any = self._generate
         seed = self.cfg.run.seed + self.index
-        if self.cfg.faults.engine_errors:
-            generate = FailingGenerate(generate, self.cfg.faults.engine_errors, seed)
+        generate = engine_faults(self._generate, self.cfg.faults, seed)
         self.rollouts = LocalRollouts(
             self._pool(), generate, ChatFormat(tokenizer), sampling, limits,
             end_trajectory=self.engine.end_trajectory,
