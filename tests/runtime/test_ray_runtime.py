@@ -51,7 +51,7 @@ def two_nodes() -> Iterator[Cluster]:
 
 class KillAfterFirstStep(threading.Thread):
     """Kill the named rollout worker, as a crashed worker process would die (Ray restarts it),
-    once the run in `run_dir` has finished its first step and the worker plays an episode."""
+    once the run in `run_dir` has finished its first step and the worker plays episodes."""
 
     def __init__(self, run_dir: Path, actor: str) -> None:
         super().__init__(daemon=True)
@@ -64,7 +64,8 @@ class KillAfterFirstStep(threading.Thread):
         while time.monotonic() < deadline:
             if metrics.exists() and metrics.read_text().count("\n") >= 1:
                 worker = ray.get_actor(self.actor, namespace=NAMESPACE)
-                if ray.get(worker.report.remote())["episodes_in_flight"]:
+                # Several at once: one of them is still running when the kill lands.
+                if ray.get(worker.report.remote())["episodes_in_flight"] >= 2:
                     ray.kill(worker, no_restart=False)
                     self.killed.set()
                     return
