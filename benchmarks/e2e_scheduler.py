@@ -1,11 +1,13 @@
 """End to end: `venusrl train` on an agentic workload under three schedulers, side by side.
 
 Each policy runs the same command (real engine, real sandboxes, real GRPO steps) on the built-in
-`agent_workload` environment: 5-20 turns per episode, tool latencies of WORKLOADS.md's swe-long body
-scaled down for a CPU, observations of ~100 characters, one draw per group member, all seeded, so
-every policy gets the same work. The model is the micro preset with random weights (what it writes
-does not matter here: every turn is a tool call). The device KV pool holds about a third of what the
-trajectories in flight need; the host tier holds all of it.
+`agent_workload` environment: 5-20 turns per episode, WORKLOADS.md's swe-long tool latencies (the
+body, the heavy calls and the hangs, with a per-task slowness) x 0.25, observations of ~100
+characters, one draw per group member, all seeded, so every policy gets the same work. The model
+is the micro preset with random weights (what it writes does not matter here: every turn is a tool
+call). The device KV pool holds about a third of what the trajectories in flight need; the host
+tier holds all of it. A run takes minutes per policy: seed 0 has a slow task whose members spend
+up to 440 s in tools, and every policy has to wait for it (BENCHMARKS.md).
 
 - `fifo`: synchronous (`max_staleness=0`), groups in arrival order, LRU radix cache: a batch rolls
   out, then trains, then the next one starts (veRL-like);

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -203,6 +204,7 @@ def test_a_restarted_worker_gets_the_templates_the_model_and_the_current_weights
     trainer = GRPOTrainer(load_model(model_dir, "cpu"), TrainerConfig(), version=3)
     tasks = TreasureHunt.tasks(0)
     before = sandbox_processes()
+    model_copies = set(Path(tempfile.gettempdir()).glob("venusrl-engine-*"))
 
     async def scenario() -> None:
         async with RolloutFleet(cfg, RayCluster(cfg.runtime)) as fleet:
@@ -253,6 +255,8 @@ def test_a_restarted_worker_gets_the_templates_the_model_and_the_current_weights
 
     asyncio.run(scenario())
     assert not sandboxes_left(before)
+    # The killed worker left no copy of the model behind.
+    assert set(Path(tempfile.gettempdir()).glob("venusrl-engine-*")) == model_copies
 
 
 @pytest.mark.slow

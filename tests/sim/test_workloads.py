@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -76,3 +77,14 @@ def test_a_bad_workload_file_says_which_field(tmp_path: Path, text: str, message
     f.write_text(text)
     with pytest.raises(ValueError, match=message):
         load_workload(f)
+
+
+def test_a_scaled_tool_latency_scales_every_duration_and_keeps_every_probability() -> None:
+    tool = SCENARIOS["swe-long"].tool_s
+    quarter = tool.scaled(0.25)
+    assert (quarter.heavy_p, quarter.hang_p) == (tool.heavy_p, tool.hang_p)
+    assert quarter.hang_s == tool.hang_s / 4
+    a, b = random.Random(7), random.Random(7)
+    draws = [(tool.sample(a, 3.0), quarter.sample(b, 3.0)) for _ in range(2000)]
+    assert all(q == pytest.approx(t / 4) for t, q in draws)
+    assert any(t > 10 for t, _ in draws)  # the heavy tail was drawn, and scaled

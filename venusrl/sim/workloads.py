@@ -31,6 +31,10 @@ import yaml
 class Dist(Protocol):
     def sample(self, rng: random.Random) -> float: ...
 
+    def scaled(self, factor: float) -> Dist:
+        """The same shape, every value multiplied by `factor`."""
+        ...
+
 
 @dataclass(frozen=True)
 class LogNormal:
@@ -55,6 +59,9 @@ class Constant:
     def sample(self, rng: random.Random) -> float:
         return self.value
 
+    def scaled(self, factor: float) -> Constant:
+        return Constant(self.value * factor)
+
 
 @dataclass(frozen=True)
 class Mixture:
@@ -67,6 +74,9 @@ class Mixture:
                 return dist.sample(rng)
             u -= p
         return self.parts[-1][1].sample(rng)
+
+    def scaled(self, factor: float) -> Mixture:
+        return Mixture(tuple((p, dist.scaled(factor)) for p, dist in self.parts))
 
 
 @dataclass(frozen=True)
@@ -118,6 +128,15 @@ class ToolLatency:
         if u < (self.hang_p + self.heavy_p) * multiplier:
             return self.heavy.sample(rng)
         return self.body.sample(rng)
+
+    def scaled(self, factor: float) -> ToolLatency:
+        """Every duration times `factor`, the probabilities as they are."""
+        return dataclasses.replace(
+            self,
+            body=self.body.scaled(factor),
+            heavy=self.heavy.scaled(factor),
+            hang_s=self.hang_s * factor,
+        )
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,12 @@ Every model turn counts as one tool call, whatever the model wrote: the sandbox 
 tool latency (a real process that sleeps) and answers with an observation of the turn's size; the
 episode ends after its number of turns. Turns, observation sizes, tool latencies and rewards are
 drawn per task from one seeded generator, shaped like WORKLOADS.md's swe-long scenario scaled down
-for a CPU: 5-20 turns, observations LN(96, 0.8) characters, tool latency LN(0.4 s, 0.8) x 0.25
-(the body of the sourced distribution). A task carries one draw per group member, so every
-scheduler that runs the same seed sees the same work, whatever order the members start in.
+for a CPU: 5-20 turns, observations LN(96, 0.8) characters, and swe-long's whole tool latency
+distribution x 0.25: the body LN(0.4 s, 0.8), heavy calls LN(20 s, 1.3) with probability 0.02 m
+and hangs of 450 s with probability 0.001 m, where m ~ LN(1, 1.3) per task (some tasks have slow
+tests). The heavy calls and hangs are what leave a synchronous batch waiting on its stragglers. A
+task carries one draw per group member, so every scheduler that runs the same seed sees the same
+work, whatever order the members start in.
 
 It measures schedulers (benchmarks/e2e_scheduler.py), not learning: the reward is drawn, not earned.
 """
@@ -23,9 +26,10 @@ from typing import ClassVar
 from venusrl.envs.environment import Environment, StepResult, Task, Tool
 from venusrl.envs.tool_calls import format_tool_response
 from venusrl.envs.types import MiB, TemplateSpec
-from venusrl.sim.workloads import LogNormal
+from venusrl.sim.workloads import SWE_LONG, LogNormal
 
-TOOL_S = LogNormal(0.4, 0.8).scaled(0.25)
+TIME_SCALE = 0.25
+TOOL_S = SWE_LONG.tool_s.scaled(TIME_SCALE)
 OBSERVATION_CHARS = LogNormal(96, 0.8, 8, 400)
 PROMPT_CHARS = LogNormal(256, 0.3, 64, 512)
 MEMBERS_PER_TASK = 64  # draws per task; replacement members take the next ones
@@ -52,6 +56,7 @@ class AgentWorkload(Environment):
     instructions = "You are an agent. Use the tool."
     tools = (Tool("work", "Do one step of work.", {"type": "object", "properties": {}}),)
     max_turns = 20
+    tool_timeout_s = TOOL_S.hang_s + 10.0  # a hang runs its drawn length, as a heavy call does
     _next_member: ClassVar[dict[str, Iterator[int]]] = {}
 
     def __init__(self, task: Task, sandbox: object) -> None:
@@ -65,12 +70,13 @@ class AgentWorkload(Environment):
         rng = random.Random(seed)
         for index in itertools.count():
             pass_rate = rng.uniform(0.2, 0.8)
+            slowness = TOOL_S.prompt_level(rng)
             members = []
             for _ in range(MEMBERS_PER_TASK):
                 turns = rng.randint(5, cls.max_turns)
                 members.append(
                     {
-                        "tool_s": tuple(TOOL_S.sample(rng) for _ in range(turns)),
+                        "tool_s": tuple(TOOL_S.sample(rng, slowness) for _ in range(turns)),
                         "observation_chars": tuple(
                             int(OBSERVATION_CHARS.sample(rng)) for _ in range(turns)
                         ),

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
 import tempfile
 import time
 from collections import Counter
@@ -97,7 +96,6 @@ class RolloutWorker:
         self._sandboxes: dict[str, Sandbox] = {}
         self._progress: dict[str, tuple[int, int]] = {}  # episodes in flight: tokens, turns
         self.served: set[str] = set()  # trajectory ids this engine generated for
-        self._model_dir: Path | None = None
         self._faults: list[asyncio.Task[None]] = []  # `faults.*_sandboxes`
 
     def node_id(self) -> str:
@@ -132,13 +130,16 @@ class RolloutWorker:
         sampling: SamplingParams,
         limits: LoopLimits,
     ) -> None:
-        model_dir = self._model_dir = Path(tempfile.mkdtemp(prefix="venusrl-engine-"))
-        for name, data in model_files.items():
-            (model_dir / name).write_bytes(data)
-        tokenizer = Tokenizer.load(model_dir)
-        if tokenizer is None or tokenizer.chat_template is None:
-            raise ValueError(f"{model_dir} needs a tokenizer with a chat template")
-        self.engine = LocalEngine(model_dir, self.cfg, version)
+        # The engine and the tokenizer read the files once: the directory goes right after, so a
+        # worker that is killed leaves nothing behind in /tmp.
+        with tempfile.TemporaryDirectory(prefix="venusrl-engine-") as tmp:
+            model_dir = Path(tmp)
+            for name, data in model_files.items():
+                (model_dir / name).write_bytes(data)
+            tokenizer = Tokenizer.load(model_dir)
+            if tokenizer is None or tokenizer.chat_template is None:
+                raise ValueError("the published model needs a tokenizer with a chat template")
+            self.engine = LocalEngine(model_dir, self.cfg, version)
         seed = self.cfg.run.seed + self.index
         generate = engine_faults(self._generate, self.cfg.faults, seed)
         self.rollouts = LocalRollouts(
@@ -231,8 +232,6 @@ class RolloutWorker:
             task.cancel()
         if self.engine is not None:
             await self.engine.close()
-        if self._model_dir is not None:
-            shutil.rmtree(self._model_dir, ignore_errors=True)
         if self.pool is not None:
             await self.pool.close()
 
