@@ -14,6 +14,7 @@ import random
 from typing import Any
 
 from venusrl.config import FaultsSection
+from venusrl.coordinator.agent_loop import Generate
 from venusrl.engine.request import GenerationOutput, SamplingParams
 from venusrl.envs.pool import SandboxPool
 from venusrl.envs.sandbox import Sandbox
@@ -24,7 +25,7 @@ class InjectedEngineError(RuntimeError):
 
 
 class FailingGenerate:
-    def __init__(self, generate: Any, rate: float, seed: int) -> None:
+    def __init__(self, generate: Generate, rate: float, seed: int) -> None:
         self._generate, self.rate, self._rng = generate, rate, random.Random(seed)
         self.injected = 0
 
@@ -34,11 +35,10 @@ class FailingGenerate:
         if self._rng.random() < self.rate:
             self.injected += 1
             raise InjectedEngineError("injected engine failure")
-        out: GenerationOutput = await self._generate(prompt_ids, params, **metadata)
-        return out
+        return await self._generate(prompt_ids, params, **metadata)
 
 
-def engine_faults(generate: Any, faults: FaultsSection, seed: int) -> Any:
+def engine_faults(generate: Generate, faults: FaultsSection, seed: int) -> Generate:
     """`generate`, failing `faults.engine_errors` of its calls (as it is when that is 0)."""
     return (
         FailingGenerate(generate, faults.engine_errors, seed) if faults.engine_errors else generate
