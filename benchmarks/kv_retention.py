@@ -15,12 +15,19 @@ The same workload runs through the same engine class twice, once per `engine.ret
   owners' state and offloaded to the host tier rather than dropped; a returning trajectory loads
   it back.
 
+With `--layer-residency L`, a third run, `trajectory_layers`, adds layer-wise residency at
+threshold L (`engine.layer_residency`): under pressure, running trajectories keep a band of their
+layers on device and read the rest from host. On a CPU both tiers are the same memory, so what it
+shows is the scheduling effect (fewer preemptions and evictions) and the bytes it streams, not
+what streaming costs on a GPU (`benchmarks/kv_transfer.py` measures that).
+
 Prints one JSON object: per policy the makespan, tokens re-prefilled (by cause), device and host
 hit tokens, bytes offloaded and loaded, preemptions, the mean wait of a turn from the tool's answer
 to its first token; then `reprefill_reduction` (1 - ours / LRU), `makespan_ratio` (LRU / ours)
 and `outputs_identical`. Targets (issue 5): reduction >= 0.9 and makespan ratio >= 1.3.
 
     python benchmarks/kv_retention.py [--groups 2] [--group-size 8] [--seed 0] [--threads 1]
+        [--layer-residency 0.5]
 """
 
 from __future__ import annotations
@@ -111,12 +118,14 @@ def run(
     host_pages: int,
     tool_scale: float,
     max_context: int,
+    layer_residency: float | None = None,
 ) -> dict[str, Any]:
     cfg = EngineConfig(
         device_kv_pages=device_pages,
         host_kv_pages=host_pages,
         retention=retention,
         max_context=max_context,
+        layer_residency=layer_residency,
     )
     engine = Engine.from_model_dir(model_dir, cfg)
     engine.generate([[1, 2, 3, 4] * 8], SamplingParams(max_tokens=4, temperature=0))  # warm-up
@@ -185,6 +194,8 @@ def run(
         "loaded_bytes": engine.tree.loaded_pages * page_bytes,
         "preemptions": stats.preemptions,
         "turn_wait_mean_s": round(statistics.fmean(waits), 4) if waits else None,
+        "banded_pages": stats.banded_pages,
+        "streamed_bytes": stats.streamed_bytes,
         "outputs": [t.outputs for t in trajs],
     }
 
@@ -206,12 +217,17 @@ def main() -> None:
         "--tool-scale", type=float, default=0.25, help="tool latencies: WORKLOADS.md's, times this"
     )
     parser.add_argument("--model-dir", type=Path, help="default: runs/bench-models/PRESET")
+    parser.add_argument(
+        "--layer-residency", type=float, help="also run trajectory retention with layer bands"
+    )
     args = parser.parse_args()  # fmt: skip
     for name in ("groups", "group_size", "threads"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 < args.capacity <= 1 or args.tool_scale < 0:
         raise SystemExit("--capacity must be in (0, 1] and --tool-scale >= 0")
+    if args.layer_residency is not None and not 0 < args.layer_residency < 1:
+        raise SystemExit("--layer-residency must be in (0, 1)")
     torch.set_num_threads(args.threads)
 
     model_dir = args.model_dir or ROOT / "runs" / "bench-models" / args.preset
@@ -232,14 +248,24 @@ def main() -> None:
     # At least one whole context fits (and the padding page), or the engine refuses to start.
     device_pages = max(int(need * args.capacity), -(-max_context // page_size) + 1)
 
-    results = {
-        retention: run(
-            model_dir, workload, retention, device_pages, need + 1, args.tool_scale, max_context
+    def replay(retention: str, layer_residency: float | None = None) -> dict[str, Any]:
+        return run(
+            model_dir,
+            workload,
+            retention,
+            device_pages,
+            need + 1,
+            args.tool_scale,
+            max_context,
+            layer_residency,
         )
-        for retention in ("lru", "trajectory")
-    }
-    lru, ours = results["lru"], results["trajectory"]
-    identical = lru.pop("outputs") == ours.pop("outputs")
+
+    lru, ours = replay("lru"), replay("trajectory")
+    layers = None
+    if args.layer_residency is not None:
+        layers = replay("trajectory", args.layer_residency)
+    outputs = [r.pop("outputs") for r in (lru, ours, layers) if r is not None]
+    identical = all(o == outputs[0] for o in outputs)
     print(json.dumps({
         "workload": {
             "trajectories": len(workload),
@@ -255,9 +281,12 @@ def main() -> None:
         },
         "lru": lru,
         "trajectory": ours,
+        **({"trajectory_layers": layers} if layers is not None else {}),
         "reprefill_reduction": round(1 - ours["reprefill_tokens"] / lru["reprefill_tokens"], 3)
         if lru["reprefill_tokens"] else None,
         "makespan_ratio": round(lru["makespan_s"] / ours["makespan_s"], 3),
+        **({"layers_makespan_ratio": round(ours["makespan_s"] / layers["makespan_s"], 3)}
+           if layers is not None else {}),
         "outputs_identical": identical,
     }, indent=2))  # fmt: skip
 

@@ -66,6 +66,14 @@ class EngineConfig(_Section):
         " dropped (policy.kv_retention): lru drops the least recently used; trajectory keeps"
         " the KV of trajectories waiting on a tool and offloads it rather than drop it",
     )
+    layer_residency: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="pressure (KV pages high-priority requests need / device pages) at which"
+        " their completed pages keep only half their layers on device and read the rest from"
+        " the host tier layer by layer (policy.layer_residency; needs host_kv_pages); None: off",
+    )
     max_running: int = Field(256, ge=1, description="most requests decoded in one batch")
     token_budget: int = Field(
         2048, ge=1, description="most tokens (decode + prefill chunks) in one forward pass"

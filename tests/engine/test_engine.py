@@ -51,9 +51,15 @@ workloads = st.lists(
     pool_pages=st.integers(16, 64),
     page_size=st.sampled_from([1, 4, 8]),
     budget=st.integers(8, 64),
+    residency=st.sampled_from([None, 0.2]),
 )
-def test_outputs_do_not_depend_on_paging_caching_or_preemption(
-    tiny_qwen3: Path, workload: list, pool_pages: int, page_size: int, budget: int
+def test_outputs_do_not_depend_on_paging_caching_preemption_or_layer_residency(
+    tiny_qwen3: Path,
+    workload: list,
+    pool_pages: int,
+    page_size: int,
+    budget: int,
+    residency: float | None,
 ) -> None:
     prefixes = [list(range(100, 120)), list(range(200, 213)), [300]]
     prompts = [prefixes[i] + suffix for i, suffix, _, _ in workload]
@@ -68,6 +74,8 @@ def test_outputs_do_not_depend_on_paging_caching_or_preemption(
         device_kv_pages=max(pool_pages, 64 // page_size + 1),
         token_budget=budget,
         max_context=64,
+        layer_residency=residency,
+        host_kv_pages=0 if residency is None else 64,
     )
     ids = [
         engine.add_request(
@@ -81,6 +89,7 @@ def test_outputs_do_not_depend_on_paging_caching_or_preemption(
     engine.flush_cache()
     engine.check()
     assert engine.kv.device_pages.num_free == engine.kv.device_pages.capacity
+    assert engine.kv.host_pages.num_free == engine.kv.host_pages.capacity
 
 
 def test_grpo_siblings_compute_their_shared_prompt_once(tiny_qwen3: Path) -> None:

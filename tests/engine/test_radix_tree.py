@@ -24,6 +24,9 @@ operations = st.lists(
         st.tuples(st.just("pin"), st.sampled_from(["t0", "t1", "t2"]), st.none(), st.none()),
         st.tuples(st.just("end"), st.sampled_from(["t0", "t1", "t2"]), st.none(), st.none()),
         st.tuples(st.just("flush"), st.none(), st.none(), st.none()),
+        # a lock holder takes the private end of its path, then gives it back as host pages
+        st.tuples(st.just("detach"), st.integers(0, 50), st.none(), owners),
+        st.tuples(st.just("rehost"), st.integers(0, 50), st.none(), st.none()),
     ),
     max_size=40,
 )
@@ -61,6 +64,14 @@ def retention_tree(alloc: PageAllocator, host_pages: int, pinned: set[str]) -> R
     )
 
 
+def path_tokens(node: RadixNode) -> tuple[int, ...]:
+    keys = []
+    while node.parent is not None:
+        keys.append(node.key)
+        node = node.parent
+    return tuple(t for key in reversed(keys) for t in key)
+
+
 def evictable(node: RadixNode) -> bool:
     """What eviction may take, read off the whole tree: an unlocked device node with no child
     on device."""
@@ -81,6 +92,8 @@ def test_tree_and_allocators_invariants_hold_after_every_operation(
     assert isinstance(tiers, Tiers)
     locks: list[RadixNode] = []
     ends: dict[str, RadixNode] = {}
+    # (path tokens, node the holder still locks, pages it took out, owner)
+    held: list[tuple[tuple[int, ...], RadixNode, list[int], str | None]] = []
     for op, arg, namespace, owner in ops:
         if op == "insert":
             n = len(arg) // PAGE
@@ -116,14 +129,33 @@ def test_tree_and_allocators_invariants_hold_after_every_operation(
             pinned.discard(arg)
         elif op == "flush":
             alloc.free(tree.flush())
+        elif op == "detach" and locks:
+            node = locks.pop(arg % len(locks))
+            tokens = path_tokens(node)
+            end, pages = tree.detach_private(node, owner)
+            assert path_tokens(end) == tokens[: len(tokens) - len(pages) * PAGE]
+            held.append((tokens, end, pages, owner))
+        elif op == "rehost" and held:
+            tokens, end, pages, owner = held.pop(arg % len(held))
+            host = tiers.host.allocate(min(len(pages), tiers.host.num_free))
+            first = len(path_tokens(end)) // PAGE
+            _, duplicates = tree.insert_host(tokens, host, first, end.namespace, owner)
+            tiers.host.free(duplicates)
+            alloc.free(pages)
+            tree.unlock(end)
+            assert sum(tree.cached(tokens, end.namespace)[:2]) >= first + len(host)
         tree.check()
         alloc.check()
         tiers.host.check()
         # Every page of either tier is free or in the tree, never both.
-        assert len(tree.all_pages()) + alloc.num_free == alloc.capacity
+        private = sum(len(pages) for _, _, pages, _ in held)
+        assert len(tree.all_pages()) + alloc.num_free + private == alloc.capacity
         assert len(tree.all_host_pages()) + tiers.host.num_free == tiers.host.capacity
     for node in locks:
         tree.unlock(node)
+    for _, end, pages, _ in held:
+        alloc.free(pages)
+        tree.unlock(end)
     alloc.free(tree.flush())
     tree.check()
     assert alloc.num_free == alloc.capacity and tree.all_pages() == []
@@ -223,3 +255,24 @@ def test_allocator_refuses_double_free_and_overdraw() -> None:
     with pytest.raises(ValueError, match="twice"):
         alloc.free([2])
     alloc.check()
+
+
+def test_only_the_private_end_of_a_path_is_taken_out() -> None:
+    alloc = PageAllocator(16, reserved=1)
+    tree = RadixTree(PAGE)
+    prompt, mine, theirs = [1] * PAGE, [2] * (2 * PAGE), [3] * PAGE
+    for tokens, owner in ((prompt + mine, "t0"), (prompt + theirs, "t1")):
+        own = alloc.allocate(len(tokens) // PAGE)
+        m = tree.insert(tokens, own, owner=owner)
+        alloc.free([p for p, k in zip(own, m.pages, strict=True) if p != k])
+    m = tree.match(prompt + mine)
+    tree.lock(m.node)
+    end, pages = tree.detach_private(m.node, "t0")
+    assert pages == m.pages[1:]  # the prompt has another branch below it: it stays
+    assert end.key == tuple(prompt) and end.lock_ref == 1
+    assert tree.cached(prompt + mine)[:2] == (1, 0)
+    tree.check()
+    host, dup = tree.insert_host(prompt + mine, [7, 8], 1, owner="t0")
+    assert dup == [] and host.on_host and tree.cached(prompt + mine)[:2] == (1, 2)
+    tree.unlock(end)
+    tree.check()

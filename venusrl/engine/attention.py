@@ -11,6 +11,11 @@ prefix is gathered once per group and attended by all members' queries in one ma
 own pages are attended separately, and the two partial softmaxes are merged exactly through their
 log-sum-exp. Rows without siblings skip the prefix part.
 
+Layer bands. A sequence that keeps only a band of its layers on device (`policy.layer_residency`)
+runs as a span of its own, even when it decodes one token: in a layer outside its band, its band
+pages hold other sequences' layers, so the gathered keys and values of those pages are replaced
+by the layer read from the host tier. Its new tokens always land in ordinary device pages.
+
 Grouped-query attention folds the query heads of one KV head into the query dimension
 (`[kv_heads, seqs, group, head_dim]`), so keys and values are never repeated per query head.
 Pages are gathered with one `index_select` along the page dimension, which yields
@@ -45,6 +50,15 @@ class DecodeBatch:
 
 
 @dataclass(frozen=True)
+class StreamedPages:
+    """A span's pages that hold only `layers` on device; `host` has them whole."""
+
+    first: int  # index of the first one among the span's pages
+    host: torch.Tensor  # [n] host page ids
+    layers: range
+
+
+@dataclass(frozen=True)
 class PrefillSpan:
     row: int  # first row of the span in the packed batch
     num_tokens: int
@@ -53,6 +67,7 @@ class PrefillSpan:
     # [num_tokens * group, context_len] bool, True = may attend; None where the fused CPU kernel
     # runs (`needs_prefill_mask`), which takes causality as a flag
     mask: torch.Tensor | None
+    streamed: StreamedPages | None = None
 
 
 @dataclass(frozen=True)
@@ -82,8 +97,11 @@ def paged_attention(
     v: torch.Tensor,
     layer_kv: torch.Tensor,
     batch: StepBatch,
+    layer: int = 0,
+    host_layer_kv: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [T, heads, d]; k, v: [T, kv_heads, d]; layer_kv: [2, kv_heads, pages, page_size, d].
+    """q: [T, heads, d]; k, v: [T, kv_heads, d]; layer_kv: [2, kv_heads, pages, page_size, d],
+    the KV of layer `layer`, whose host tier `host_layer_kv` streamed spans read.
 
     Writes this step's k and v into their slots, then attends. Returns [T, heads * d].
     """
@@ -105,6 +123,12 @@ def paged_attention(
     for span in batch.prefills:
         n, rows = span.num_tokens, slice(span.row, span.row + span.num_tokens)
         kv = _gather(layer_kv, span.pages)[:, :, : span.context_len]
+        streamed = span.streamed
+        if streamed is not None and layer not in streamed.layers:
+            assert host_layer_kv is not None, "a streamed span needs the host tier"
+            first, n_host = streamed.first * page_size, len(streamed.host) * page_size
+            from_host = host_layer_kv.index_select(2, streamed.host).view(2, kv_heads, -1, dim)
+            kv[:, :, first : first + n_host] = from_host.to(kv.device, non_blocking=True)
         if span.mask is None:
             out[rows] = _prefill_fused(q[rows].view(n, kv_heads, group, dim), kv)
             continue

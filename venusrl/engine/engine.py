@@ -24,6 +24,15 @@ wait that follows it (`expected_wait_s`, the coordinator's estimate of when the 
 Where the policy says so and the host tier has room, the KV is offloaded rather than dropped; a
 later match loads it back (a host hit) instead of computing it again (a re-prefill, counted by
 cause). A preempted request's full pages go the same way.
+
+Layer-wise residency (`engine.layer_residency`, `policy.layer_residency`): when the KV that
+high-priority requests need presses on the device, a running high-priority request's completed
+pages keep only a band of their layers on device (the page shared with other requests' bands) and
+a whole copy on the host tier, from which each layer outside the band is read as the forward pass
+reaches it. New tokens go to ordinary pages, which are banded once complete. When the pressure
+falls, the pages are loaded back whole; when the request stops, its banded pages join the radix
+tree as host nodes (their host copy is the cache). Outputs do not change: the same keys and
+values are read, from another place.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ from venusrl.engine.attention import (
     PrefillSpan,
     PrefixGroup,
     StepBatch,
+    StreamedPages,
     causal_mask,
     needs_prefill_mask,
 )
@@ -53,7 +63,7 @@ from venusrl.engine.kv_cache import KVCache
 from venusrl.engine.model import CausalLM
 from venusrl.engine.model_dir import iter_safetensors, load_model
 from venusrl.engine.radix_tree import Cached, PrefixMatch, RadixNode, RadixTree
-from venusrl.engine.request import GenerationOutput, Request, SamplingParams, Status
+from venusrl.engine.request import GenerationOutput, Request, SamplingParams, Status, Streamed
 from venusrl.engine.sampler import sample
 from venusrl.engine.tokenizer import Tokenizer
 from venusrl.policy.critical_groups import HIGH
@@ -72,6 +82,7 @@ from venusrl.policy.kv_retention import (
     TrajectoryRetention,
     eviction_key,
 )
+from venusrl.policy.layer_residency import LayerResidency, band_layers
 
 # Decode rows sharing a prefix attend it once (cascade attention) when that saves reading at
 # least this many KV tokens per layer; below it one fused SDPA call over all pages is cheaper.
@@ -103,6 +114,11 @@ class EngineStats:
     # Tokens whose KV the engine had computed and then lost, computed again; by cause:
     # "evicted" (dropped while idle between turns), "preempted" (dropped after a preemption).
     reprefill_tokens: Counter[str] = field(default_factory=Counter)
+    # Layer-wise residency: pages reduced to a layer band (ever), loaded back whole (ever), and
+    # bytes of KV layers read from the host tier by the forward passes.
+    banded_pages: int = 0
+    unbanded_pages: int = 0
+    streamed_bytes: int = 0
 
     @property
     def prefix_hit_ratio(self) -> float:
@@ -180,6 +196,14 @@ class Engine:
                 f"{capacity_tokens} tokens, less than one sequence of the context limit "
                 f"({self.max_context}); raise device_kv_pages or lower engine.max_context"
             )
+        self.layer_residency = (
+            LayerResidency(cfg.layer_residency) if cfg.layer_residency is not None else None
+        )
+        if self.layer_residency is not None and cfg.host_kv_pages == 0:
+            raise ValueError(
+                "engine.layer_residency reads layers from the host tier: set engine.host_kv_pages"
+            )
+        self._next_band: Counter[int] = Counter()
         eos = set(mc.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
         self.eos_token_ids = frozenset(eos)
         self.weight_version = 0
@@ -337,6 +361,8 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[Request]:
         """Run one forward pass; returns the requests that finished in it."""
+        if self.layer_residency is not None:
+            self._set_residency(self.layer_residency)
         plan = self.scheduler.schedule(self._snapshot())
         for rid in plan.preempt:
             self._preempt(self.requests[rid])
@@ -361,7 +387,8 @@ class Engine:
                 self._enqueue(r)
         if not work:
             return []
-        work.sort(key=lambda item: item[1] > 1)  # the packed batch puts decode rows first
+        # The packed batch puts decode rows first; banded requests run as spans.
+        work.sort(key=lambda item: item[1] > 1 or item[0].stream is not None)
         batch = self._build_batch(work)
         logits = self.model(batch, self.kv)
         self.stats.steps += 1
@@ -445,6 +472,8 @@ class Engine:
         """Pages that preempting `r` frees or makes evictable: its own, plus the cached prefix
         nodes that no other request holds (lock_ref 1)."""
         pages = len(r.pages) - r.num_shared_pages
+        if r.stream is not None:  # n banded pages share n / bands device pages
+            pages -= len(r.stream.host) - len(r.stream.host) // r.stream.bands
         node = r.tree_node
         while node is not None and node.parent is not None and node.lock_ref == 1:
             pages += len(node.pages)
@@ -476,12 +505,12 @@ class Engine:
             slots.extend(r.pages[p // ps] * ps + p % ps for p in range(start, start + n))
             if start + n == r.num_tokens:
                 logits_rows.append(row + n - 1)
-            if n == 1:
+            if n == 1 and r.stream is None:
                 decoding.append(r)
             else:
                 used = torch.tensor(r.pages[: pages_for(start + n, ps)], device=dev)
                 mask = causal_mask(start, n, group, dev) if needs_prefill_mask(dev) else None
-                prefills.append(PrefillSpan(row, n, used, start + n, mask))
+                prefills.append(PrefillSpan(row, n, used, start + n, mask, self._streamed(r)))
         return StepBatch(
             input_ids=torch.tensor(input_ids, device=dev),
             positions=torch.tensor(positions, device=dev),
@@ -557,9 +586,12 @@ class Engine:
             if reason is not None:
                 self._finish(r, reason)
                 finished.append(r)
+        for r, _ in work:
+            if r.stream is not None and not r.finished:
+                self._band_completed(r)
         if self.cfg.prefix_cache:
             for r, n in work:
-                if n > 1 and not r.finished:
+                if n > 1 and not r.finished and r.stream is None:
                     self._cache_prefix(r)  # siblings waiting on this prompt can now match it
         return finished
 
@@ -690,6 +722,9 @@ class Engine:
         r.tree_node, r.num_shared_pages = match.node, full
 
     def _release_kv(self, r: Request) -> None:
+        if r.stream is not None:
+            self._release_banded(r)
+            return
         if self.cfg.prefix_cache:
             self._cache_prefix(r)
             if r.tree_node is not None:
@@ -703,6 +738,114 @@ class Engine:
         if r.tree_node is not None:
             self.tree.unlock(r.tree_node)
         r.pages, r.num_shared_pages, r.tree_node, r.num_computed = [], 0, None, 0
+
+    # -- layer-wise residency -----------------------------------------------------------------
+
+    def _set_residency(self, policy: LayerResidency) -> None:
+        """Band or unband the running high-priority requests' pages by the pressure: the KV
+        pages high-priority requests need (shared prefixes once, waiting ones what they do not
+        find cached) over the device pages."""
+        ps = self.page_size
+        high = [r for r in self.running if r.priority >= HIGH]
+        shared: set[int] = set()
+        need = 0
+        for r in high:
+            shared.update(r.pages[: r.num_shared_pages])
+            need += pages_for(r.num_tokens, ps) - r.num_shared_pages
+        for r in self.waiting[: 2 * self.cfg.max_running]:
+            if r.priority < HIGH:
+                break  # the queue is in priority order
+            need += pages_for(r.num_tokens, ps) - sum(self._cached_prefix(r)[:2])
+        pressure = (need + len(shared)) / self.kv.device_pages.capacity
+        bands = policy.bands(pressure, self.kv.num_layers)
+        for r in high:
+            if bands == 1 and r.stream is not None:
+                self._unband(r)
+            elif bands > 1 and r.stream is None:
+                self._take_private_prefix(r)
+                band = self._next_band[bands] % bands  # spread requests over the bands
+                self._next_band[bands] += 1
+                layers = band_layers(band, bands, self.kv.num_layers)
+                r.stream = Streamed(bands, band, layers, first=r.num_shared_pages)
+                self._band_completed(r)
+
+    def _take_private_prefix(self, r: Request) -> None:
+        """The cached prefix only this request reads becomes its own, to be banded: in a
+        multi-turn trajectory that is most of its context (its earlier turns). Not while a
+        sibling waits: it may be about to read the group's prompt."""
+        if r.tree_node is None or (
+            r.group_id is not None and any(o.group_id == r.group_id for o in self.waiting)
+        ):
+            return
+        node, pages = self.tree.detach_private(r.tree_node, r.trajectory_id)
+        r.num_shared_pages -= len(pages)
+        r.tree_node = node
+
+    def _band_completed(self, r: Request) -> None:
+        """Reduce the request's completed pages not banded yet to its band (while the host tier
+        has room for their whole copy)."""
+        s = r.stream
+        assert s is not None
+        start = s.end
+        n = min(r.num_computed // self.page_size - start, self.kv.host_free())
+        if n <= 0:
+            return
+        pages, host = self.kv.split(r.pages[start : start + n], s.bands, s.band, s.layers)
+        r.pages[start : start + n] = pages
+        s.host += host
+        self.stats.banded_pages += n
+
+    def _unband(self, r: Request) -> None:
+        """Load the request's banded pages back whole when free pages hold them; it evicts no
+        idle KV for that (streaming is slower, not wrong)."""
+        s = r.stream
+        assert s is not None
+        device = self.kv.unsplit(r.pages[s.first : s.end], s.band, s.host)
+        if device is None:
+            return
+        r.pages[s.first : s.end] = device
+        self.stats.unbanded_pages += len(device)
+        r.stream = None
+
+    def _streamed(self, r: Request) -> StreamedPages | None:
+        """What a banded request's span reads from host in the layers outside its band."""
+        s = r.stream
+        if s is None or not s.host:
+            return None
+        layers = self.kv.num_layers
+        self.stats.streamed_bytes += (
+            len(s.host) * (layers - len(s.layers)) * self.kv.page_bytes() // layers
+        )
+        return StreamedPages(s.first, torch.tensor(s.host), s.layers)
+
+    def _release_banded(self, r: Request) -> None:
+        """A banded request stops running: its banded pages, and its complete pages after them
+        copied to host, join the radix tree as host nodes (their host copies are whole); its
+        device pages are freed."""
+        s = r.stream
+        assert s is not None
+        ps = self.page_size
+        for p in r.pages[s.first : s.end]:
+            self.kv.bands.release(p, s.band)
+        tail = r.pages[s.end : r.num_computed // ps]
+        host = list(s.host)
+        if self.cfg.prefix_cache:
+            host += self.kv.to_host(tail[: self.kv.host_free()])
+            node, duplicates = self.tree.insert_host(
+                r.all_ids, host, s.first, r.namespace, r.trajectory_id
+            )
+            self.kv.free_host(duplicates)
+            r.expected_cached = max(r.expected_cached, (s.first + len(host)) * ps)
+            t = self.trajectories.get(r.trajectory_id) if r.trajectory_id else None
+            if t is not None:
+                t.node, t.cached_ids = node, r.all_ids[: (s.first + len(host)) * ps]
+        else:
+            self.kv.free_host(host)
+        self.kv.device_pages.free(r.pages[s.end :])
+        if r.tree_node is not None:
+            self.tree.unlock(r.tree_node)
+        r.pages, r.num_shared_pages, r.tree_node, r.num_computed = [], 0, None, 0
+        r.stream = None
 
     def _preempt(self, r: Request) -> None:
         self.running.remove(r)
@@ -759,24 +902,41 @@ class Engine:
         self.kv.check()
         self.tree.check()
         owners: dict[int, str] = dict.fromkeys(self.tree.all_pages(), "tree")
+        band_owners: dict[tuple[int, int], str] = {}
+        host = self.tree.all_host_pages()
         for r in self.running:
             assert r.status is Status.RUNNING
             assert len(r.pages) * self.page_size >= r.num_computed
             shared = set(r.pages[: r.num_shared_pages])
             assert all(owners.get(p) == "tree" for p in shared), "shared page not in tree"
-            for p in r.pages[r.num_shared_pages :]:
+            own = r.pages[r.num_shared_pages :]
+            if r.stream is not None:
+                s = r.stream
+                assert s.first == r.num_shared_pages and s.end * self.page_size <= r.num_computed
+                for p in r.pages[s.first : s.end]:
+                    assert (p, s.band) not in band_owners, f"band {s.band} of {p} held twice"
+                    assert self.kv.bands.owned(p, s.band), f"band {s.band} of {p} not taken"
+                    band_owners[p, s.band] = r.request_id
+                host += s.host
+                own = r.pages[s.end :]
+            for p in own:
                 assert p not in owners, f"page {p} owned by {owners.get(p)} and {r.request_id}"
                 owners[p] = r.request_id
         for r in self.waiting:
             assert r.status is Status.WAITING and not r.pages and r.tree_node is None
         free = set(self.kv.device_pages.free_page_ids())
         assert not free & set(owners), "a free page is also owned"
-        host = self.tree.all_host_pages()
+        split = set(self.kv.bands.pages())
+        assert not split & set(owners), "a split page is also owned whole"
+        assert split == {p for p, _ in band_owners}, "a split page has no banded request"
+        assert len(set(host)) == len(host), "a host page is held twice"
         assert len(host) + self.kv.host_pages.num_free == self.kv.host_pages.capacity, (
             "a host page leaked"
         )
-        assert 0 not in owners, "the padding page is in use"
-        assert len(free) + len(owners) == self.kv.device_pages.capacity, "a page leaked"
+        assert 0 not in owners and 0 not in split, "the padding page is in use"
+        assert len(free) + len(owners) + len(split) == self.kv.device_pages.capacity, (
+            "a page leaked"
+        )
 
 
 def _padded(rows: Sequence[Sequence[int]], width: int, device: torch.device) -> torch.Tensor:

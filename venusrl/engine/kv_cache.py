@@ -7,6 +7,11 @@ so it must never hold live data.
 
 On CPU both tiers are host tensors; on CUDA the device tier lives in GPU memory and the host tier
 in pinned memory, so `to_host`/`to_device` are real PCIe copies.
+
+Layer bands (`policy.layer_residency`): under pressure a request's completed pages keep only a
+band of their layers on device, the whole page being copied to host, where attention reads the
+other layers from. A device page split n ways holds the bands of n such pages, one per contiguous
+layer range, so each costs 1/n of a page. `BandPages` hands out those slots.
 """
 
 from __future__ import annotations
@@ -71,6 +76,76 @@ class PageAllocator:
         assert not any(self._is_free[: self.reserved]), "reserved page marked free"
 
 
+class BandPages:
+    """Device pages split into layer bands, each band holding one request page's layers.
+
+    A page split n ways has n bands, each free or taken; pages come from the device allocator
+    and go back to it when their last band is released. A band's layers sit at their own layer
+    index, so attention reads them like any page of that layer.
+    """
+
+    def __init__(self, allocator: PageAllocator) -> None:
+        self.allocator = allocator
+        self._taken: dict[int, tuple[int, list[bool]]] = {}  # page -> (bands, taken per band)
+        # (bands, band) -> split pages with that band free, in insertion order
+        self._free: dict[tuple[int, int], dict[int, None]] = {}
+
+    @property
+    def num_pages(self) -> int:
+        return len(self._taken)
+
+    def pages(self) -> list[int]:
+        return list(self._taken)
+
+    def take(self, bands: int, band: int, page: int) -> int:
+        """A slot for band `band` of `bands` of the caller's full device page `page`: a split
+        page with that band free, or, when there is none, `page` itself (split from now on).
+        The caller copies the band's layers when the answer is not `page`, then frees `page`."""
+        free = self._free.setdefault((bands, band), {})
+        if free:
+            slot = next(iter(free))
+            del free[slot]
+        else:
+            slot = page
+            self._taken[slot] = (bands, [False] * bands)
+            for b in range(bands):
+                if b != band:
+                    self._free.setdefault((bands, b), {})[slot] = None
+        self._taken[slot][1][band] = True
+        return slot
+
+    def release(self, page: int, band: int) -> None:
+        if page not in self._taken:
+            raise ValueError(f"page {page} is not split")
+        bands, taken = self._taken[page]
+        if not taken[band]:
+            raise ValueError(f"band {band} of page {page} released twice")
+        taken[band] = False
+        if any(taken):
+            self._free[(bands, band)][page] = None
+            return
+        for b in range(bands):
+            self._free[(bands, b)].pop(page, None)
+        del self._taken[page]
+        self.allocator.free([page])
+
+    def owned(self, page: int, band: int) -> bool:
+        entry = self._taken.get(page)
+        return entry is not None and entry[1][band]
+
+    def check(self) -> None:
+        for (bands, band), pages in self._free.items():
+            for p in pages:
+                assert self._taken[p][0] == bands and not self._taken[p][1][band], (
+                    f"band {band} of page {p} listed free but taken"
+                )
+        for p, (bands, taken) in self._taken.items():
+            assert any(taken), f"split page {p} has no band taken"
+            assert not self.allocator._is_free[p], f"split page {p} is also free"
+            for b in range(bands):
+                assert taken[b] or p in self._free[(bands, b)], f"band {b} of {p} lost"
+
+
 class KVCache:
     """Device and host KV tensors plus an allocator per tier.
 
@@ -104,10 +179,50 @@ class KVCache:
         )
         self.device_pages = PageAllocator(device_pages, reserved=1)
         self.host_pages = PageAllocator(host_pages)
+        self.bands = BandPages(self.device_pages)
+        self.num_layers = num_layers
 
     def layer(self, layer: int) -> torch.Tensor:
         """K and V of one layer on the device tier: `[2, kv_heads, pages, page_size, head_dim]`."""
         return self.device_kv[layer]
+
+    def host_layer(self, layer: int) -> torch.Tensor:
+        """K and V of one layer on the host tier: `[2, kv_heads, host pages, page_size, dim]`."""
+        return self.host_kv[layer]
+
+    # Layer bands.
+
+    def split(
+        self, pages: list[int], bands: int, band: int, layers: range
+    ) -> tuple[list[int], list[int]]:
+        """Keep only `layers` (band `band` of `bands`) of full device pages on device: every
+        page is copied whole to new host pages, its band moved to a shared split page where one
+        has room. Returns (band pages, host pages); the device pages the caller owned are either
+        band pages now or freed."""
+        host = self.to_host(pages)
+        slots = [self.bands.take(bands, band, p) for p in pages]
+        moved = [(p, s) for p, s in zip(pages, slots, strict=True) if p != s]
+        if moved:
+            src = torch.tensor([p for p, _ in moved], device=self.device)
+            dst = torch.tensor([s for _, s in moved], device=self.device)
+            band_kv = self.device_kv[layers.start : layers.stop]
+            band_kv.index_copy_(3, dst, band_kv.index_select(3, src))
+            self.device_pages.free([p for p, _ in moved])
+        return slots, host
+
+    def unsplit(self, band_pages: list[int], band: int, host: list[int]) -> list[int] | None:
+        """Full device pages again, loaded from the host copies (which hold every layer), or
+        None when the device has too few free pages; the band slots and host pages are freed."""
+        device = self.to_device(host)
+        if device is None:
+            return None
+        self.release_split(band_pages, band, host)
+        return device
+
+    def release_split(self, band_pages: list[int], band: int, host: list[int]) -> None:
+        for p in band_pages:
+            self.bands.release(p, band)
+        self.host_pages.free(host)
 
     # The radix tree's `HostTier`: it moves whole nodes between the tiers.
 
@@ -147,3 +262,4 @@ class KVCache:
     def check(self) -> None:
         self.device_pages.check()
         self.host_pages.check()
+        self.bands.check()

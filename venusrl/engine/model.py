@@ -228,7 +228,8 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, rope: tuple[torch.Tensor, ...], batch: StepBatch, kv: KVCache
     ) -> torch.Tensor:
         q, k, v = self._qkv(x, rope)
-        attn = paged_attention(q, k, v, kv.layer(self.layer_index), batch)
+        i = self.layer_index
+        attn = paged_attention(q, k, v, kv.layer(i), batch, i, kv.host_layer(i))
         return self._residual_and_mlp(x, attn)
 
     def forward_dense(self, x: torch.Tensor, rope: tuple[torch.Tensor, ...]) -> torch.Tensor:

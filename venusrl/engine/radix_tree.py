@@ -273,12 +273,88 @@ class RadixTree:
             self._count(child, +1)
             self._candidates[child] = None
             node, cached = child, cached + new_pages
-        if owner is not None:
-            up: RadixNode | None = node
-            while up is not None and up.parent is not None and owner not in up.owners:
-                up.owners.add(owner)
-                up = up.parent
+        self._own(node, owner)
         return PrefixMatch(node, cached)
+
+    def insert_host(
+        self,
+        tokens: Sequence[int],
+        host_pages: Sequence[int],
+        first: int,
+        namespace: Hashable = None,
+        owner: str | None = None,
+    ) -> tuple[RadixNode, list[int]]:
+        """Cache pages `first`.. of `tokens`, whose KV sits in `host_pages` (a request that kept
+        only a layer band on device has a whole copy there); the tree holds its first `first`
+        pages already. Returns the node that ends the span and the host pages the tree did not
+        take (it had those pages cached already): the caller frees them."""
+        ps = self.page_size
+        span = tuple(tokens[: (first + len(host_pages)) * ps])
+        node = self.root(namespace)
+        offset = 0
+        tick = next(self._tick)
+        while offset < len(span):
+            child = node.children.get(span[offset : offset + ps])
+            if child is None:
+                break
+            n = self._common_pages(child.key, span, offset)
+            if n * ps < len(child.key):
+                child = self._split(child, n)
+            child.last_access = tick
+            offset += len(child.key)
+            node = child
+        assert offset >= first * ps, "the span's first pages are not cached"
+        cached = offset // ps - first
+        if cached < len(host_pages):
+            child = RadixNode(
+                span[offset:],
+                list(host_pages[cached:]),
+                node,
+                namespace,
+                last_access=tick,
+                on_host=True,
+            )
+            node.children[span[offset : offset + ps]] = child
+            self._count(child, +1)
+            node = child
+        self._own(node, owner)
+        return node, list(host_pages[:cached])
+
+    def detach_private(self, node: RadixNode, owner: str | None) -> tuple[RadixNode, list[int]]:
+        """Take out of the tree the end of the path to `node` that only its one lock holder can
+        read: nodes locked once, with no other branch below them, that no trajectory but
+        `owner` owns. Returns the node the path now ends at (still locked by the holder) and the
+        device pages taken out, in path order; the holder owns them from now on."""
+        taken: list[RadixNode] = []
+        below: RadixNode | None = None
+        while (
+            node.parent is not None
+            and node.lock_ref == 1
+            and not node.on_host
+            and node.owners <= {owner}
+            and list(node.children.values()) == ([below] if below else [])
+        ):
+            taken.append(node)
+            below, node = node, node.parent
+        pages: list[int] = []
+        for n in reversed(taken):
+            assert n.parent is not None
+            self.protected_pages -= len(n.pages)
+            self._candidates.pop(n, None)
+            pages += n.pages
+        if taken:
+            del node.children[taken[-1].key[: self.page_size]]
+            self._candidates[node] = None  # it may be evictable once unlocked
+        return node, pages
+
+    def _own(self, node: RadixNode, owner: str | None) -> None:
+        """Record `owner` on `node` and every ancestor."""
+        if owner is None:
+            return
+        up: RadixNode | None = node
+        while up is not None and up.parent is not None and owner not in up.owners:
+            up.owners.add(owner)
+            up = up.parent
 
     def touch(self, node: RadixNode) -> None:
         """The path ending at `node` was just used (by a request that read it to its end)."""
