@@ -195,6 +195,8 @@ def run(
         "preemptions": stats.preemptions,
         "turn_wait_mean_s": round(statistics.fmean(waits), 4) if waits else None,
         "banded_pages": stats.banded_pages,
+        "banded_from_host_pages": stats.banded_from_host_pages,
+        "band_copy_bytes": stats.band_copy_bytes,
         "streamed_bytes": stats.streamed_bytes,
         "outputs": [t.outputs for t in trajs],
     }

@@ -153,7 +153,7 @@ def decode(
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-        bands |= {r.stream.bands if r.stream else 1 for r in engine.running}
+        bands |= {r.banded.bands if r.banded else 1 for r in engine.running}
     engine.check()
     return {
         "bands": sorted(bands),

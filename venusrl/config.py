@@ -71,8 +71,9 @@ class EngineConfig(_Section):
         gt=0,
         lt=1,
         description="pressure (KV pages high-priority requests need / device pages) at which"
-        " their completed pages keep only half their layers on device and read the rest from"
-        " the host tier layer by layer (policy.layer_residency; needs host_kv_pages); None: off",
+        " their completed pages keep only a band of their layers on device (half, a quarter"
+        " further up, ...) and read the rest from the host tier layer by layer"
+        " (policy.layer_residency; needs host_kv_pages); None: off",
     )
     max_running: int = Field(256, ge=1, description="most requests decoded in one batch")
     token_budget: int = Field(

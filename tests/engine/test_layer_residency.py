@@ -36,6 +36,8 @@ def test_residency_halves_as_pressure_crosses_each_threshold() -> None:
     ]  # fmt: skip
     assert policy.bands(5.0, 2) == 2  # never fewer than one layer on device
     assert policy.bands(5.0, 1) == 1
+    # Loaded back whole only a margin below the threshold: no copying back and forth at it.
+    assert not policy.unband(0.49) and policy.unband(0.44)
 
 
 def test_bands_cover_every_layer_once() -> None:
@@ -93,7 +95,7 @@ def test_layer_banded_requests_give_the_same_greedy_outputs(
     expected = [o.token_ids for o in reference.generate(prompts, params)]
     # Six contexts of 40-70 tokens need 90 pages of 4; the device has 47.
     engine = engine_for(
-        model, device_kv_pages=48, host_kv_pages=200, layer_residency=0.4, max_context=96
+        model, device_kv_pages=48, host_kv_pages=200, layer_residency=0.45, max_context=96
     )
     ids = [
         engine.add_request(p, sp, priority=HIGH).request_id
@@ -147,7 +149,10 @@ def test_banded_trajectories_keep_their_kv_across_turns_on_host(tiny_qwen3: Path
         tiny_qwen3, device_kv_pages=60, host_kv_pages=400, layer_residency=0.3, max_context=96
     )
     assert play_turns(engine, prompts, 3, wait_on_tools=True) == reference
-    assert engine.stats.banded_pages > 0 and engine.stats.host_hit_tokens > 0
+    stats = engine.stats
+    assert stats.banded_pages > 0 and stats.host_hit_tokens > 0
+    # Returning trajectories took their offloaded turns as banded pages, not loaded whole.
+    assert stats.banded_from_host_pages > 0
     engine.flush_cache()
     engine.check()
     assert engine.kv.host_pages.num_free == engine.kv.host_pages.capacity
@@ -209,6 +214,36 @@ def test_banding_keeps_outputs_and_page_ownership_under_random_load(
     assert [engine.pop_finished(i).token_ids for i in ids] == expected
     for i in range(len(ids)):
         engine.end_trajectory(f"t{i}")
+    engine.flush_cache()
+    engine.check()
+    assert engine.kv.device_pages.num_free == engine.kv.device_pages.capacity
+    assert engine.kv.host_pages.num_free == engine.kv.host_pages.capacity
+
+
+@settings(
+    max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    suffixes=st.lists(st.lists(st.integers(2, 500), max_size=10), min_size=2, max_size=6),
+    pool_pages=st.integers(30, 60),
+    host_pages=st.sampled_from([10, 400]),
+    threshold=st.sampled_from([0.2, 0.5]),
+)
+def test_banded_multi_turn_trajectories_keep_outputs_and_page_ownership(
+    tiny_qwen3: Path, suffixes: list, pool_pages: int, host_pages: int, threshold: float
+) -> None:
+    prompts = [list(range(100, 117)) + suffix for suffix in suffixes]
+    reference = play_turns(
+        engine_for(tiny_qwen3, prefix_cache=False, device_kv_pages=256), prompts, 3, False
+    )
+    engine = engine_for(
+        tiny_qwen3,
+        device_kv_pages=pool_pages,
+        host_kv_pages=host_pages,
+        layer_residency=threshold,
+        max_context=96,
+    )
+    assert play_turns(engine, prompts, 3, wait_on_tools=True) == reference  # check() each step
     engine.flush_cache()
     engine.check()
     assert engine.kv.device_pages.num_free == engine.kv.device_pages.capacity

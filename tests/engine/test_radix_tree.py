@@ -132,7 +132,7 @@ def test_tree_and_allocators_invariants_hold_after_every_operation(
         elif op == "detach" and locks:
             node = locks.pop(arg % len(locks))
             tokens = path_tokens(node)
-            end, pages = tree.detach_private(node, owner)
+            end, pages = tree.detach_private(node, owner, arg % 7)
             assert path_tokens(end) == tokens[: len(tokens) - len(pages) * PAGE]
             held.append((tokens, end, pages, owner))
         elif op == "rehost" and held:
@@ -267,7 +267,8 @@ def test_only_the_private_end_of_a_path_is_taken_out() -> None:
         alloc.free([p for p, k in zip(own, m.pages, strict=True) if p != k])
     m = tree.match(prompt + mine)
     tree.lock(m.node)
-    end, pages = tree.detach_private(m.node, "t0")
+    assert tree.detach_private(m.node, "t0", 1)[1] == []  # its private end is two pages
+    end, pages = tree.detach_private(m.node, "t0", 8)
     assert pages == m.pages[1:]  # the prompt has another branch below it: it stays
     assert end.key == tuple(prompt) and end.lock_ref == 1
     assert tree.cached(prompt + mine)[:2] == (1, 0)

@@ -50,7 +50,7 @@ class DecodeBatch:
 
 
 @dataclass(frozen=True)
-class StreamedPages:
+class BandedPages:
     """A span's pages that hold only `layers` on device; `host` has them whole."""
 
     first: int  # index of the first one among the span's pages
@@ -67,7 +67,7 @@ class PrefillSpan:
     # [num_tokens * group, context_len] bool, True = may attend; None where the fused CPU kernel
     # runs (`needs_prefill_mask`), which takes causality as a flag
     mask: torch.Tensor | None
-    streamed: StreamedPages | None = None
+    banded: BandedPages | None = None
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def paged_attention(
     host_layer_kv: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, heads, d]; k, v: [T, kv_heads, d]; layer_kv: [2, kv_heads, pages, page_size, d],
-    the KV of layer `layer`, whose host tier `host_layer_kv` streamed spans read.
+    the KV of layer `layer`, whose host tier `host_layer_kv` banded spans read.
 
     Writes this step's k and v into their slots, then attends. Returns [T, heads * d].
     """
@@ -123,11 +123,11 @@ def paged_attention(
     for span in batch.prefills:
         n, rows = span.num_tokens, slice(span.row, span.row + span.num_tokens)
         kv = _gather(layer_kv, span.pages)[:, :, : span.context_len]
-        streamed = span.streamed
-        if streamed is not None and layer not in streamed.layers:
-            assert host_layer_kv is not None, "a streamed span needs the host tier"
-            first, n_host = streamed.first * page_size, len(streamed.host) * page_size
-            from_host = host_layer_kv.index_select(2, streamed.host).view(2, kv_heads, -1, dim)
+        banded = span.banded
+        if banded is not None and layer not in banded.layers:
+            assert host_layer_kv is not None, "a banded span reads the host tier"
+            first, n_host = banded.first * page_size, len(banded.host) * page_size
+            from_host = host_layer_kv.index_select(2, banded.host).view(2, kv_heads, -1, dim)
             kv[:, :, first : first + n_host] = from_host.to(kv.device, non_blocking=True)
         if span.mask is None:
             out[rows] = _prefill_fused(q[rows].view(n, kv_heads, group, dim), kv)

@@ -30,9 +30,10 @@ high-priority requests need presses on the device, a running high-priority reque
 pages keep only a band of their layers on device (the page shared with other requests' bands) and
 a whole copy on the host tier, from which each layer outside the band is read as the forward pass
 reaches it. New tokens go to ordinary pages, which are banded once complete. When the pressure
-falls, the pages are loaded back whole; when the request stops, its banded pages join the radix
-tree as host nodes (their host copy is the cache). Outputs do not change: the same keys and
-values are read, from another place.
+falls, the pages are loaded back whole. When the request stops, its banded pages join the radix
+tree as host nodes (their host copy is the cache); when its trajectory's next turn comes back
+under pressure, it takes those host pages back as banded pages, copying only its band to the
+device. Outputs do not change: the same keys and values are read, from another place.
 """
 
 from __future__ import annotations
@@ -50,11 +51,11 @@ import torch
 
 from venusrl.config import EngineConfig
 from venusrl.engine.attention import (
+    BandedPages,
     DecodeBatch,
     PrefillSpan,
     PrefixGroup,
     StepBatch,
-    StreamedPages,
     causal_mask,
     needs_prefill_mask,
 )
@@ -63,7 +64,7 @@ from venusrl.engine.kv_cache import KVCache
 from venusrl.engine.model import CausalLM
 from venusrl.engine.model_dir import iter_safetensors, load_model
 from venusrl.engine.radix_tree import Cached, PrefixMatch, RadixNode, RadixTree
-from venusrl.engine.request import GenerationOutput, Request, SamplingParams, Status, Streamed
+from venusrl.engine.request import Banded, GenerationOutput, Request, SamplingParams, Status
 from venusrl.engine.sampler import sample
 from venusrl.engine.tokenizer import Tokenizer
 from venusrl.policy.critical_groups import HIGH
@@ -114,10 +115,14 @@ class EngineStats:
     # Tokens whose KV the engine had computed and then lost, computed again; by cause:
     # "evicted" (dropped while idle between turns), "preempted" (dropped after a preemption).
     reprefill_tokens: Counter[str] = field(default_factory=Counter)
-    # Layer-wise residency: pages reduced to a layer band (ever), loaded back whole (ever), and
-    # bytes of KV layers read from the host tier by the forward passes.
+    # Layer-wise residency: pages reduced to a layer band (ever; of those, taken from the host
+    # tier by a returning trajectory, only its band copied to the device), loaded back whole
+    # (ever); bytes copied between the tiers to band, unband and cache banded KV, and bytes of
+    # KV layers read from the host tier by the forward passes.
     banded_pages: int = 0
+    banded_from_host_pages: int = 0
     unbanded_pages: int = 0
+    band_copy_bytes: int = 0
     streamed_bytes: int = 0
 
     @property
@@ -204,6 +209,7 @@ class Engine:
                 "engine.layer_residency reads layers from the host tier: set engine.host_kv_pages"
             )
         self._next_band: Counter[int] = Counter()
+        self._bands = 1  # what the pressure asked for at the last step
         eos = set(mc.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
         self.eos_token_ids = frozenset(eos)
         self.weight_version = 0
@@ -388,7 +394,7 @@ class Engine:
         if not work:
             return []
         # The packed batch puts decode rows first; banded requests run as spans.
-        work.sort(key=lambda item: item[1] > 1 or item[0].stream is not None)
+        work.sort(key=lambda item: item[1] > 1 or item[0].banded is not None)
         batch = self._build_batch(work)
         logits = self.model(batch, self.kv)
         self.stats.steps += 1
@@ -472,8 +478,9 @@ class Engine:
         """Pages that preempting `r` frees or makes evictable: its own, plus the cached prefix
         nodes that no other request holds (lock_ref 1)."""
         pages = len(r.pages) - r.num_shared_pages
-        if r.stream is not None:  # n banded pages share n / bands device pages
-            pages -= len(r.stream.host) - len(r.stream.host) // r.stream.bands
+        s = r.banded
+        if s is not None:  # a band page frees its page only where no other band is taken
+            pages -= sum(not self.kv.bands.frees(p, s.band) for p in r.pages[s.first : s.end])
         node = r.tree_node
         while node is not None and node.parent is not None and node.lock_ref == 1:
             pages += len(node.pages)
@@ -505,12 +512,12 @@ class Engine:
             slots.extend(r.pages[p // ps] * ps + p % ps for p in range(start, start + n))
             if start + n == r.num_tokens:
                 logits_rows.append(row + n - 1)
-            if n == 1 and r.stream is None:
+            if n == 1 and r.banded is None:
                 decoding.append(r)
             else:
                 used = torch.tensor(r.pages[: pages_for(start + n, ps)], device=dev)
                 mask = causal_mask(start, n, group, dev) if needs_prefill_mask(dev) else None
-                prefills.append(PrefillSpan(row, n, used, start + n, mask, self._streamed(r)))
+                prefills.append(PrefillSpan(row, n, used, start + n, mask, self._banded_pages(r)))
         return StepBatch(
             input_ids=torch.tensor(input_ids, device=dev),
             positions=torch.tensor(positions, device=dev),
@@ -587,11 +594,11 @@ class Engine:
                 self._finish(r, reason)
                 finished.append(r)
         for r, _ in work:
-            if r.stream is not None and not r.finished:
+            if r.banded is not None and not r.finished:
                 self._band_completed(r)
         if self.cfg.prefix_cache:
             for r, n in work:
-                if n > 1 and not r.finished and r.stream is None:
+                if n > 1 and not r.finished and r.banded is None:
                     self._cache_prefix(r)  # siblings waiting on this prompt can now match it
         return finished
 
@@ -621,16 +628,20 @@ class Engine:
         is on host and cannot be loaded now: computing that again would waste what was kept."""
         loaded = 0
         if self.cfg.prefix_cache:
-            match = self._match(r)
-            if match is None:
-                return None
-            if match.pages:
-                self.tree.lock(match.node)
-                r.tree_node = match.node
-                r.pages = list(match.pages)
-                r.num_shared_pages = len(match.pages)
-                r.num_computed = len(match.pages) * self.page_size
-            loaded = match.loaded_pages
+            banded = self._admit_banded(r)
+            if banded is not None:
+                loaded = banded
+            else:
+                match = self._match(r)
+                if match is None:
+                    return None
+                if match.pages:
+                    self.tree.lock(match.node)
+                    r.tree_node = match.node
+                    r.pages = list(match.pages)
+                    r.num_shared_pages = len(match.pages)
+                    r.num_computed = len(match.pages) * self.page_size
+                loaded = match.loaded_pages
         self.waiting.remove(r)
         r.status = Status.RUNNING
         self.running.append(r)
@@ -640,6 +651,10 @@ class Engine:
         """Statistics of an admission that stuck (a rolled-back one is counted when it runs)."""
         host = loaded_pages * self.page_size
         self.stats.host_hit_tokens += host
+        if r.banded is not None:  # admitted with its host pages as banded pages
+            self.stats.banded_pages += loaded_pages
+            self.stats.banded_from_host_pages += loaded_pages
+            self._count_copies(loaded_pages, r.banded.layers)
         self.stats.device_hit_tokens += r.num_computed - host
         if r.expected_cached > r.num_computed:
             cause = "preempted" if r.admissions else "evicted"
@@ -722,29 +737,44 @@ class Engine:
         r.tree_node, r.num_shared_pages = match.node, full
 
     def _release_kv(self, r: Request) -> None:
-        if r.stream is not None:
-            self._release_banded(r)
-            return
+        """The request stops running: its computed whole pages go to the cache, the rest of its
+        KV is freed."""
+        if r.banded is not None and not r.banded.host:
+            r.banded = None  # nothing was banded: an ordinary request
+        node = None
+        if r.banded is not None:
+            node = self._release_bands(r)
+            own = r.pages[r.banded.end :]
+        else:
+            if self.cfg.prefix_cache:
+                self._cache_prefix(r)
+                node = r.tree_node
+                if node is not None:
+                    # Its idle KV was last used now, not when its last whole page was cached.
+                    self.tree.touch(node)
+            own = r.pages[r.num_shared_pages :]
         if self.cfg.prefix_cache:
-            self._cache_prefix(r)
-            if r.tree_node is not None:
-                # Its idle KV was last used now, not when its last whole page was cached.
-                self.tree.touch(r.tree_node)
-            r.expected_cached = max(r.expected_cached, r.num_shared_pages * self.page_size)
+            # All it computed counts as cached, so whatever the cache could not keep shows as a
+            # re-prefill when the trajectory comes back.
+            computed = r.num_computed // self.page_size * self.page_size
+            r.expected_cached = max(r.expected_cached, computed)
             t = self.trajectories.get(r.trajectory_id) if r.trajectory_id else None
-            if t is not None and r.tree_node is not None:
-                t.node, t.cached_ids = r.tree_node, r.all_ids[: r.expected_cached]
-        self.kv.device_pages.free(r.pages[r.num_shared_pages :])
+            if t is not None and node is not None:
+                t.node, t.cached_ids = node, r.all_ids[:computed]
+        self.kv.device_pages.free(own)
         if r.tree_node is not None:
             self.tree.unlock(r.tree_node)
         r.pages, r.num_shared_pages, r.tree_node, r.num_computed = [], 0, None, 0
+        r.banded = None
 
     # -- layer-wise residency -----------------------------------------------------------------
 
     def _set_residency(self, policy: LayerResidency) -> None:
         """Band or unband the running high-priority requests' pages by the pressure: the KV
-        pages high-priority requests need (shared prefixes once, waiting ones what they do not
-        find cached) over the device pages."""
+        pages high-priority requests need over the device pages. A prefix several of them
+        share counts once: running requests' shared pages by id; a waiting request's cached
+        prefix is counted once per group (its siblings share it) unless running requests hold
+        it."""
         ps = self.page_size
         high = [r for r in self.running if r.priority >= HIGH]
         shared: set[int] = set()
@@ -752,39 +782,93 @@ class Engine:
         for r in high:
             shared.update(r.pages[: r.num_shared_pages])
             need += pages_for(r.num_tokens, ps) - r.num_shared_pages
+        groups: set[str] = set()
         for r in self.waiting[: 2 * self.cfg.max_running]:
             if r.priority < HIGH:
                 break  # the queue is in priority order
-            need += pages_for(r.num_tokens, ps) - sum(self._cached_prefix(r)[:2])
+            cached = self._cached_prefix(r)
+            counted = r.group_id is not None and r.group_id in groups
+            need += pages_for(r.num_tokens, ps) - (
+                cached.device_pages if counted else cached.device_pages - cached.idle_pages
+            )
+            if r.group_id is not None:
+                groups.add(r.group_id)
         pressure = (need + len(shared)) / self.kv.device_pages.capacity
-        bands = policy.bands(pressure, self.kv.num_layers)
+        self._bands = bands = policy.bands(pressure, self.kv.num_layers)
         for r in high:
-            if bands == 1 and r.stream is not None:
+            if r.banded is not None and bands == 1 and policy.unband(pressure):
                 self._unband(r)
-            elif bands > 1 and r.stream is None:
+            elif r.banded is None and bands > 1 and self.kv.host_free() > 0:
                 self._take_private_prefix(r)
-                band = self._next_band[bands] % bands  # spread requests over the bands
-                self._next_band[bands] += 1
+                band = self._pick_band(bands)
                 layers = band_layers(band, bands, self.kv.num_layers)
-                r.stream = Streamed(bands, band, layers, first=r.num_shared_pages)
+                r.banded = Banded(bands, band, layers, first=r.num_shared_pages)
                 self._band_completed(r)
+
+    def _pick_band(self, bands: int) -> int:
+        """The band with the most free slots in split pages (the fewest new pages to split),
+        round robin among equals, so requests spread over the bands."""
+        start = self._next_band[bands]
+        self._next_band[bands] += 1
+        order = [(start + i) % bands for i in range(bands)]
+        return max(order, key=lambda b: self.kv.bands.free_slots(bands, b))
+
+    def _sibling_waiting(self, r: Request) -> bool:
+        """Does a request of its group wait? It may be about to read the group's prompt."""
+        return r.group_id is not None and any(o.group_id == r.group_id for o in self.waiting)
+
+    def _admit_banded(self, r: Request) -> int | None:
+        """Under layer bands, a high-priority request whose context continues on host (its
+        earlier turns, offloaded while it waited on a tool) takes those host pages as its
+        banded pages and copies only its band's layers to the device, rather than load them
+        whole and band them again. Returns how many pages it took; None where that does not
+        apply (the prefix is then matched and loaded as usual)."""
+        bands = self._bands
+        if bands == 1 or r.priority < HIGH:
+            return None
+        ids, ns = r.all_ids[: r.num_tokens - 1], r.namespace
+        on_host = self.tree.cached(ids, ns).host_pages
+        if not on_host or self._sibling_waiting(r):
+            return None
+        band = self._pick_band(bands)
+        head = self.tree.match(ids, ns, load=False)
+        self.tree.lock(head.node)
+        host: list[int] = []
+        if self._make_room(max(0, on_host - self.kv.bands.free_slots(bands, band))):
+            end, host = self.tree.take_host_path(ids, ns, r.trajectory_id)
+            assert end is head.node
+        if not host:
+            self.tree.unlock(head.node)
+            return None
+        layers = band_layers(band, bands, self.kv.num_layers)
+        slots = self.kv.band_from_host(host, bands, band, layers)
+        if head.pages:
+            r.tree_node = head.node
+        else:
+            self.tree.unlock(head.node)  # the root: nothing on device to hold
+        r.pages = [*head.pages, *slots]
+        r.num_shared_pages = len(head.pages)
+        r.num_computed = len(r.pages) * self.page_size
+        r.banded = Banded(bands, band, layers, first=len(head.pages), host=host)
+        return len(host)
 
     def _take_private_prefix(self, r: Request) -> None:
         """The cached prefix only this request reads becomes its own, to be banded: in a
-        multi-turn trajectory that is most of its context (its earlier turns). Not while a
-        sibling waits: it may be about to read the group's prompt."""
-        if r.tree_node is None or (
-            r.group_id is not None and any(o.group_id == r.group_id for o in self.waiting)
-        ):
+        multi-turn trajectory that is most of its context (its earlier turns). No more than
+        the host tier can take: what is not banded must go back to the tree on device."""
+        if r.tree_node is None or self._sibling_waiting(r):
             return
-        node, pages = self.tree.detach_private(r.tree_node, r.trajectory_id)
+        node, pages = self.tree.detach_private(r.tree_node, r.trajectory_id, self.kv.host_free())
         r.num_shared_pages -= len(pages)
         r.tree_node = node
+        if node.parent is None:  # the root: nothing on device to hold
+            self.tree.unlock(node)
+            r.tree_node = None
 
     def _band_completed(self, r: Request) -> None:
         """Reduce the request's completed pages not banded yet to its band (while the host tier
         has room for their whole copy)."""
-        s = r.stream
+        s = r.banded
         assert s is not None
         start = s.end
         n = min(r.num_computed // self.page_size - start, self.kv.host_free())
@@ -794,58 +878,60 @@ class Engine:
         r.pages[start : start + n] = pages
         s.host += host
         self.stats.banded_pages += n
+        self._count_copies(n)
 
     def _unband(self, r: Request) -> None:
-        """Load the request's banded pages back whole when free pages hold them; it evicts no
-        idle KV for that (streaming is slower, not wrong)."""
-        s = r.stream
+        """Load the request's banded pages back whole, evicting idle KV in the retention
+        policy's order where free pages do not hold them."""
+        s = r.banded
         assert s is not None
-        device = self.kv.unsplit(r.pages[s.first : s.end], s.band, s.host)
-        if device is None:
+        banded = r.pages[s.first : s.end]
+        freed = sum(self.kv.bands.frees(p, s.band) for p in banded)
+        if not self._make_room(len(banded) - freed):
             return
+        device = self.kv.unsplit(banded, s.band, s.host)
         r.pages[s.first : s.end] = device
+        self._count_copies(len(device))
         self.stats.unbanded_pages += len(device)
-        r.stream = None
+        r.banded = None
 
-    def _streamed(self, r: Request) -> StreamedPages | None:
+    def _count_copies(self, pages: int, layers: range | None = None) -> None:
+        """Count `pages` copied between the tiers (only `layers` of them, if given)."""
+        n_layers = len(layers) if layers is not None else self.kv.num_layers
+        self.stats.band_copy_bytes += pages * self.kv.page_bytes() * n_layers // self.kv.num_layers
+
+    def _banded_pages(self, r: Request) -> BandedPages | None:
         """What a banded request's span reads from host in the layers outside its band."""
-        s = r.stream
+        s = r.banded
         if s is None or not s.host:
             return None
         layers = self.kv.num_layers
         self.stats.streamed_bytes += (
             len(s.host) * (layers - len(s.layers)) * self.kv.page_bytes() // layers
         )
-        return StreamedPages(s.first, torch.tensor(s.host), s.layers)
+        return BandedPages(s.first, torch.tensor(s.host), s.layers)
 
-    def _release_banded(self, r: Request) -> None:
-        """A banded request stops running: its banded pages, and its complete pages after them
-        copied to host, join the radix tree as host nodes (their host copies are whole); its
-        device pages are freed."""
-        s = r.stream
+    def _release_bands(self, r: Request) -> RadixNode | None:
+        """A banded request's KV leaves the device: with the prefix cache, its banded pages and
+        its completed pages after them (copied to host while there is room) join the tree as
+        host nodes, the host copies being whole; without, its host pages are freed. Returns
+        the node its cached context ends at."""
+        s = r.banded
         assert s is not None
-        ps = self.page_size
         for p in r.pages[s.first : s.end]:
             self.kv.bands.release(p, s.band)
-        tail = r.pages[s.end : r.num_computed // ps]
-        host = list(s.host)
-        if self.cfg.prefix_cache:
-            host += self.kv.to_host(tail[: self.kv.host_free()])
-            node, duplicates = self.tree.insert_host(
-                r.all_ids, host, s.first, r.namespace, r.trajectory_id
-            )
-            self.kv.free_host(duplicates)
-            r.expected_cached = max(r.expected_cached, (s.first + len(host)) * ps)
-            t = self.trajectories.get(r.trajectory_id) if r.trajectory_id else None
-            if t is not None:
-                t.node, t.cached_ids = node, r.all_ids[: (s.first + len(host)) * ps]
-        else:
-            self.kv.free_host(host)
-        self.kv.device_pages.free(r.pages[s.end :])
-        if r.tree_node is not None:
-            self.tree.unlock(r.tree_node)
-        r.pages, r.num_shared_pages, r.tree_node, r.num_computed = [], 0, None, 0
-        r.stream = None
+        if not self.cfg.prefix_cache:
+            self.kv.free_host(s.host)
+            return None
+        complete = r.pages[s.end : r.num_computed // self.page_size]
+        tail = self.kv.to_host(complete[: self.kv.host_free()])
+        self._count_copies(len(tail))
+        host = s.host + tail
+        node, duplicates = self.tree.insert_host(
+            r.all_ids, host, s.first, r.namespace, r.trajectory_id
+        )
+        self.kv.free_host(duplicates)
+        return node
 
     def _preempt(self, r: Request) -> None:
         self.running.remove(r)
@@ -910,8 +996,8 @@ class Engine:
             shared = set(r.pages[: r.num_shared_pages])
             assert all(owners.get(p) == "tree" for p in shared), "shared page not in tree"
             own = r.pages[r.num_shared_pages :]
-            if r.stream is not None:
-                s = r.stream
+            if r.banded is not None:
+                s = r.banded
                 assert s.first == r.num_shared_pages and s.end * self.page_size <= r.num_computed
                 for p in r.pages[s.first : s.end]:
                     assert (p, s.band) not in band_owners, f"band {s.band} of {p} held twice"

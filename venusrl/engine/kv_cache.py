@@ -43,6 +43,9 @@ class PageAllocator:
     def capacity(self) -> int:
         return self.num_pages - self.reserved
 
+    def is_free(self, page: int) -> bool:
+        return self._is_free[page]
+
     def free_page_ids(self) -> list[int]:
         return list(self._free)
 
@@ -97,16 +100,20 @@ class BandPages:
     def pages(self) -> list[int]:
         return list(self._taken)
 
-    def take(self, bands: int, band: int, page: int) -> int:
-        """A slot for band `band` of `bands` of the caller's full device page `page`: a split
-        page with that band free, or, when there is none, `page` itself (split from now on).
-        The caller copies the band's layers when the answer is not `page`, then frees `page`."""
+    def free_slots(self, bands: int, band: int) -> int:
+        return len(self._free.get((bands, band), ()))
+
+    def take(self, bands: int, band: int, page: int | None = None) -> int:
+        """A slot for band `band` of `bands`: a split page with that band free or, when there is
+        none, `page` (a full device page of the caller's) or else a new page from the allocator,
+        split from now on. When the answer is not `page`, the caller copies the band's layers
+        and frees `page`."""
         free = self._free.setdefault((bands, band), {})
         if free:
             slot = next(iter(free))
             del free[slot]
         else:
-            slot = page
+            slot = page if page is not None else self.allocator.allocate(1)[0]
             self._taken[slot] = (bands, [False] * bands)
             for b in range(bands):
                 if b != band:
@@ -129,6 +136,10 @@ class BandPages:
         del self._taken[page]
         self.allocator.free([page])
 
+    def frees(self, page: int, band: int) -> bool:
+        """Would releasing this band give the page back to the allocator (no other is taken)?"""
+        return sum(self._taken[page][1]) == 1
+
     def owned(self, page: int, band: int) -> bool:
         entry = self._taken.get(page)
         return entry is not None and entry[1][band]
@@ -141,7 +152,7 @@ class BandPages:
                 )
         for p, (bands, taken) in self._taken.items():
             assert any(taken), f"split page {p} has no band taken"
-            assert not self.allocator._is_free[p], f"split page {p} is also free"
+            assert not self.allocator.is_free(p), f"split page {p} is also free"
             for b in range(bands):
                 assert taken[b] or p in self._free[(bands, b)], f"band {b} of {p} lost"
 
@@ -210,13 +221,29 @@ class KVCache:
             self.device_pages.free([p for p, _ in moved])
         return slots, host
 
-    def unsplit(self, band_pages: list[int], band: int, host: list[int]) -> list[int] | None:
-        """Full device pages again, loaded from the host copies (which hold every layer), or
-        None when the device has too few free pages; the band slots and host pages are freed."""
+    def band_from_host(self, host: list[int], bands: int, band: int, layers: range) -> list[int]:
+        """Band slots holding `layers` of host pages, copied from them (the host pages stay:
+        attention reads the other layers there). The device needs `len(host)` minus the free
+        slots of that band in free pages."""
+        slots = [self.bands.take(bands, band) for _ in host]
+        if slots:
+            src = torch.tensor(host)
+            dst = torch.tensor(slots, device=self.device)
+            data = self.host_kv[layers.start : layers.stop].index_select(3, src)
+            self.device_kv[layers.start : layers.stop].index_copy_(
+                3, dst, data.to(self.device, non_blocking=True)
+            )
+        return slots
+
+    def unsplit(self, band_pages: list[int], band: int, host: list[int]) -> list[int]:
+        """Full device pages again, loaded from the host copies (which hold every layer); the
+        band slots and host pages are freed. The caller makes sure the device has the pages:
+        `len(host)` less those that releasing the bands frees."""
+        for p in band_pages:
+            self.bands.release(p, band)
         device = self.to_device(host)
-        if device is None:
-            return None
-        self.release_split(band_pages, band, host)
+        assert device is not None, "unsplit without room"
+        self.host_pages.free(host)
         return device
 
     def release_split(self, band_pages: list[int], band: int, host: list[int]) -> None:

@@ -57,6 +57,10 @@ EvictionKey = Callable[[RadixNode], Any]
 """Orders eviction candidates: the smallest key leaves the device first."""
 
 
+def _just(owner: str | None) -> set[str]:
+    return set() if owner is None else {owner}
+
+
 def lru_key(node: RadixNode) -> int:
     return node.last_access
 
@@ -131,12 +135,15 @@ class RadixTree:
             node.lock_ref = 1  # roots are never evicted
         return node
 
-    def match(self, tokens: Sequence[int], namespace: Hashable = None) -> PrefixMatch:
+    def match(
+        self, tokens: Sequence[int], namespace: Hashable = None, load: bool = True
+    ) -> PrefixMatch:
         """Longest cached prefix of `tokens`, whole pages only, on device: host nodes on the way
-        are loaded back while the device has room. Splits a node if needed."""
+        are loaded back while the device has room (unless `load` is off: the match then ends at
+        the first host node). Splits a node if needed."""
         ps = self.page_size
         span = tuple(tokens[: len(tokens) - len(tokens) % ps])
-        node, pages, _, loaded = self._walk(span, namespace, load=True)
+        node, pages, _, loaded = self._walk(span, namespace, load=load)
         return PrefixMatch(node, pages, loaded)
 
     def _walk(
@@ -145,13 +152,16 @@ class RadixTree:
         namespace: Hashable,
         load: bool = False,
         adopt: Sequence[int] | None = None,
+        through_host: bool = False,
     ) -> tuple[RadixNode, list[int], int, int]:
         """Follow `tokens` down the tree, splitting where the match ends inside a node.
 
         A host node on the way ends the walk unless `adopt` holds the caller's device pages for
-        `tokens` (the node takes them over and its host copy is freed) or `load` is set (the
-        node is copied back to device while there is room). Returns the deepest node reached,
-        its path's device pages, the tokens they cover and how many pages were loaded.
+        `tokens` (the node takes them over and its host copy is freed), `load` is set (the node
+        is copied back to device while there is room) or `through_host` is (the walk goes on
+        through host nodes, which stay there). Returns the deepest node reached, its path's
+        pages (device ones, except through host), the tokens they cover and how many pages were
+        loaded.
         """
         ps = self.page_size
         node = self.root(namespace)
@@ -175,7 +185,7 @@ class RadixTree:
                         break
                     self._to_device(child, device)
                     loaded += n
-                else:
+                elif not through_host:
                     break
             child.last_access = tick
             pages.extend(child.pages)
@@ -290,19 +300,7 @@ class RadixTree:
         take (it had those pages cached already): the caller frees them."""
         ps = self.page_size
         span = tuple(tokens[: (first + len(host_pages)) * ps])
-        node = self.root(namespace)
-        offset = 0
-        tick = next(self._tick)
-        while offset < len(span):
-            child = node.children.get(span[offset : offset + ps])
-            if child is None:
-                break
-            n = self._common_pages(child.key, span, offset)
-            if n * ps < len(child.key):
-                child = self._split(child, n)
-            child.last_access = tick
-            offset += len(child.key)
-            node = child
+        node, _, offset, _ = self._walk(span, namespace, through_host=True)
         assert offset >= first * ps, "the span's first pages are not cached"
         cached = offset // ps - first
         if cached < len(host_pages):
@@ -311,7 +309,7 @@ class RadixTree:
                 list(host_pages[cached:]),
                 node,
                 namespace,
-                last_access=tick,
+                last_access=node.last_access,
                 on_host=True,
             )
             node.children[span[offset : offset + ps]] = child
@@ -320,32 +318,65 @@ class RadixTree:
         self._own(node, owner)
         return node, list(host_pages[:cached])
 
-    def detach_private(self, node: RadixNode, owner: str | None) -> tuple[RadixNode, list[int]]:
-        """Take out of the tree the end of the path to `node` that only its one lock holder can
-        read: nodes locked once, with no other branch below them, that no trajectory but
-        `owner` owns. Returns the node the path now ends at (still locked by the holder) and the
-        device pages taken out, in path order; the holder owns them from now on."""
+    def detach_private(
+        self, node: RadixNode, owner: str | None, max_pages: int
+    ) -> tuple[RadixNode, list[int]]:
+        """Take out of the tree the end of the path to `node` that only its one lock holder
+        reads: nodes locked once, owned by `owner` alone (by no one, for None), with no other
+        branch below them, whole nodes up to `max_pages` pages. Returns the node the path now
+        ends at (still locked by the holder) and the device pages taken out, in path order; the
+        holder owns them from now on."""
         taken: list[RadixNode] = []
-        below: RadixNode | None = None
+        pages = 0
         while (
             node.parent is not None
+            and pages + len(node.pages) <= max_pages
             and node.lock_ref == 1
-            and not node.on_host
-            and node.owners <= {owner}
-            and list(node.children.values()) == ([below] if below else [])
+            and node.owners == _just(owner)
+            and list(node.children.values()) == taken[-1:]
         ):
             taken.append(node)
-            below, node = node, node.parent
-        pages: list[int] = []
-        for n in reversed(taken):
-            assert n.parent is not None
-            self.protected_pages -= len(n.pages)
+            pages += len(node.pages)
+            node = node.parent
+        return node, self._take_out(node, taken[::-1])
+
+    def take_host_path(
+        self, tokens: Sequence[int], namespace: Hashable, owner: str | None
+    ) -> tuple[RadixNode, list[int]]:
+        """Take out of the tree the host nodes that end the cached path of `tokens` and return
+        the device node above them with their host pages, in order, for the caller to own; only
+        when those nodes are whole pages of `tokens`, owned by `owner` alone (by no one, for
+        None), with nothing else below them. Otherwise take nothing (the pages are [])."""
+        ps = self.page_size
+        end, _, _, _ = self._walk(
+            tuple(tokens[: len(tokens) - len(tokens) % ps]), namespace, through_host=True
+        )
+        chain: list[RadixNode] = []
+        node = end
+        while node.on_host:
+            assert node.parent is not None
+            chain.append(node)
+            node = node.parent
+        chain.reverse()
+        if any(
+            n.owners != _just(owner) or list(n.children.values()) != chain[i + 1 : i + 2]
+            for i, n in enumerate(chain)
+        ):
+            chain = []
+        return node, self._take_out(node, chain)
+
+    def _take_out(self, parent: RadixNode, path: list[RadixNode]) -> list[int]:
+        """Remove `path` (a chain hanging from `parent`, with nothing else below it) from the
+        tree; returns its pages, which the caller owns from now on."""
+        if not path:
+            return []
+        del parent.children[path[0].key[: self.page_size]]
+        if parent.parent is not None:
+            self._candidates[parent] = None  # it may be evictable now
+        for n in path:
+            self._count(n, -1)
             self._candidates.pop(n, None)
-            pages += n.pages
-        if taken:
-            del node.children[taken[-1].key[: self.page_size]]
-            self._candidates[node] = None  # it may be evictable once unlocked
-        return node, pages
+        return [p for n in path for p in n.pages]
 
     def _own(self, node: RadixNode, owner: str | None) -> None:
         """Record `owner` on `node` and every ancestor."""

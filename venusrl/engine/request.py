@@ -78,7 +78,7 @@ def _type_problems(p: SamplingParams) -> list[str]:
 
 
 @dataclass
-class Streamed:
+class Banded:
     """A request whose completed pages keep one layer band on device (`policy.layer_residency`):
     `pages[first : first + len(host)]` are band pages holding `layers` of them, and `host` a
     whole copy of each, from which attention reads the other layers."""
@@ -130,7 +130,7 @@ class Request:
     num_shared_pages: int = 0
     tree_node: RadixNode | None = None
     num_computed: int = 0  # tokens of all_ids whose KV sits in pages
-    stream: Streamed | None = None  # set while only a layer band of its pages is on device
+    banded: Banded | None = None  # set while only a layer band of its pages is on device
     sampling_seed: int | None = None  # the sampler's stream (`sampler.uniforms`); None: greedy
 
     all_ids: list[int] = field(init=False, default_factory=list)  # prompt + output

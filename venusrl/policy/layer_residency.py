@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+UNBAND_MARGIN = 0.1  # of the threshold
+
 
 @dataclass(frozen=True)
 class LayerResidency:
@@ -24,6 +26,11 @@ class LayerResidency:
     def __post_init__(self) -> None:
         if not 0 < self.threshold < 1:
             raise ValueError(f"threshold must be in (0, 1), got {self.threshold}")
+
+    def unband(self, pressure: float) -> bool:
+        """Load banded pages back whole? Only a margin below the threshold, so that a pressure
+        hovering at it does not copy contexts back and forth at every step."""
+        return pressure < self.threshold * (1 - UNBAND_MARGIN)
 
     def bands(self, pressure: float, num_layers: int) -> int:
         """Into how many layer bands a request's completed pages split at this pressure: 1 keeps
