@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from tests.conftest import write_hf_model
 from tests.engine.test_engine import drain, engine_for, play_turns
 from venusrl.config import EngineConfig
+from venusrl.engine import engine as engine_module
 from venusrl.engine.engine import Engine
 from venusrl.engine.kv_cache import KVCache
 from venusrl.engine.request import SamplingParams
@@ -248,3 +249,28 @@ def test_banded_multi_turn_trajectories_keep_outputs_and_page_ownership(
     engine.check()
     assert engine.kv.device_pages.num_free == engine.kv.device_pages.capacity
     assert engine.kv.host_pages.num_free == engine.kv.host_pages.capacity
+
+
+def test_banded_grpo_siblings_read_their_shared_prompt_once_with_the_same_outputs(
+    four_layer_qwen3: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Cascade attention on however little it saves: the siblings' decode rows read the prompt
+    # through their group and their own band pages after it.
+    monkeypatch.setattr(engine_module, "CASCADE_MIN_SAVED_TOKENS", 0)
+    prompts = [list(range(100 + 50 * g, 124 + 50 * g)) for g in range(2) for _ in range(3)]
+    reference = engine_for(four_layer_qwen3, prefix_cache=False, device_kv_pages=256)
+    expected = [o.token_ids for o in reference.generate(prompts, LONG)]
+    engine = engine_for(
+        four_layer_qwen3,
+        device_kv_pages=48,
+        host_kv_pages=200,
+        layer_residency=0.3,
+        max_context=96,
+    )
+    ids = [
+        engine.add_request(p, LONG, priority=HIGH, group_id=f"g{i // 3}").request_id
+        for i, p in enumerate(prompts)
+    ]
+    drain(engine)
+    assert [engine.pop_finished(i).token_ids for i in ids] == expected
+    assert engine.stats.banded_pages > 0 and engine.stats.cached_prompt_tokens > 0

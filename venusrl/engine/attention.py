@@ -12,9 +12,9 @@ own pages are attended separately, and the two partial softmaxes are merged exac
 log-sum-exp. Rows without siblings skip the prefix part.
 
 Layer bands. A sequence that keeps only a band of its layers on device (`policy.layer_residency`)
-runs as a span of its own, even when it decodes one token: in a layer outside its band, its band
-pages hold other sequences' layers, so the gathered keys and values of those pages are replaced
-by the layer read from the host tier. Its new tokens always land in ordinary device pages.
+has band pages that, in a layer outside its band, hold other sequences' layers: after its pages
+are gathered, the keys and values of those are replaced by the layer read from the host tier
+(decode rows and prefill spans alike). Its new tokens always land in ordinary device pages.
 
 Grouped-query attention folds the query heads of one KV head into the query dimension
 (`[kv_heads, seqs, group, head_dim]`), so keys and values are never repeated per query head.
@@ -47,6 +47,8 @@ class DecodeBatch:
     pages: torch.Tensor  # [rows, pages] each row's own pages after its shared prefix, 0-padded
     key_mask: torch.Tensor  # [1, rows, 1, pages * page_size] additive: 0 valid, -inf padding
     prefix_groups: tuple[PrefixGroup, ...]
+    # (row, its band pages, `first` counted among the row's own pages after its shared prefix)
+    banded: tuple[tuple[int, BandedPages], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -112,23 +114,21 @@ def paged_attention(
     flat[0].index_copy_(1, batch.slots, k.transpose(0, 1))
     flat[1].index_copy_(1, batch.slots, v.transpose(0, 1))
 
+    host = (layer, host_layer_kv)
     if batch.decode is not None and not batch.prefills:  # a pure decode step: no extra copy
         qd = q.view(tokens, kv_heads, group, dim).transpose(0, 1)
-        return _decode(qd, layer_kv, batch.decode).transpose(0, 1).reshape(tokens, heads * dim)
+        out = _decode(qd, layer_kv, batch.decode, *host)
+        return out.transpose(0, 1).reshape(tokens, heads * dim)
     out = q.new_empty(tokens, heads, dim)
     if batch.decode is not None:
         d = batch.decode.num_rows
         qd = q[:d].view(d, kv_heads, group, dim).transpose(0, 1)  # [kv_heads, d, group, dim]
-        out[:d] = _decode(qd, layer_kv, batch.decode).transpose(0, 1).reshape(d, heads, dim)
+        out[:d] = _decode(qd, layer_kv, batch.decode, *host).transpose(0, 1).reshape(d, heads, dim)
     for span in batch.prefills:
         n, rows = span.num_tokens, slice(span.row, span.row + span.num_tokens)
         kv = _gather(layer_kv, span.pages)[:, :, : span.context_len]
-        banded = span.banded
-        if banded is not None and layer not in banded.layers:
-            assert host_layer_kv is not None, "a banded span reads the host tier"
-            first, n_host = banded.first * page_size, len(banded.host) * page_size
-            from_host = host_layer_kv.index_select(2, banded.host).view(2, kv_heads, -1, dim)
-            kv[:, :, first : first + n_host] = from_host.to(kv.device, non_blocking=True)
+        if span.banded is not None:
+            _read_host_layer(kv, span.banded, *host)
         if span.mask is None:
             out[rows] = _prefill_fused(q[rows].view(n, kv_heads, group, dim), kv)
             continue
@@ -164,6 +164,21 @@ def _prefill_fused(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     return out.permute(2, 0, 1, 3).reshape(n, kv_heads * group, dim)
 
 
+def _read_host_layer(
+    kv: torch.Tensor, banded: BandedPages, layer: int, host_layer_kv: torch.Tensor | None
+) -> None:
+    """Outside the band, put the host tier's keys and values of the band pages into `kv`
+    ([2, kv_heads, tokens, dim], gathered from the device, where those pages hold other
+    sequences' layers)."""
+    if layer in banded.layers:
+        return
+    assert host_layer_kv is not None, "band pages are read from the host tier"
+    _, kv_heads, _, page_size, dim = host_layer_kv.shape
+    first, n = banded.first * page_size, len(banded.host) * page_size
+    from_host = host_layer_kv.index_select(2, banded.host).view(2, kv_heads, n, dim)
+    kv[:, :, first : first + n] = from_host.to(kv.device, non_blocking=True)
+
+
 def _gather(layer_kv: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     """K and V of `pages` ([n] or [b, n]) as [2, kv_heads, (b,) n * page_size, dim]."""
     _, kv_heads, _, _, dim = layer_kv.shape
@@ -171,9 +186,17 @@ def _gather(layer_kv: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     return kv.view(2, kv_heads, *pages.shape[:-1], -1, dim)
 
 
-def _decode(q: torch.Tensor, layer_kv: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+def _decode(
+    q: torch.Tensor,
+    layer_kv: torch.Tensor,
+    batch: DecodeBatch,
+    layer: int,
+    host_layer_kv: torch.Tensor | None,
+) -> torch.Tensor:
     """q: [kv_heads, rows, group, dim] -> attention output of the same shape."""
     own = _gather(layer_kv, batch.pages)
+    for row, banded in batch.banded:
+        _read_host_layer(own[:, :, row], banded, layer, host_layer_kv)
     if not batch.prefix_groups:
         return F.scaled_dot_product_attention(q, own[0], own[1], attn_mask=batch.key_mask)
     own_out, own_lse = _attend(q, own[0], own[1], batch.key_mask)

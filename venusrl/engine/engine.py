@@ -393,8 +393,7 @@ class Engine:
                 self._enqueue(r)
         if not work:
             return []
-        # The packed batch puts decode rows first; banded requests run as spans.
-        work.sort(key=lambda item: item[1] > 1 or item[0].banded is not None)
+        work.sort(key=lambda item: item[1] > 1)  # the packed batch puts decode rows first
         batch = self._build_batch(work)
         logits = self.model(batch, self.kv)
         self.stats.steps += 1
@@ -512,7 +511,7 @@ class Engine:
             slots.extend(r.pages[p // ps] * ps + p % ps for p in range(start, start + n))
             if start + n == r.num_tokens:
                 logits_rows.append(row + n - 1)
-            if n == 1 and r.banded is None:
+            if n == 1:
                 decoding.append(r)
             else:
                 used = torch.tensor(r.pages[: pages_for(start + n, ps)], device=dev)
@@ -563,11 +562,13 @@ class Engine:
                     pages=None if contiguous else torch.tensor(pages, device=dev),
                 )
             )
+        banded = [(i, self._banded_pages(r, skip[i])) for i, r in enumerate(rows)]
         return DecodeBatch(
             num_rows=len(rows),
             pages=_padded(own, width, dev),
             key_mask=key_mask[None, :, None],
             prefix_groups=tuple(prefix_groups),
+            banded=tuple((i, b) for i, b in banded if b is not None),
         )
 
     def _postprocess(
@@ -814,8 +815,17 @@ class Engine:
         return max(order, key=lambda b: self.kv.bands.free_slots(bands, b))
 
     def _sibling_waiting(self, r: Request) -> bool:
-        """Does a request of its group wait? It may be about to read the group's prompt."""
-        return r.group_id is not None and any(o.group_id == r.group_id for o in self.waiting)
+        """Does a request of its group wait that has nothing cached yet? It may be about to
+        read the group's prompt, which only `r` owns until the siblings cache their own
+        context through it (later turns own it together)."""
+        if r.group_id is None:
+            return False
+        for o in self.waiting:
+            if o.group_id == r.group_id:
+                t = self.trajectories.get(o.trajectory_id) if o.trajectory_id else None
+                if t is None or t.node is None:
+                    return True
+        return False
 
     def _admit_banded(self, r: Request) -> int | None:
         """Under layer bands, a high-priority request whose context continues on host (its
@@ -900,8 +910,9 @@ class Engine:
         n_layers = len(layers) if layers is not None else self.kv.num_layers
         self.stats.band_copy_bytes += pages * self.kv.page_bytes() * n_layers // self.kv.num_layers
 
-    def _banded_pages(self, r: Request) -> BandedPages | None:
-        """What a banded request's span reads from host in the layers outside its band."""
+    def _banded_pages(self, r: Request, skip: int = 0) -> BandedPages | None:
+        """What a banded request reads from host in the layers outside its band; `skip`: its
+        first pages, which its row reads elsewhere (a shared prefix)."""
         s = r.banded
         if s is None or not s.host:
             return None
@@ -909,7 +920,7 @@ class Engine:
         self.stats.streamed_bytes += (
             len(s.host) * (layers - len(s.layers)) * self.kv.page_bytes() // layers
         )
-        return BandedPages(s.first, torch.tensor(s.host), s.layers)
+        return BandedPages(s.first - skip, torch.tensor(s.host), s.layers)
 
     def _release_bands(self, r: Request) -> RadixNode | None:
         """A banded request's KV leaves the device: with the prefix cache, its banded pages and
