@@ -17,6 +17,7 @@ from venusrl.engine.model_dir import iter_safetensors
 from venusrl.engine.request import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+PIN_S = 0.5  # `play_turns`' tool waits
 
 
 def engine_for(model_dir: Path, **cfg: object) -> Engine:
@@ -263,7 +264,11 @@ def play_turns(
     engine: Engine, prompts: list[list[int]], turns: int, wait_on_tools: bool
 ) -> list[list[int]]:
     """Multi-turn trajectories, all in flight together: each turn generates, then a fixed
-    observation is appended; between turns the trajectory waits on a (pretend) tool."""
+    observation is appended; between turns the trajectory waits on a (pretend) tool.
+
+    The pin is short: best-effort requests wait for the pins of high-priority trajectories to
+    expire when they need that room, and here the tools answer only once every request of the
+    turn is done, so a long pin would only stall the test until it expires."""
     contexts = [list(p) for p in prompts]
     outputs: list[list[int]] = [[] for _ in prompts]
     for turn in range(turns):
@@ -273,7 +278,7 @@ def play_turns(
                 GREEDY,
                 trajectory_id=f"t{i}",
                 priority=i % 2,
-                expected_wait_s=60.0 if wait_on_tools else None,
+                expected_wait_s=PIN_S if wait_on_tools else None,
             ).request_id
             for i, ctx in enumerate(contexts)
         ]
@@ -326,8 +331,13 @@ def test_a_trajectory_waiting_on_a_tool_finds_its_kv_where_lru_computes_it_again
             context, GREEDY, trajectory_id="waiting", priority=1, expected_wait_s=60.0
         )
         drain(engine)
-        # Meanwhile other work needs the whole device: the waiting KV has to leave it.
-        engine.generate([list(range(200, 340))], SamplingParams(max_tokens=4, temperature=0))
+        # Meanwhile other high-priority work needs the whole device: the waiting KV has to
+        # leave it (best-effort work would wait for the pin to expire instead).
+        other = engine.add_request(
+            list(range(200, 340)), SamplingParams(max_tokens=4, temperature=0), priority=1
+        )
+        drain(engine)
+        engine.pop_finished(other.request_id)
         context += [*engine.pop_finished(r.request_id).token_ids, 7, 8, 9]
         engine.add_request(context, GREEDY, trajectory_id="waiting", priority=1)
         drain(engine)
