@@ -13,7 +13,7 @@ def test_trajectory_retention_reprefills_less_than_lru_with_identical_outputs(
     tmp_path: Path,
 ) -> None:
     args = ["--preset", "micro", "--model-dir", str(tmp_path / "model"), "--groups", "1"]
-    args += ["--group-size", "4", "--tool-scale", "0.05"]
+    args += ["--group-size", "4", "--tool-scale", "0.05", "--layer-residency", "0.3"]
     proc = run_benchmark("kv_retention.py", *args)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
@@ -26,10 +26,16 @@ def test_trajectory_retention_reprefills_less_than_lru_with_identical_outputs(
         1 - ours["reprefill_tokens"] / lru["reprefill_tokens"], 3
     )
     assert out["makespan_ratio"] == round(lru["makespan_s"] / ours["makespan_s"], 3)
+    layers = out["trajectory_layers"]  # outputs_identical covers this run too
+    assert layers["banded_pages"] > 0 and layers["streamed_bytes"] > 0
+    assert layers["reprefill_tokens"] <= ours["reprefill_tokens"]
+    assert out["layers_makespan_ratio"] == round(ours["makespan_s"] / layers["makespan_s"], 3)
 
 
 def test_bad_arguments_are_refused_with_the_flag_named() -> None:
     proc = run_benchmark("kv_retention.py", "--capacity", "2")
     assert proc.returncode != 0 and "--capacity" in proc.stderr
+    proc = run_benchmark("kv_retention.py", "--layer-residency", "1")
+    assert proc.returncode != 0 and "--layer-residency" in proc.stderr
     proc = run_benchmark("kv_retention.py", "--preset", "huge", "--model-dir", "/nonexistent/m")
     assert proc.returncode != 0 and "--preset" in proc.stderr and "Traceback" not in proc.stderr
