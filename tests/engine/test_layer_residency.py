@@ -74,7 +74,9 @@ def test_a_split_page_holds_one_band_of_each_of_its_requests() -> None:
     assert whole is not None
     for p, src in zip(whole, pages[2:], strict=True):
         assert (kv.device_kv[:, :, :, p] == before[:, :, :, src]).all()
-    kv.release_split(low, 0, low_host)
+    for page in low:
+        kv.bands.release(page, 0)
+    kv.free_host(low_host)
     kv.device_pages.free(whole)
     kv.check()
     assert kv.device_pages.num_free == 7 and kv.host_pages.num_free == 8

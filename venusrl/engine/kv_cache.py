@@ -93,10 +93,6 @@ class BandPages:
         # (bands, band) -> split pages with that band free, in insertion order
         self._free: dict[tuple[int, int], dict[int, None]] = {}
 
-    @property
-    def num_pages(self) -> int:
-        return len(self._taken)
-
     def pages(self) -> list[int]:
         return list(self._taken)
 
@@ -245,11 +241,6 @@ class KVCache:
         assert device is not None, "unsplit without room"
         self.host_pages.free(host)
         return device
-
-    def release_split(self, band_pages: list[int], band: int, host: list[int]) -> None:
-        for p in band_pages:
-            self.bands.release(p, band)
-        self.host_pages.free(host)
 
     # The radix tree's `HostTier`: it moves whole nodes between the tiers.
 
