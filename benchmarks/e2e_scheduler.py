@@ -7,21 +7,29 @@ characters, one draw per group member, all seeded, so every policy gets the same
 is the micro preset with random weights (what it writes does not matter here: every turn is a tool
 call). The device KV pool holds about a third of what the trajectories in flight need; the host
 tier holds all of it. A run takes minutes per policy: seed 0 has a slow task whose members spend
-up to 440 s in tools, and every policy has to wait for it (BENCHMARKS.md).
+up to 440 s in tools (BENCHMARKS.md).
 
 - `fifo`: synchronous (`max_staleness=0`), groups in arrival order, LRU radix cache: a batch rolls
-  out, then trains, then the next one starts (veRL-like);
-- `overlap`: one version of staleness, groups in arrival order, LRU cache: the next batch's groups
+  out, then trains, then the next one starts (veRL-like); it waits for every straggler;
+- `overlap`: groups start one version ahead, arrival order, LRU cache: the next batch's groups
   fill the engine while the current one finishes, with no group awareness (RollFlash-like);
-- `venus`: one version of staleness, critical groups first, trajectory-aware KV retention (the
-  KV of a trajectory waiting on a tool is pinned and offloaded, not dropped).
+- `venus`: groups start one version ahead, critical groups first, trajectory-aware KV retention
+  (the KV of a trajectory waiting on a tool is pinned and offloaded, not dropped).
+
+`overlap` and `venus` train a group at most `--train-staleness` versions after it started
+(`rollout.max_train_staleness`, default 4, the value AReaL's documentation gives as its example
+off-policyness bound): a batch takes later complete groups in a straggler's place instead of
+waiting for it. `--train-staleness 1` makes every batch wait for its due stragglers (the bound
+before 2026-12-03's fourth session).
 
 Prints one JSON object: per policy `time_to_batches_s` (the training loop's wall time when the
-last batch has trained), group completion time (median and max over the run's groups), staleness,
-and the ratios `speedup_vs_fifo` and `speedup_vs_overlap` of venus. Targets (issue 5): >= 2.0
-and >= 1.3 on a 2-core machine.
+last batch has trained), group completion time (p50, p90 and max over the groups trained),
+staleness (mean and max, in versions, of the model tokens trained), the groups started and still
+running at the end (a straggler not yet trained), and the ratios `speedup_vs_fifo` and
+`speedup_vs_overlap` of venus. Targets (issue 5): >= 2.0 and >= 1.3 on a 2-core machine.
 
     python benchmarks/e2e_scheduler.py [--batches 4] [--groups-per-batch 2] [--seed 0]
+                                       [--train-staleness 4]
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ POLICIES: dict[str, list[str]] = {
         "engine.retention=trajectory",
     ],
 }
+ASYNC = ("overlap", "venus")  # the policies `--train-staleness` applies to
 PAGE_SIZE = 8
 MAX_TOKENS_PER_TURN = 24
 TEMPLATE_TOKENS = 40  # chat-template tokens around a turn and its tool response (byte-level)
@@ -74,24 +83,40 @@ def kv_pages(seed: int, groups_in_flight: int, group_size: int, capacity: float)
     return int(need * capacity), 2 * need
 
 
-def run_policy(name: str, common: list[str], out: Path, batches: int) -> dict[str, Any]:
+def percentile(sorted_values: list[float], q: float) -> float:
+    """The nearest-rank percentile."""
+    return sorted_values[max(0, -(-len(sorted_values) * q // 100) - 1)]
+
+
+def run_policy(
+    name: str, common: list[str], knobs: list[str], out: Path, batches: int
+) -> dict[str, Any]:
     run_dir = out / name
     cmd = [sys.executable, "-m", "venusrl.cli", "train", "--run-dir", str(run_dir)]
-    proc = subprocess.run([*cmd, *common, *POLICIES[name]], capture_output=True, text=True)
+    proc = subprocess.run([*cmd, *common, *knobs], capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{name}: venusrl train failed:\n{proc.stderr[-3000:]}")
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     if len(steps) != batches:
         raise SystemExit(f"{name}: {len(steps)} steps in metrics.jsonl, expected {batches}")
-    medians = [s["group_s_median"] for s in steps]
+    groups = sorted(d for s in steps for d in s["group_s"])
     return {
         "time_to_batches_s": round(steps[-1]["wall_s"], 1),
         "step_wall_s": [round(s["wall_s"], 1) for s in steps],
-        "group_s_median": round(statistics.median(medians), 2),
-        "group_s_max": round(max(s["group_s_max"] for s in steps), 2),
+        "group_s_p50": round(percentile(groups, 50), 2),
+        "group_s_p90": round(percentile(groups, 90), 2),
+        "group_s_max": round(groups[-1], 2),
         "staleness_mean": round(statistics.fmean(s["staleness_mean"] for s in steps), 3),
-        "knobs": POLICIES[name],
+        "staleness_max": max(s["staleness_max"] for s in steps),
+        "groups_started": steps[-1]["groups_started"],
+        "groups_running_at_end": steps[-1]["groups_running"],
+        "knobs": knobs,
     }
+
+
+def knobs(policy: str, train_staleness: int) -> list[str]:
+    train = [f"rollout.max_train_staleness={train_staleness}"] if policy in ASYNC else []
+    return [*POLICIES[policy], *train]
 
 
 def main() -> None:
@@ -106,6 +131,12 @@ def main() -> None:
         default=1 / 3,
         help="device KV as a share of what the groups in flight need",
     )
+    parser.add_argument(
+        "--train-staleness",
+        type=int,
+        default=4,
+        help="versions after its start a group may be trained (overlap, venus)",
+    )
     parser.add_argument("--policies", default="fifo,overlap,venus")
     parser.add_argument("--out", type=Path, help="run directories (default: a temporary one)")
     args = parser.parse_args()  # fmt: skip
@@ -114,6 +145,8 @@ def main() -> None:
             raise SystemExit(f"--{flag.replace('_', '-')} must be >= 1")
     if not 0 < args.capacity <= 1:
         raise SystemExit("--capacity must be in (0, 1]")
+    if args.train_staleness < 1:
+        raise SystemExit("--train-staleness must be >= 1 (the start bound of overlap and venus)")
     policies = [p for p in args.policies.split(",") if p]
     unknown = sorted(set(policies) - set(POLICIES))
     if unknown or "venus" not in policies:
@@ -140,7 +173,10 @@ def main() -> None:
     ]
     with tempfile.TemporaryDirectory() as tmp:
         out = args.out or Path(tmp)
-        results = {name: run_policy(name, common, out, args.batches) for name in policies}
+        results = {
+            name: run_policy(name, common, knobs(name, args.train_staleness), out, args.batches)
+            for name in policies
+        }
     venus = results["venus"]["time_to_batches_s"]
     report: dict[str, Any] = {
         "workload": {
@@ -148,6 +184,7 @@ def main() -> None:
             "groups_per_batch": args.groups_per_batch,
             "group_size": args.group_size,
             "seed": args.seed,
+            "train_staleness": args.train_staleness,
             "device_kv_pages": device,
             "host_kv_pages": host,
             "common_overrides": common,

@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         default="sync,async,venus",
         help=(
             "comma-separated: sync, async, concur, venus, venus+window;"
-            " NAME@N sets a staleness bound of N"
+            " NAME@N sets a staleness bound of N, NAME@N:L also lets a group be trained up"
+            " to L versions after it started"
         ),
     )
     sim.add_argument("--seed", type=int, default=0)

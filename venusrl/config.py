@@ -127,6 +127,13 @@ class RolloutConfig(_Section):
     group_size: int = Field(8, ge=2, description="K trajectories per task (GRPO group)")
     batch_groups: int = Field(4, ge=1, description="B complete groups per trainer step")
     max_staleness: int = Field(1, ge=0, description="0 = synchronous on-policy")
+    max_train_staleness: int | None = Field(
+        None,
+        ge=0,
+        description="how many versions after it started a group may still be trained; default"
+        " max_staleness. Larger lets batches take later groups in a straggler's place"
+        " (policy.staleness)",
+    )
     max_infra_retries: int = Field(2, ge=0, description="replacement members per group")
     priorities: Literal["critical", "fifo"] = "critical"
     temperature: float = Field(1.0, ge=0)
@@ -151,6 +158,17 @@ class RolloutConfig(_Section):
     admission_initial_window: int = Field(
         8, ge=1, le=4096, description="episodes rollout.admission=aimd lets run at first"
     )
+
+    @model_validator(mode="after")
+    def _train_staleness_covers_start(self) -> RolloutConfig:
+        lag = self.max_train_staleness
+        if lag is not None and lag < self.max_staleness:
+            raise ValueError(
+                f"max_train_staleness ({lag}) must be >= max_staleness ({self.max_staleness}):"
+                " a group may start that many versions ahead, so it is at least that stale"
+                " when trained"
+            )
+        return self
 
     @field_validator("mix")
     @classmethod

@@ -13,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # ~60 s: three pool configurations run for their window each
 @pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root (namespaces, cgroups)")
 def test_density_benchmark_prints_configs_and_ratios_with_no_oom() -> None:
     proc = subprocess.run(

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # ~50 s: times real engine iterations to fit and to hold back
 def test_calibrated_cost_model_predicts_held_back_engine_iterations(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "sim_calibration.py"),

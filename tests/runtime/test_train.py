@@ -26,11 +26,15 @@ from venusrl.runtime.train import train
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
 
 
-@pytest.mark.parametrize("staleness", [0, 1])
+@pytest.mark.parametrize(("start_bound", "train_bound"), [(0, None), (1, None), (1, 2)])
 def test_train_writes_one_metrics_line_per_step_within_the_staleness_bound(
-    tmp_path: Path, staleness: int
+    tmp_path: Path, start_bound: int, train_bound: int | None
 ) -> None:
-    cfg = load_config(None, [*SMALL, f"rollout.max_staleness={staleness}"])
+    overrides = [*SMALL, f"rollout.max_staleness={start_bound}"]
+    if train_bound is not None:
+        overrides.append(f"rollout.max_train_staleness={train_bound}")
+    staleness = start_bound if train_bound is None else train_bound
+    cfg = load_config(None, overrides)
     metrics = asyncio.run(train(cfg, tmp_path))
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert lines == metrics
@@ -39,7 +43,8 @@ def test_train_writes_one_metrics_line_per_step_within_the_staleness_bound(
     for m in lines:
         for key in ("reward_mean", "staleness_mean", "groups", "infra_failures", "masked"):
             assert key in m
-        assert m["groups"] == 2 and 0 <= m["staleness_mean"] <= staleness
+        assert m["groups"] == 2 and 0 <= m["staleness_mean"] <= m["staleness_max"] <= staleness
+        assert m["groups_started"] >= 2 * (m["step"] + 1) + m["groups_running"]
     assert (tmp_path / "config.yaml").exists()
     # Every trajectory trained on is on disk, with its tokens, versions and turn times.
     records = list(read_records(tmp_path))

@@ -70,10 +70,19 @@ def test_a_larger_staleness_bound_buys_rollout_time_with_staleness() -> None:
     assert ours_two_steps["mean_step_s"] < ours["mean_step_s"]
 
 
+def test_a_train_bound_above_the_start_bound_lets_batches_overtake_stragglers() -> None:
+    strict, late = run("venus", steps=6), run("venus@1:3", steps=6)
+    assert late["knobs"]["max_staleness"] == 1 and late["knobs"]["max_train_staleness"] == 3
+    assert strict["staleness_max"] == 1 and 1 < late["staleness_max"] <= 3
+    assert late["mean_step_s"] < strict["mean_step_s"]  # no batch waits for a straggler
+
+
 @pytest.mark.parametrize(
     ("name", "error"),
     [
         ("fastest", "unknown policy 'fastest'"),
+        ("venus@1:", "after '@' comes a staleness bound"),
+        ("venus@2:1", "the train bound 1 is below the start bound"),
         ("", "unknown policy ''"),
         ("@2", "unknown policy '@2'"),
         ("venus@", "after '@' comes a staleness bound"),

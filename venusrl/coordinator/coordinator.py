@@ -51,6 +51,7 @@ from venusrl.types import Finish, Trajectory
 class CoordinatorConfig:
     batch_groups: int = 4
     max_staleness: int = 1
+    max_train_staleness: int | None = None  # None: max_staleness (policy.staleness)
     max_infra_retries: int = 2
     group_timeout_s: float = 900.0
     batch_timeout_s: float = 1800.0
@@ -109,7 +110,9 @@ class Coordinator:
         self.tasks, self.rollouts = tasks, rollouts
         self.config = config
         self.weight_version = weight_version
-        self.bound = StalenessBound(config.batch_groups, config.max_staleness)
+        self.bound = StalenessBound(
+            config.batch_groups, config.max_staleness, config.max_train_staleness
+        )
         # The bound numbers groups from version 0; a resumed run starts at a later version, with
         # the groups of every batch trained before it counted as started.
         self._groups_before = weight_version() * config.batch_groups
@@ -155,6 +158,10 @@ class Coordinator:
         self._ready = [r for i, r in enumerate(self._ready) if i not in taken]
         self._wake.set()  # the trainer is about to move on: more groups may start soon
         return batch
+
+    @property
+    def running_groups(self) -> int:
+        return len(self._open)
 
     def version_changed(self) -> None:
         self._wake.set()

@@ -120,9 +120,9 @@ def step_metrics(
             if model_versions
             else 0.0
         ),
+        "staleness_max": max((version - 1 - v for v in model_versions), default=0),
         "groups": len(batch),
-        "group_s_median": durations[len(durations) // 2] if durations else None,
-        "group_s_max": durations[-1] if durations else None,
+        "group_s": [round(d, 3) for d in durations],  # open to last member's end, sorted
         "infra_failures": sum(g.infra_failures for g in batch),
         "masked": sum(g.masked for g in batch),
         "tool_calls_mean": sum(t.tool_calls for t in trajectories) / max(len(trajectories), 1),
@@ -449,6 +449,7 @@ async def train(
                 CoordinatorConfig(
                     batch_groups=r.batch_groups,
                     max_staleness=r.max_staleness,
+                    max_train_staleness=r.max_train_staleness,
                     max_infra_retries=r.max_infra_retries,
                     group_timeout_s=r.group_timeout_s,
                     priorities=r.priorities,
@@ -487,7 +488,9 @@ async def train(
                             "grad_norm": stats.grad_norm,
                             "tokens": stats.tokens,
                             "sandboxes_running": pool.sandboxes_running(),
+                            "groups_started": coordinator.stats.groups_started,
                             "groups_dropped": coordinator.stats.groups_dropped,
+                            "groups_running": coordinator.running_groups,
                             **admission_metrics(window),
                         },
                         by_env=len(mix) > 1,

@@ -87,6 +87,7 @@ class SimPolicy:
     retention: Literal["lru", "trajectory"] = "lru"
     pin_s: float = 5.0  # retention pin while a trajectory waits on a tool (trajectory retention)
     admission: AimdAdmission | None = None  # agent-level admission control (Concur-like)
+    max_train_staleness: int | None = None  # policy.staleness; None: max_staleness
 
 
 POLICIES = {
@@ -110,17 +111,28 @@ POLICIES = {
 
 def sim_policy(name: str) -> SimPolicy:
     """A policy by name; `NAME@N` is that policy with a staleness bound of N versions, so that
-    policies compare at the same bound (`async@2,venus@2`; `venus@0` is synchronous)."""
-    base, at, bound = name.partition("@")
+    policies compare at the same bound (`async@2,venus@2`; `venus@0` is synchronous), and
+    `NAME@N:L` also lets a group be trained up to L versions after it started
+    (`max_train_staleness`: batches need not wait for a straggler)."""
+    base, at, bounds = name.partition("@")
     if base not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}, or NAME@BOUND")
     if not at:
         return POLICIES[base]
-    if not (bound.isascii() and bound.isdigit()):
+    start, colon, train = bounds.partition(":")
+    if not all(b.isascii() and b.isdigit() for b in (start, *([train] if colon else []))):
         raise ValueError(
-            f"policy {name!r}: after '@' comes a staleness bound in versions (0, 1, ...)"
+            f"policy {name!r}: after '@' comes a staleness bound in versions (0, 1, ...),"
+            " optionally ':' and how many versions late a group may be trained"
         )
-    return replace(POLICIES[base], name=name, max_staleness=int(bound))
+    if colon and int(train) < int(start):
+        raise ValueError(f"policy {name!r}: the train bound {train} is below the start bound")
+    return replace(
+        POLICIES[base],
+        name=name,
+        max_staleness=int(start),
+        max_train_staleness=int(train) if colon else None,
+    )
 
 
 def sim_policies(names: str) -> list[SimPolicy]:
@@ -1093,7 +1105,9 @@ class Simulation:
             TrajectoryRetention() if policy.retention == "trajectory" else LruRetention()
         )
         self.group_policy = CriticalGroups() if policy.priorities == "critical" else FifoGroups()
-        self.bound = StalenessBound(w.prompts_per_batch, policy.max_staleness)
+        self.bound = StalenessBound(
+            w.prompts_per_batch, policy.max_staleness, policy.max_train_staleness
+        )
         self.lengths = LengthPredictor()
         if w.rollout_gpus % w.tp:
             raise ValueError(f"rollout_gpus {w.rollout_gpus} is not a multiple of tp {w.tp}")
