@@ -48,6 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from venusrl.envs.builtin.agent_workload import AgentWorkload  # noqa: E402
+from venusrl.sim.executor import quantile  # noqa: E402
 
 POLICIES: dict[str, list[str]] = {
     "fifo": ["rollout.max_staleness=0", "rollout.priorities=fifo", "engine.retention=lru"],
@@ -83,11 +84,6 @@ def kv_pages(seed: int, groups_in_flight: int, group_size: int, capacity: float)
     return int(need * capacity), 2 * need
 
 
-def percentile(sorted_values: list[float], q: float) -> float:
-    """The nearest-rank percentile."""
-    return sorted_values[max(0, -(-len(sorted_values) * q // 100) - 1)]
-
-
 def run_policy(
     name: str, common: list[str], knobs: list[str], out: Path, batches: int
 ) -> dict[str, Any]:
@@ -103,8 +99,8 @@ def run_policy(
     return {
         "time_to_batches_s": round(steps[-1]["wall_s"], 1),
         "step_wall_s": [round(s["wall_s"], 1) for s in steps],
-        "group_s_p50": round(percentile(groups, 50), 2),
-        "group_s_p90": round(percentile(groups, 90), 2),
+        "group_s_p50": round(quantile(groups, 0.5) or 0.0, 2),
+        "group_s_p90": round(quantile(groups, 0.9) or 0.0, 2),
         "group_s_max": round(groups[-1], 2),
         "staleness_mean": round(statistics.fmean(s["staleness_mean"] for s in steps), 3),
         "staleness_max": max(s["staleness_max"] for s in steps),

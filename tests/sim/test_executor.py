@@ -82,7 +82,7 @@ def test_a_train_bound_above_the_start_bound_lets_batches_overtake_stragglers() 
     [
         ("fastest", "unknown policy 'fastest'"),
         ("venus@1:", "after '@' comes a staleness bound"),
-        ("venus@2:1", "the train bound 1 is below the start bound"),
+        ("venus@2:1", "max_train_staleness must be >= max_staleness (2), got 1"),
         ("", "unknown policy ''"),
         ("@2", "unknown policy '@2'"),
         ("venus@", "after '@' comes a staleness bound"),

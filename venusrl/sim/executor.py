@@ -125,14 +125,17 @@ def sim_policy(name: str) -> SimPolicy:
             f"policy {name!r}: after '@' comes a staleness bound in versions (0, 1, ...),"
             " optionally ':' and how many versions late a group may be trained"
         )
-    if colon and int(train) < int(start):
-        raise ValueError(f"policy {name!r}: the train bound {train} is below the start bound")
-    return replace(
+    policy = replace(
         POLICIES[base],
         name=name,
         max_staleness=int(start),
         max_train_staleness=int(train) if colon else None,
     )
+    try:
+        StalenessBound(1, policy.max_staleness, policy.max_train_staleness)
+    except ValueError as err:
+        raise ValueError(f"policy {name!r}: {err}") from None
+    return policy
 
 
 def sim_policies(names: str) -> list[SimPolicy]:
@@ -1391,8 +1394,8 @@ class Simulation:
             "rollout_gpu_time": breakdown,
             "train_s_per_step": self.train_s / steps,
             "weight_sync_s_per_step": self.weight_sync_s / steps,
-            "group_completion_p50_s": _quantile(completion, 0.5),
-            "group_completion_p99_s": _quantile(completion, 0.99),
+            "group_completion_p50_s": quantile(completion, 0.5),
+            "group_completion_p99_s": quantile(completion, 0.99),
             "staleness_mean": statistics.fmean(self.staleness) if self.staleness else 0.0,
             "staleness_max": max(self.staleness, default=0),
             "sandbox_gb_s": self.sandbox_gb_s,
@@ -1403,7 +1406,9 @@ class Simulation:
         }
 
 
-def _quantile(sorted_values: list[float], q: float) -> float | None:
+def quantile(sorted_values: list[float], q: float) -> float | None:
+    """The value below which a share `q` of `sorted_values` lies (the one at index q n); the
+    simulator's and the e2e benchmark's group completion percentiles."""
     if not sorted_values:
         return None
     return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
