@@ -5,7 +5,8 @@ Each policy runs the same command (real engine, real sandboxes, real GRPO steps)
 body, the heavy calls and the hangs, with a per-task slowness) x 0.25, observations of ~100
 characters, one draw per group member, all seeded, so every policy gets the same work. The model
 is the micro preset with random weights (what it writes does not matter here: every turn is a tool
-call). The device KV pool holds about a third of what the trajectories in flight need; the host
+call; `--preset tiny`, kv_retention.py's model, puts more of the run in the engine).
+The device KV pool holds about a third of what the trajectories in flight need; the host
 tier holds all of it. A run takes minutes per policy: seed 0 has a slow task whose members spend
 up to 440 s in tools (BENCHMARKS.md).
 
@@ -25,11 +26,13 @@ before 2026-12-03's fourth session).
 Prints one JSON object: per policy `time_to_batches_s` (the training loop's wall time when the
 last batch has trained), group completion time (p50, p90 and max over the groups trained),
 staleness (mean and max, in versions, of the model tokens trained), the groups started and still
-running at the end (a straggler not yet trained), and the ratios `speedup_vs_fifo` and
+running at the end (a straggler not yet trained), the engine's counters (`Engine.counters`: busy
+time, tokens computed and re-prefilled by cause, device and host hits, bytes offloaded), and the
+ratios `speedup_vs_fifo` and
 `speedup_vs_overlap` of venus. Targets (issue 5): >= 2.0 and >= 1.3 on a 2-core machine.
 
     python benchmarks/e2e_scheduler.py [--batches 4] [--groups-per-batch 2] [--seed 0]
-                                       [--train-staleness 4]
+                                       [--train-staleness 4] [--preset micro]
 """
 
 from __future__ import annotations
@@ -96,6 +99,7 @@ def run_policy(
     if len(steps) != batches:
         raise SystemExit(f"{name}: {len(steps)} steps in metrics.jsonl, expected {batches}")
     groups = sorted(d for s in steps for d in s["group_s"])
+    engine = steps[-1]["engine"]
     return {
         "time_to_batches_s": round(steps[-1]["wall_s"], 1),
         "step_wall_s": [round(s["wall_s"], 1) for s in steps],
@@ -106,6 +110,9 @@ def run_policy(
         "staleness_max": max(s["staleness_max"] for s in steps),
         "groups_started": steps[-1]["groups_started"],
         "groups_running_at_end": steps[-1]["groups_running"],
+        # How much of the run the engine spent in forward passes, and what its cache did.
+        "engine_busy_share": round(engine["busy_s"] / steps[-1]["wall_s"], 3),
+        "engine": {k: round(v, 3) for k, v in engine.items()},
         "knobs": knobs,
     }
 
@@ -121,6 +128,7 @@ def main() -> None:
     parser.add_argument("--groups-per-batch", type=int, default=2)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--preset", default="micro", help="model shape: micro, tiny, small")
     parser.add_argument(
         "--capacity",
         type=float,
@@ -157,7 +165,7 @@ def main() -> None:
         f"run.seed={args.seed}",
         f"run.steps={args.batches}",
         "run.warm_start_episodes=0",
-        "run.preset=micro",
+        f"run.preset={args.preset}",
         "rollout.env=agent_workload",
         f"rollout.group_size={args.group_size}",
         f"rollout.batch_groups={args.groups_per_batch}",
@@ -180,6 +188,7 @@ def main() -> None:
             "groups_per_batch": args.groups_per_batch,
             "group_size": args.group_size,
             "seed": args.seed,
+            "preset": args.preset,
             "train_staleness": args.train_staleness,
             "device_kv_pages": device,
             "host_kv_pages": host,

@@ -21,9 +21,10 @@ layers on device and read the rest from host. On a CPU both tiers are the same m
 shows is the scheduling effect (fewer preemptions and evictions) and the bytes it streams, not
 what streaming costs on a GPU (`benchmarks/kv_transfer.py` measures that).
 
-Prints one JSON object: per policy the makespan, tokens re-prefilled (by cause), device and host
-hit tokens, bytes offloaded and loaded, preemptions, the mean wait of a turn from the tool's answer
-to its first token; then `reprefill_reduction` (1 - ours / LRU), `makespan_ratio` (LRU / ours)
+Prints one JSON object: per policy the makespan, tokens re-prefilled, the engine's counters
+(`Engine.counters`: re-prefills by cause, device and host hit tokens, bytes offloaded and loaded,
+preemptions, time in forward passes), the mean wait of a turn from the tool's answer to its first
+token; then `reprefill_reduction` (1 - ours / LRU), `makespan_ratio` (LRU / ours)
 and `outputs_identical`. Targets (issue 5): reduction >= 0.9 and makespan ratio >= 1.3.
 
     python benchmarks/kv_retention.py [--groups 2] [--group-size 8] [--seed 0] [--threads 1]
@@ -50,7 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from venusrl.config import EngineConfig  # noqa: E402
-from venusrl.engine.engine import Engine  # noqa: E402
+from venusrl.engine.engine import REPREFILL_CAUSES, Engine  # noqa: E402
 from venusrl.engine.model_dir import (  # noqa: E402
     ModelConfigError,
     init_model_dir,
@@ -181,23 +182,12 @@ def run(
             heapq.heappush(ready, (now + t.turns[turn].tool_s, trajs.index(t), turn + 1))
     makespan = time.perf_counter() - start
     engine.check()
-    stats = engine.stats
-    page_bytes = engine.kv.page_bytes()
+    counters = engine.counters()
     return {
         "makespan_s": round(makespan, 2),
-        "reprefill_tokens": sum(stats.reprefill_tokens.values()),
-        "reprefill_by_cause": dict(stats.reprefill_tokens),
-        "device_hit_tokens": stats.device_hit_tokens,
-        "host_hit_tokens": stats.host_hit_tokens,
-        "computed_tokens": stats.computed_tokens,
-        "offloaded_bytes": engine.tree.offloaded_pages * page_bytes,
-        "loaded_bytes": engine.tree.loaded_pages * page_bytes,
-        "preemptions": stats.preemptions,
+        "reprefill_tokens": sum(counters[f"reprefill_{c}_tokens"] for c in REPREFILL_CAUSES),
+        **counters,
         "turn_wait_mean_s": round(statistics.fmean(waits), 4) if waits else None,
-        "banded_pages": stats.banded_pages,
-        "banded_from_host_pages": stats.banded_from_host_pages,
-        "band_copy_bytes": stats.band_copy_bytes,
-        "streamed_bytes": stats.streamed_bytes,
         "outputs": [t.outputs for t in trajs],
     }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
@@ -18,6 +19,7 @@ import torch
 
 from tests.conftest import write_hf_model
 from tests.engine.test_parity_hf import reference_logprobs, reference_tokens
+from venusrl.engine.remote import RemoteEngine
 from venusrl.engine.tokenizer import Tokenizer, write_byte_level_tokenizer
 
 API_KEY = "test-key"
@@ -213,7 +215,19 @@ def test_native_generate_returns_tokens_logprobs_and_versions(server: str) -> No
     assert all(lp <= 0 for lp in out["logprobs"])
 
 
+def engine_counters(server: str) -> dict[str, float]:
+    async def read() -> dict[str, float]:
+        remote = RemoteEngine(server, API_KEY)
+        try:
+            return await remote.counters()
+        finally:
+            await remote.close()
+
+    return asyncio.run(read())
+
+
 def test_a_trajectory_keeps_its_kv_across_a_tool_wait_and_ends_over_http(server: str) -> None:
+    before = engine_counters(server)
     body = {
         "input_ids": list(range(340, 380)),
         "trajectory_id": "waits",
@@ -227,6 +241,11 @@ def test_a_trajectory_keeps_its_kv_across_a_tool_wait_and_ends_over_http(server:
     assert r.status_code == 200 and r.json()["cached_tokens"] >= 40, r.text
     r = httpx.post(f"{server}/end_trajectory", json={"trajectory_id": "waits"}, headers=auth())
     assert r.status_code == 200, r.text
+    # `GET /stats` counts the hit, and the forward passes of both turns.
+    after = engine_counters(server)
+    assert after["device_hit_tokens"] - before["device_hit_tokens"] >= 40
+    assert after["generated_tokens"] - before["generated_tokens"] == 8
+    assert after["busy_s"] > before["busy_s"]
 
 
 @pytest.mark.parametrize(

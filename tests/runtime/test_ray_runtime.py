@@ -96,8 +96,12 @@ def test_two_workers_keep_each_trajectory_on_one_engine_and_each_group_on_one_no
     workers = report["workers"]
     # One worker per node (each node has one CPU, each engine asks for one).
     assert len({w["node"] for w in workers}) == 2
-    trained = [r["trajectory_id"] for r in read_records(tmp_path)]
+    records = list(read_records(tmp_path))
+    trained = [r["trajectory_id"] for r in records]
     assert len(trained) == 3 * 2 * 2
+    # The step metrics sum the two engines' counters: every token trained was generated.
+    actions = sum(t["action_tokens"] for r in records for t in r["turns"])
+    assert metrics[-1]["engine"]["generated_tokens"] >= actions > 0
     # No trajectory id reached two engines, and both workers played episodes of groups
     # placed on them, each group's sandboxes made by that worker's own pool.
     assert report["trajectories_on_several_engines"] == []

@@ -49,6 +49,12 @@ def test_train_writes_one_metrics_line_per_step_within_the_staleness_bound(
     # Every trajectory trained on is on disk, with its tokens, versions and turn times.
     records = list(read_records(tmp_path))
     assert sorted(r["step"] for r in records) == [0] * 4 + [1] * 4 + [2] * 4
+    # The engine's counters, totals since it started: every token trained was generated.
+    engine = [m["engine"] for m in lines]
+    for key in ("generated_tokens", "computed_tokens", "busy_s", "steps"):
+        assert all(a[key] <= b[key] for a, b in itertools.pairwise(engine)), key
+    actions = sum(t["action_tokens"] for r in records for t in r["turns"])
+    assert engine[-1]["generated_tokens"] >= actions > 0 and engine[-1]["busy_s"] > 0
     for r in records:
         actions = sum(t["action_tokens"] for t in r["turns"])
         assert sum(r["versions"].values()) == actions > 0
@@ -156,6 +162,7 @@ def test_training_against_venusrl_serve_over_http(tmp_path: Path) -> None:
         )
         metrics = asyncio.run(train(cfg, tmp_path / "run"))
         assert [m["weight_version"] for m in metrics] == [1, 2, 3]
+        assert metrics[-1]["engine"]["generated_tokens"] > 0  # read over `GET /stats`
         reply = httpx.post(f"{url}/generate", json={"input_ids": [5, 6, 7]}).json()
         assert set(reply["weight_versions"]) == {3}  # the server runs the trained weights
     finally:

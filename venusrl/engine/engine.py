@@ -96,6 +96,9 @@ STOP_WINDOW_EXTRA_TOKENS = 8
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+REPREFILL_CAUSES = ("evicted", "preempted")
+
+
 class RequestError(ValueError):
     """A request the engine cannot run as given; the message says why."""
 
@@ -112,9 +115,10 @@ class EngineStats:
     # Where admitted requests found their prefix, in tokens (every admission, resumes included).
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0  # loaded back from the host tier
-    # Tokens whose KV the engine had computed and then lost, computed again; by cause:
-    # "evicted" (dropped while idle between turns), "preempted" (dropped after a preemption).
+    # Tokens whose KV the engine had computed and then lost, computed again; by cause
+    # (`REPREFILL_CAUSES`): dropped while idle between turns, or after a preemption.
     reprefill_tokens: Counter[str] = field(default_factory=Counter)
+    busy_s: float = 0.0  # wall time of the steps that ran a forward pass
     # Layer-wise residency: pages reduced to a layer band (ever; of those, taken from the host
     # tier by a returning trajectory, only its band copied to the device), loaded back whole
     # (ever); bytes copied between the tiers to band, unband and cache banded KV, and bytes of
@@ -307,6 +311,19 @@ class Engine:
         if t is not None and t.node is not None:
             self.tree.disown(t.node, trajectory_id)
 
+    def counters(self) -> dict[str, float]:
+        """The engine's totals since it started, flat (step metrics, `GET /stats`, benchmarks):
+        `EngineStats` with re-prefilled tokens by cause, and the bytes offloaded to and loaded
+        back from the host tier."""
+        out: dict[str, float] = {
+            k: v for k, v in vars(self.stats).items() if k != "reprefill_tokens"
+        }
+        for cause in REPREFILL_CAUSES:
+            out[f"reprefill_{cause}_tokens"] = self.stats.reprefill_tokens[cause]
+        out["offloaded_bytes"] = self.tree.offloaded_pages * self.kv.page_bytes()
+        out["loaded_bytes"] = self.tree.loaded_pages * self.kv.page_bytes()
+        return out
+
     def live_kv_pages(self) -> int:
         """Device pages of live work: running requests' and the cached KV some trajectory not
         yet ended owns. KV no live trajectory owns only waits to be evicted: the cache's content,
@@ -367,6 +384,7 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[Request]:
         """Run one forward pass; returns the requests that finished in it."""
+        began = time.perf_counter()
         if self.layer_residency is not None:
             self._set_residency(self.layer_residency)
         plan = self.scheduler.schedule(self._snapshot())
@@ -397,7 +415,9 @@ class Engine:
         batch = self._build_batch(work)
         logits = self.model(batch, self.kv)
         self.stats.steps += 1
-        return self._postprocess(work, logits)
+        finished = self._postprocess(work, logits)
+        self.stats.busy_s += time.perf_counter() - began
+        return finished
 
     def _snapshot(self) -> EngineSnapshot:
         ps = self.page_size

@@ -26,9 +26,13 @@ class RemoteEngine:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout_s)
 
-    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _call(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """POST `body` (GET without one); the reply's JSON, or RemoteEngineError saying why."""
         try:
-            r = await self._client.post(path, json=body)
+            if body is None:
+                r = await self._client.get(path)
+            else:
+                r = await self._client.post(path, json=body)
         except httpx.HTTPError as e:
             raise RemoteEngineError(f"{path}: {type(e).__name__}: {e}") from None
         if r.status_code != 200:
@@ -43,7 +47,7 @@ class RemoteEngine:
         sampling["stop"] = list(params.stop)
         sampling["stop_token_ids"] = list(params.stop_token_ids)
         body = {"input_ids": prompt_ids, "sampling_params": sampling, **metadata}
-        d = await self._post("/generate", body)
+        d = await self._call("/generate", body)
         try:
             return GenerationOutput(
                 str(d["request_id"]),
@@ -59,11 +63,15 @@ class RemoteEngine:
 
     async def end_trajectory(self, trajectory_id: str) -> None:
         """No request of this trajectory follows: the server may let its KV go."""
-        await self._post("/end_trajectory", {"trajectory_id": trajectory_id})
+        await self._call("/end_trajectory", {"trajectory_id": trajectory_id})
+
+    async def counters(self) -> dict[str, float]:
+        """The server engine's totals since it started (`Engine.counters`)."""
+        return {str(k): float(v) for k, v in (await self._call("/stats")).items()}
 
     async def update_weights(self, path: Path, version: int) -> int:
         """The server loads the safetensors directory `path` (it must see the same filesystem)."""
-        d = await self._post("/update_weights", {"path": str(path), "version": version})
+        d = await self._call("/update_weights", {"path": str(path), "version": version})
         return int(d["weight_version"])
 
     async def close(self) -> None:

@@ -2,6 +2,7 @@
 
     GET  /health                 200 once the model is loaded
     GET  /v1/models
+    GET  /stats                  the engine's counters: cache hits, re-prefills, offloads, busy time
     POST /v1/completions         prompt as text or token ids; choices carry `token_ids` too
     POST /v1/chat/completions    the tokenizer's chat template
     POST /generate               token ids + trajectory metadata -> tokens, logprobs, versions
@@ -260,6 +261,10 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "weight_version": engine.weight_version}
+
+    @app.get("/stats")
+    async def stats() -> dict[str, float]:
+        return await runner.call(lambda e: e.counters())
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -46,6 +46,9 @@ class LocalEngine:
         self._lost = lost
         return signal
 
+    async def counters(self) -> dict[str, float]:
+        return await self.engine.call(lambda e: e.counters())
+
     async def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         # Runs on the engine's thread between two of its steps: requests in flight keep their
         # KV and record the new version on the tokens they produce from now on.
@@ -65,6 +68,7 @@ class ServedEngine:
         self.remote = RemoteEngine(url)
         self.generate = self.remote.generate
         self.end_trajectory = self.remote.end_trajectory
+        self.counters = self.remote.counters
 
     async def publish(self, trainer: GRPOTrainer, run_dir: Path, model_dir: Path) -> None:
         out = run_dir / "published" / f"v{trainer.version}"

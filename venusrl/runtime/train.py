@@ -69,6 +69,10 @@ class RolloutEngine(Protocol):
 
     async def publish(self, trainer: GRPOTrainer, run_dir: Path, model_dir: Path) -> None: ...
 
+    async def counters(self) -> dict[str, float]:
+        """The engines' totals since they started (`Engine.counters`), summed."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -492,6 +496,7 @@ async def train(
                             "groups_dropped": coordinator.stats.groups_dropped,
                             "groups_running": coordinator.running_groups,
                             **admission_metrics(window),
+                            "engine": await engine.counters(),
                         },
                         by_env=len(mix) > 1,
                     )

@@ -156,6 +156,10 @@ class RolloutWorker:
         self.served.add(metadata["trajectory_id"])
         return await self.engine.generate(prompt_ids, params, **metadata)
 
+    async def engine_counters(self) -> dict[str, float]:
+        assert self.engine is not None
+        return await self.engine.counters()
+
     async def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
         assert self.engine is not None
         await self.engine.load_weights(weights.items(), version)
@@ -470,6 +474,22 @@ class RolloutFleet:
         weights = {k: v.detach().cpu() for k, v in trainer.model.hf_state_dict().items()}
         self._weights = (ray.put(weights), trainer.version)
         await asyncio.gather(*(self._load_weights(i) for i in self.up()))
+
+    async def counters(self) -> dict[str, float]:
+        """The engines' totals, summed over the workers up now (a restarted worker's engine
+        counts from zero again)."""
+
+        async def one(i: int) -> dict[str, float]:
+            try:
+                return dict(await self.call(i, self.replicas.restarts[i], "engine_counters"))
+            except InfraFailure:
+                return {}
+
+        total: dict[str, float] = {}
+        for counts in await asyncio.gather(*(one(i) for i in self.up())):
+            for key, value in counts.items():
+                total[key] = total.get(key, 0.0) + value
+        return total
 
     async def _load_weights(self, i: int) -> None:
         with contextlib.suppress(InfraFailure):  # it is being brought back with these weights
