@@ -27,8 +27,8 @@ Prints one JSON object: per policy `time_to_batches_s` (the training loop's wall
 last batch has trained), group completion time (p50, p90 and max over the groups trained),
 staleness (mean and max, in versions, of the model tokens trained), the groups started and still
 running at the end (a straggler not yet trained), the engine's counters (`Engine.counters`: busy
-time, tokens computed and re-prefilled by cause, device and host hits, bytes offloaded), and the
-ratios `speedup_vs_fifo` and
+time, tokens computed and re-prefilled by cause, device and host hits, bytes offloaded), the mean
+wait of a tool's answer for the next turn's first token, and the ratios `speedup_vs_fifo` and
 `speedup_vs_overlap` of venus. Targets (issue 5): >= 2.0 and >= 1.3 on a 2-core machine.
 
     python benchmarks/e2e_scheduler.py [--batches 4] [--groups-per-batch 2] [--seed 0]
@@ -112,6 +112,10 @@ def run_policy(
         "groups_running_at_end": steps[-1]["groups_running"],
         # How much of the run the engine spent in forward passes, and what its cache did.
         "engine_busy_share": round(engine["busy_s"] / steps[-1]["wall_s"], 3),
+        # From a turn's arrival at the engine after its tool call to its first token, on average.
+        "tool_return_wait_mean_s": round(engine["tool_return_wait_s"] / engine["tool_returns"], 4)
+        if engine["tool_returns"]
+        else None,
         "engine": {k: round(v, 3) for k, v in engine.items()},
         "knobs": knobs,
     }

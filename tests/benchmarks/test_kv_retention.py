@@ -22,9 +22,8 @@ def test_trajectory_retention_reprefills_less_than_lru_with_identical_outputs(
     assert lru["host_hit_tokens"] == 0 and lru["offloaded_bytes"] == 0
     assert ours["host_hit_tokens"] > 0 and ours["loaded_bytes"] > 0
     assert ours["reprefill_tokens"] < lru["reprefill_tokens"]
-    for res in (lru, ours):
-        causes = res["reprefill_evicted_tokens"] + res["reprefill_preempted_tokens"]
-        assert res["reprefill_tokens"] == causes and res["busy_s"] > 0
+    for res in (lru, ours):  # every turn after the first answers a tool
+        assert res["tool_returns"] == out["workload"]["tool_returns"] > 0
     assert out["reprefill_reduction"] == round(
         1 - ours["reprefill_tokens"] / lru["reprefill_tokens"], 3
     )

@@ -308,6 +308,7 @@ def test_offloaded_and_preempted_kv_gives_the_same_greedy_outputs(
     assert play_turns(engine, prompts, 3, wait_on_tools=True) == reference
     counts = engine.counters()
     assert counts["preemptions"] > 0 and counts["busy_s"] > 0
+    assert counts["tool_returns"] == len(prompts) * 2  # turns 2 and 3, preempted or not
     if retention == "trajectory":
         assert counts["host_hit_tokens"] > 0 and counts["offloaded_bytes"] > 0
         assert counts["loaded_bytes"] > 0
@@ -374,6 +375,31 @@ def test_best_effort_work_waits_rather_than_push_out_pinned_high_priority_kv(
     now[0] = 11.0  # the pin has expired: the tool is late, its KV is fair game
     drain(engine)
     assert best_effort.finished and engine.tree.offloaded_pages > 0
+
+
+def test_the_engine_counts_how_long_a_tool_answer_waits_for_its_first_token(
+    tiny_qwen3: Path,
+) -> None:
+    now = [0.0]
+    engine = Engine(
+        Engine.from_model_dir(tiny_qwen3).model,
+        EngineConfig(page_size=4, device_kv_pages=64, max_context=150),
+        clock=lambda: now[0],
+    )
+    first = engine.add_request(list(range(100, 140)), GREEDY, trajectory_id="t")
+    engine.add_request(list(range(200, 240)), GREEDY)  # no trajectory: no tool behind it
+    drain(engine)
+    assert engine.counters()["tool_returns"] == 0  # a trajectory's first turn answers no tool
+    context = [*range(100, 140), *engine.pop_finished(first.request_id).token_ids, 7, 8]
+    now[0] = 10.0  # the tool answers
+    engine.add_request(context, GREEDY, trajectory_id="t")
+    now[0] = 12.5  # the engine gets to it only now
+    engine.step()
+    counts = engine.counters()
+    assert counts["tool_returns"] == 1 and counts["tool_return_wait_s"] == 2.5
+    now[0] = 20.0
+    drain(engine)  # its later tokens do not count again
+    assert engine.counters()["tool_return_wait_s"] == 2.5
 
 
 def test_high_priority_work_may_take_the_pinned_room(tiny_qwen3: Path) -> None:

@@ -245,6 +245,7 @@ def test_a_trajectory_keeps_its_kv_across_a_tool_wait_and_ends_over_http(server:
     after = engine_counters(server)
     assert after["device_hit_tokens"] - before["device_hit_tokens"] >= 40
     assert after["generated_tokens"] - before["generated_tokens"] == 8
+    assert after["tool_returns"] - before["tool_returns"] == 1  # the second turn
     assert after["busy_s"] > before["busy_s"]
 
 
@@ -320,6 +321,7 @@ def test_malformed_json_is_a_400(server: str) -> None:
 def test_requests_without_the_api_key_are_refused(server: str) -> None:
     r = httpx.post(f"{server}/v1/completions", json={"prompt": [1], "max_tokens": 1}, timeout=30)
     assert r.status_code == 401
+    assert httpx.get(f"{server}/stats", timeout=30).status_code == 401
     assert httpx.get(f"{server}/health", timeout=30).status_code == 200
 
 

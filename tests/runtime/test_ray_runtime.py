@@ -99,7 +99,7 @@ def test_two_workers_keep_each_trajectory_on_one_engine_and_each_group_on_one_no
     records = list(read_records(tmp_path))
     trained = [r["trajectory_id"] for r in records]
     assert len(trained) == 3 * 2 * 2
-    # The step metrics sum the two engines' counters: every token trained was generated.
+    # The step metrics carry the engines' counters: every token trained was generated.
     actions = sum(t["action_tokens"] for r in records for t in r["turns"])
     assert metrics[-1]["engine"]["generated_tokens"] >= actions > 0
     # No trajectory id reached two engines, and both workers played episodes of groups

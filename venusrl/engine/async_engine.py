@@ -94,9 +94,12 @@ class AsyncEngine:
         # Named here, so that a caller cancelled even before the engine saw the request can
         # still abort it.
         request_id = metadata.pop("request_id", None) or f"req-{uuid.uuid4().hex}"
+        arrived = self.engine.clock()  # before it queues for the engine thread
 
         def add(engine: Engine) -> None:
-            r = engine.add_request(prompt_ids, params, request_id=request_id, **metadata)
+            r = engine.add_request(
+                prompt_ids, params, request_id=request_id, arrived_at=arrived, **metadata
+            )
             self._listeners[r.request_id] = _Listener(loop, deltas, r)
 
         done = False

@@ -118,7 +118,14 @@ class EngineStats:
     # Tokens whose KV the engine had computed and then lost, computed again; by cause
     # (`REPREFILL_CAUSES`): dropped while idle between turns, or after a preemption.
     reprefill_tokens: Counter[str] = field(default_factory=Counter)
-    busy_s: float = 0.0  # wall time of the steps that ran a forward pass
+    # Real seconds in the steps that ran a forward pass (scheduling, KV moves, the pass,
+    # sampling), not the injectable clock.
+    busy_s: float = 0.0
+    # Later requests of trajectories the engine remembers (a turn after a tool call), and the
+    # seconds from their arrival to their first token, summed: how long a tool's answer waits
+    # in the engine, behind other work and for its own prefill.
+    tool_returns: int = 0
+    tool_return_wait_s: float = 0.0
     # Layer-wise residency: pages reduced to a layer band (ever; of those, taken from the host
     # tier by a returning trajectory, only its band copied to the device), loaded back whole
     # (ever); bytes copied between the tiers to band, unband and cache banded KV, and bytes of
@@ -241,11 +248,13 @@ class Engine:
         trajectory_id: str | None = None,
         group_id: str | None = None,
         expected_wait_s: float | None = None,
+        arrived_at: float | None = None,
     ) -> Request:
         """Queue a request. `expected_wait_s`: after this turn the trajectory waits on a tool,
         expected back within that time; its KV is pinned until then (what a pin is worth is the
         retention policy's call). The trajectory's next request ends the wait; `end_trajectory`
-        says no request will follow."""
+        says no request will follow. `arrived_at` (the engine's clock; default now): when a
+        front end received it, so that its wait counts the step it queued behind."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
         vocab = self.model.config.vocab_size
@@ -287,11 +296,14 @@ class Engine:
             namespace=self.weight_version if self.cfg.salt_cache_by_version else None,
             sampling_seed=sampling_seed,
             expected_wait_s=expected_wait_s,
+            arrived_at=self.clock() if arrived_at is None else arrived_at,
         )
         if trajectory_id is not None:
-            t = self.trajectories.pop(trajectory_id, None) or TrajectoryState(
-                version=self.weight_version
-            )
+            t = self.trajectories.pop(trajectory_id, None)
+            if t is None:
+                t = TrajectoryState(version=self.weight_version)
+            else:
+                r.after_tool = True
             if self.cfg.salt_cache_by_version:
                 r.namespace = t.version
             self.trajectories[trajectory_id] = t  # the most recently seen last
@@ -318,7 +330,7 @@ class Engine:
         out: dict[str, float] = {
             k: v for k, v in vars(self.stats).items() if k != "reprefill_tokens"
         }
-        for cause in REPREFILL_CAUSES:
+        for cause in sorted({*REPREFILL_CAUSES, *self.stats.reprefill_tokens}):
             out[f"reprefill_{cause}_tokens"] = self.stats.reprefill_tokens[cause]
         out["offloaded_bytes"] = self.tree.offloaded_pages * self.kv.page_bytes()
         out["loaded_bytes"] = self.tree.loaded_pages * self.kv.page_bytes()
@@ -610,6 +622,9 @@ class Engine:
         for r, token, logprob in zip(sampling, tokens, logprobs, strict=True):
             r.append_token(token, logprob, self.weight_version)
             self.stats.generated_tokens += 1
+            if r.after_tool and len(r.output_ids) == 1:  # not again after a preemption
+                self.stats.tool_returns += 1
+                self.stats.tool_return_wait_s += self.clock() - r.arrived_at
             reason = self._stop_reason(r, token)
             if reason is not None:
                 self._finish(r, reason)

@@ -1,5 +1,6 @@
 """An engine in another process: `venusrl serve`, or any server that speaks its `/generate`
-(token ids in; token ids, logprobs and weight versions out) and `/update_weights`.
+(token ids in; token ids, logprobs and weight versions out) and `/update_weights`; `GET /stats`
+(the engine's counters) is optional.
 
 The agent loop and the trainer use it exactly like the in-process engine: `generate` has the
 signature of `AsyncEngine.generate`. A request that fails (connection, 5xx, timeout) raises
@@ -24,6 +25,7 @@ class RemoteEngineError(RuntimeError):
 class RemoteEngine:
     def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 600.0) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.url = url
         self._client = httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout_s)
 
     async def _call(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -67,7 +69,7 @@ class RemoteEngine:
 
     async def counters(self) -> dict[str, float]:
         """The server engine's totals since it started (`Engine.counters`)."""
-        return {str(k): float(v) for k, v in (await self._call("/stats")).items()}
+        return {str(k): v for k, v in (await self._call("/stats")).items()}
 
     async def update_weights(self, path: Path, version: int) -> int:
         """The server loads the safetensors directory `path` (it must see the same filesystem)."""

@@ -123,6 +123,8 @@ class Request:
     # Tokens of its prefix the engine had computed before (an earlier turn of its trajectory,
     # or itself before a preemption): what it finds cached short of that is a re-prefill.
     expected_cached: int = 0
+    arrived_at: float = 0.0  # the engine's clock
+    after_tool: bool = False  # a later request of a trajectory the engine remembers
 
     # KV state. pages[:num_shared_pages] are borrowed from the radix tree and protected by a
     # lock on `tree_node`; the rest are owned by this request.

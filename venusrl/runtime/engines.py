@@ -5,6 +5,7 @@ HTTP (`venusrl serve`). On a Ray cluster each rollout worker runs a `LocalEngine
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
@@ -14,10 +15,12 @@ import torch
 from venusrl.config import Config
 from venusrl.engine.async_engine import AsyncEngine
 from venusrl.engine.engine import Engine
-from venusrl.engine.remote import RemoteEngine
+from venusrl.engine.remote import RemoteEngine, RemoteEngineError
 from venusrl.policy.agent_admission import CacheSignal
 from venusrl.trainer.checkpoint import write_model_dir
 from venusrl.trainer.trainer import GRPOTrainer
+
+log = logging.getLogger(__name__)
 
 
 class LocalEngine:
@@ -47,6 +50,7 @@ class LocalEngine:
         return signal
 
     async def counters(self) -> dict[str, float]:
+        """The engine's totals since it started (`Engine.counters`)."""
         return await self.engine.call(lambda e: e.counters())
 
     async def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -68,7 +72,15 @@ class ServedEngine:
         self.remote = RemoteEngine(url)
         self.generate = self.remote.generate
         self.end_trajectory = self.remote.end_trajectory
-        self.counters = self.remote.counters
+
+    async def counters(self) -> dict[str, float]:
+        """The server's totals since it started; {} where it cannot say (a server without
+        `GET /stats`, or a failed read): a step's metrics are not worth failing the run."""
+        try:
+            return await self.remote.counters()
+        except RemoteEngineError as e:
+            log.warning("no engine counters from %s: %s", self.remote.url, e)
+            return {}
 
     async def publish(self, trainer: GRPOTrainer, run_dir: Path, model_dir: Path) -> None:
         out = run_dir / "published" / f"v{trainer.version}"

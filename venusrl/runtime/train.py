@@ -64,13 +64,13 @@ T = TypeVar("T")
 
 
 class RolloutEngine(Protocol):
-    """Where new weights are published: the in-process engine, a served one, or the engines of
-    a cluster's rollout workers."""
+    """Where new weights are published and the engine counters read: the in-process engine, a
+    served one, or the engines of a cluster's rollout workers."""
 
     async def publish(self, trainer: GRPOTrainer, run_dir: Path, model_dir: Path) -> None: ...
 
     async def counters(self) -> dict[str, float]:
-        """The engines' totals since they started (`Engine.counters`), summed."""
+        """The engines' totals (`Engine.counters`), summed; never lower than before."""
         ...
 
     async def close(self) -> None: ...
@@ -136,6 +136,11 @@ def step_metrics(
         **extra,
         **({"by_env": _by_env(batch)} if by_env else {}),
     }
+
+
+def since(before: dict[str, float], now: dict[str, float]) -> dict[str, float]:
+    """Counters from `before` to `now` (a counter `before` lacks counts from zero)."""
+    return {k: v - before.get(k, 0) for k, v in now.items()}
 
 
 def _by_env(batch: list[GroupResult]) -> dict[str, dict[str, Any]]:
@@ -462,6 +467,8 @@ async def train(
             )
             coordinator.start()
             started = time.monotonic()
+            # Counters since this run (re)started: a served engine may have counted before.
+            counted = await engine.counters()
             try:
                 for step in range(state.step + 1, cfg.run.steps):
                     batch = await coordinator.next_batch()
@@ -496,7 +503,7 @@ async def train(
                             "groups_dropped": coordinator.stats.groups_dropped,
                             "groups_running": coordinator.running_groups,
                             **admission_metrics(window),
-                            "engine": await engine.counters(),
+                            "engine": since(counted, await engine.counters()),
                         },
                         by_env=len(mix) > 1,
                     )

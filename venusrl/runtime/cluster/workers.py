@@ -81,6 +81,11 @@ def _available_memory_bytes() -> int:
     raise OSError("/proc/meminfo has no MemAvailable")
 
 
+def _add(total: dict[str, float], counts: Mapping[str, float]) -> None:
+    for key, value in counts.items():
+        total[key] = total.get(key, 0) + value
+
+
 class RolloutWorker:
     """One rollout worker (a Ray actor). Groups and sandboxes are named by keys."""
 
@@ -157,8 +162,7 @@ class RolloutWorker:
         return await self.engine.generate(prompt_ids, params, **metadata)
 
     async def engine_counters(self) -> dict[str, float]:
-        assert self.engine is not None
-        return await self.engine.counters()
+        return {} if self.engine is None else await self.engine.counters()
 
     async def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
         assert self.engine is not None
@@ -411,6 +415,10 @@ class RolloutFleet:
         self._pushers: dict[int, asyncio.Task[None]] = {}
         self._engine: tuple[Any, int, SamplingParams, LoopLimits] | None = None
         self._weights: tuple[Any, int] | None = None  # the latest published (object ref, version)
+        # Each worker's latest engine counters and the epoch they came from; an engine that
+        # restarted counts from zero, so its predecessor's last reading is carried.
+        self._counters: dict[int, tuple[int, dict[str, float]]] = {}
+        self._carried: dict[str, float] = {}
         self._closed = False
 
     # --- starting -------------------------------------------------------------------------
@@ -476,19 +484,24 @@ class RolloutFleet:
         await asyncio.gather(*(self._load_weights(i) for i in self.up()))
 
     async def counters(self) -> dict[str, float]:
-        """The engines' totals, summed over the workers up now (a restarted worker's engine
-        counts from zero again)."""
+        """The engines' totals, summed over the workers: never lower than before, however
+        many restarted (a worker down counts with its last reading)."""
 
-        async def one(i: int) -> dict[str, float]:
+        async def read(i: int) -> None:
+            epoch = self.replicas.restarts[i]
             try:
-                return dict(await self.call(i, self.replicas.restarts[i], "engine_counters"))
+                counts = dict(await self.call(i, epoch, "engine_counters"))
             except InfraFailure:
-                return {}
+                return
+            last = self._counters.get(i)
+            if last is not None and last[0] != epoch:
+                _add(self._carried, last[1])
+            self._counters[i] = (epoch, counts)
 
-        total: dict[str, float] = {}
-        for counts in await asyncio.gather(*(one(i) for i in self.up())):
-            for key, value in counts.items():
-                total[key] = total.get(key, 0.0) + value
+        await asyncio.gather(*(read(i) for i in self.up()))
+        total = dict(self._carried)
+        for _, counts in self._counters.values():
+            _add(total, counts)
         return total
 
     async def _load_weights(self, i: int) -> None:
