@@ -26,6 +26,12 @@ def engine_for(model_dir: Path, **cfg: object) -> Engine:
     return Engine.from_model_dir(model_dir, EngineConfig(**base))  # type: ignore[arg-type]
 
 
+def engine_at(model_dir: Path, now: list[float], **cfg: object) -> Engine:
+    """An engine whose clock reads `now[0]`: the test moves time by hand."""
+    config = EngineConfig(**{"page_size": 4, "max_context": 150, **cfg})  # type: ignore[arg-type]
+    return Engine(Engine.from_model_dir(model_dir).model, config, clock=lambda: now[0])
+
+
 def drain(engine: Engine) -> None:
     while engine.has_work():
         engine.step()
@@ -357,11 +363,7 @@ def test_best_effort_work_waits_rather_than_push_out_pinned_high_priority_kv(
     tiny_qwen3: Path,
 ) -> None:
     now = [0.0]
-    engine = Engine(
-        Engine.from_model_dir(tiny_qwen3).model,
-        EngineConfig(page_size=4, device_kv_pages=48, host_kv_pages=64, max_context=150),
-        clock=lambda: now[0],
-    )
+    engine = engine_at(tiny_qwen3, now, device_kv_pages=48, host_kv_pages=64)
     context = list(range(100, 172))  # 18 pages
     engine.add_request(context, GREEDY, trajectory_id="hi", priority=1, expected_wait_s=10.0)
     drain(engine)
@@ -381,11 +383,7 @@ def test_the_engine_counts_how_long_a_tool_answer_waits_for_its_first_token(
     tiny_qwen3: Path,
 ) -> None:
     now = [0.0]
-    engine = Engine(
-        Engine.from_model_dir(tiny_qwen3).model,
-        EngineConfig(page_size=4, device_kv_pages=64, max_context=150),
-        clock=lambda: now[0],
-    )
+    engine = engine_at(tiny_qwen3, now, device_kv_pages=64)
     first = engine.add_request(list(range(100, 140)), GREEDY, trajectory_id="t")
     engine.add_request(list(range(200, 240)), GREEDY)  # no trajectory: no tool behind it
     drain(engine)
