@@ -106,6 +106,9 @@ def test_under_kv_pressure_keeping_tool_waiting_kv_avoids_reprefill() -> None:
     assert lru["evictions"] > 0 and lru["reprefill_tokens"] > 0
     assert ours["reprefill_after_eviction"] == 0  # offloaded to host instead
     assert ours["offload_bytes"] > 0 and ours["host_hit_tokens"] > 0
+    # A turn back from its tool call finds its KV, so it waits less for its first token.
+    waits = [r["tool_return_wait_s"] / r["tool_returns"] for r in (lru, ours)]
+    assert lru["tool_returns"] > 0 and ours["tool_returns"] > 0 and waits[1] < waits[0]
     # Where rollout time went: shares of it that add up, re-prefill only where KV was lost.
     for result in (lru, ours):
         assert sum(result["rollout_gpu_time"].values()) == pytest.approx(1.0)

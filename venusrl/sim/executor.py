@@ -229,6 +229,8 @@ class _Request:
     cached: int = 0  # of `computed`, the whole pages handed to the radix tree
     segments: list[int] = field(default_factory=list)  # its tree nodes, in tokens, root first
     resumed: bool = False  # it ran before and was preempted: KV it lost is a preemption's
+    # When it arrived, for a turn after a tool call, until its first token is sampled.
+    tool_returned_at: float | None = None
     lost_until: int = 0  # its prefill below this recomputes KV that was lost (a re-prefill)
     # The scheduler's view of it while it runs, updated in place at every decision (building
     # one for every running request at every decision was a tenth of the simulator's time).
@@ -283,6 +285,10 @@ class Counters:
     load_bytes: float = 0.0
     preemptions: int = 0
     evictions: int = 0  # radix-tree nodes that left the device (offloaded or dropped)
+    # Turns after a tool call, and their seconds from arrival to first token, summed (as the
+    # engine counts them, `Engine.counters`).
+    tool_returns: int = 0
+    tool_return_wait_s: float = 0.0
     iterations: int = 0
     decisions: int = 0
 
@@ -591,6 +597,12 @@ class _Engine:
                     sampling.append((req, req.computed - 1))
         seconds = sum(split.values())  # and the decodes, with the iteration's fixed cost:
         seconds += sim.cost.decode_step_s(decoders, context) or sim.cost.gpu.t_fix
+        # A first token is sampled only here: a span's later iterations never end a prefill.
+        for req, _ in sampling:
+            if req.tool_returned_at is not None:
+                sim.counters.tool_returns += 1
+                sim.counters.tool_return_wait_s += now + seconds - req.tool_returned_at
+                req.tool_returned_at = None
         span = _Span(sampling, prefill=None, chunk=0, budget_bound=False, hold=0,
                      release_at=release_at, repeats=False)  # fmt: skip
         hold = reserved
@@ -1210,6 +1222,8 @@ class Simulation:
         action = t.plan.turns[t.turn].action_tokens
         priority = self.priority(t.group.gid)
         req = _Request(f"{t.tid}-t{t.turn}", t, next(self._arrivals), priority, action)
+        if t.turn:
+            req.tool_returned_at = self.clock.now
         if self.submissions is not None:
             last = t.turn in (len(t.plan.turns) - 1, t.plan.infra_failure_turn)
             self.submissions.append(
