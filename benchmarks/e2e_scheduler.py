@@ -50,6 +50,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from venusrl.engine.engine import tool_return_wait_mean_s  # noqa: E402
 from venusrl.envs.builtin.agent_workload import AgentWorkload  # noqa: E402
 from venusrl.sim.executor import quantile  # noqa: E402
 
@@ -110,12 +111,10 @@ def run_policy(
         "staleness_max": max(s["staleness_max"] for s in steps),
         "groups_started": steps[-1]["groups_started"],
         "groups_running_at_end": steps[-1]["groups_running"],
-        # How much of the run the engine spent in forward passes, and what its cache did.
+        # How much of the run the engine spent in steps that ran a forward pass, how long a turn
+        # back from its tool call waited for its first token, and what the cache did.
         "engine_busy_share": round(engine["busy_s"] / steps[-1]["wall_s"], 3),
-        # From a turn's arrival at the engine after its tool call to its first token, on average.
-        "tool_return_wait_mean_s": round(engine["tool_return_wait_s"] / engine["tool_returns"], 4)
-        if engine["tool_returns"]
-        else None,
+        "tool_return_wait_mean_s": tool_return_wait_mean_s(engine),
         "engine": {k: round(v, 3) for k, v in engine.items()},
         "knobs": knobs,
     }

@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from venusrl.config import EngineConfig  # noqa: E402
-from venusrl.engine.engine import REPREFILL_CAUSES, Engine  # noqa: E402
+from venusrl.engine.engine import REPREFILL_CAUSES, Engine, tool_return_wait_mean_s  # noqa: E402
 from venusrl.engine.model_dir import (  # noqa: E402
     ModelConfigError,
     init_model_dir,
@@ -180,10 +180,7 @@ def run(
         "makespan_s": round(makespan, 2),
         "reprefill_tokens": sum(counters[f"reprefill_{c}_tokens"] for c in REPREFILL_CAUSES),
         **counters,
-        # From a turn's arrival at the engine after its tool call to its first token (the engine's).
-        "turn_wait_mean_s": round(counters["tool_return_wait_s"] / counters["tool_returns"], 4)
-        if counters["tool_returns"]
-        else None,
+        "turn_wait_mean_s": tool_return_wait_mean_s(counters),
         "outputs": [t.outputs for t in trajs],
     }
 

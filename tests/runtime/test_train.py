@@ -49,7 +49,7 @@ def test_train_writes_one_metrics_line_per_step_within_the_staleness_bound(
     # Every trajectory trained on is on disk, with its tokens, versions and turn times.
     records = list(read_records(tmp_path))
     assert sorted(r["step"] for r in records) == [0] * 4 + [1] * 4 + [2] * 4
-    # The engine's counters, totals since it started: every token trained was generated.
+    # The engine's counters, totals since the run started: every token trained was generated.
     engine = [m["engine"] for m in lines]
     for key in ("generated_tokens", "computed_tokens", "busy_s", "steps"):
         assert all(a[key] <= b[key] for a, b in itertools.pairwise(engine)), key

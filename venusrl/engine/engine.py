@@ -43,7 +43,7 @@ import itertools
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,6 +97,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 REPREFILL_CAUSES = ("evicted", "preempted")
+
+
+def tool_return_wait_mean_s(counters: Mapping[str, float]) -> float | None:
+    """From `Engine.counters`: the mean wait of a turn after a tool call, from its arrival to
+    its first token, in seconds to 0.1 ms (None before any)."""
+    returns = counters.get("tool_returns", 0)
+    return round(counters["tool_return_wait_s"] / returns, 4) if returns else None
 
 
 class RequestError(ValueError):
