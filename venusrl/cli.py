@@ -270,7 +270,7 @@ def _sim(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out))
         return 0
-    cols = ["policy", "mean_step_s", "gpu_busy", "reprefill_tokens", "offload_bytes",
+    cols = ["policy", "mean_step_s", "gpu_busy", "reprefill_tokens", "offloaded_bytes",
             "group_completion_p50_s", "group_completion_p99_s", "staleness_mean"]  # fmt: skip
     cols += sorted({k for r in results for k in r if k.startswith("speedup_vs_")})
     print(f"{workload.name}, seed {args.seed}, {args.steps} steps ({out['wall_s']} s)")

@@ -269,9 +269,11 @@ def test_the_simulator_decides_what_the_engine_decides_on_the_same_events(
     assert dataclasses.replace(merged.counters, iterations=0, decisions=0) == dataclasses.replace(
         c, iterations=0, decisions=0
     )
-    stats = engine.stats
-    assert stats.preemptions == c.preemptions
-    assert stats.device_hit_tokens == c.device_hit_tokens
-    assert stats.host_hit_tokens == c.host_hit_tokens
-    assert stats.reprefill_tokens["evicted"] == c.reprefill_after_eviction
-    assert stats.reprefill_tokens["preempted"] == c.reprefill_after_preemption
+    # The same totals under the same names. Bytes are not compared (the simulator prices KV
+    # by its cluster model's size), nor the tool-return wait: the replay's forward passes take
+    # no time on its clock, the simulator's take what its cost model says.
+    counted = engine.counters()
+    for key in ("preemptions", "device_hit_tokens", "host_hit_tokens", "tool_returns",
+                "reprefill_evicted_tokens", "reprefill_preempted_tokens"):  # fmt: skip
+        assert counted[key] == getattr(c, key), key
+    assert c.tool_returns > 0

@@ -104,8 +104,8 @@ def test_under_kv_pressure_keeping_tool_waiting_kv_avoids_reprefill() -> None:
         SimConfig(steps=3), TIGHT,
     ).run()  # fmt: skip
     assert lru["evictions"] > 0 and lru["reprefill_tokens"] > 0
-    assert ours["reprefill_after_eviction"] == 0  # offloaded to host instead
-    assert ours["offload_bytes"] > 0 and ours["host_hit_tokens"] > 0
+    assert ours["reprefill_evicted_tokens"] == 0  # offloaded to host instead
+    assert ours["offloaded_bytes"] > 0 and ours["host_hit_tokens"] > 0
     # A turn back from its tool call finds its KV, so it waits less for its first token.
     waits = [r["tool_return_wait_s"] / r["tool_returns"] for r in (lru, ours)]
     assert lru["tool_returns"] > 0 and ours["tool_returns"] > 0 and waits[1] < waits[0]
@@ -138,8 +138,8 @@ def test_offloading_stops_at_the_host_memory_and_what_does_not_fit_is_dropped() 
     no_host = dataclasses.replace(TIGHT, host_kv_bytes_per_gpu=0.0)
     roomy_host = run("venus", cost=TIGHT)
     full_host = run("venus", cost=no_host)
-    assert roomy_host["offload_bytes"] > 0 and roomy_host["reprefill_tokens"] == 0
-    assert full_host["offload_bytes"] == 0 and full_host["reprefill_tokens"] > 0
+    assert roomy_host["offloaded_bytes"] > 0 and roomy_host["reprefill_tokens"] == 0
+    assert full_host["offloaded_bytes"] == 0 and full_host["reprefill_tokens"] > 0
     # Computing the dropped KV again costs GPU time that loading it back did not.
     assert full_host["gpu_busy"] > roomy_host["gpu_busy"]
 
@@ -149,7 +149,7 @@ def test_admission_control_holds_trajectories_back_and_thrashes_less_than_lru_al
     concur = sim.run()
     lru = run("async", cost=TIGHT)
     assert concur["steps"] == 3
-    assert 0 < concur["reprefill_after_eviction"] < lru["reprefill_after_eviction"]
+    assert 0 < concur["reprefill_evicted_tokens"] < lru["reprefill_evicted_tokens"]
     assert all(e.window >= 1 for e in sim.engines)
     assert concur["knobs"]["admission"]["initial_window"] == 8  # its knobs are printed
 

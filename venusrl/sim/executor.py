@@ -276,13 +276,15 @@ class _Idle:
 
 @dataclass
 class Counters:
+    # Named as `Engine.counters` names the same totals, so a simulated run and a real one read
+    # alike; `reprefill_tokens` is the sum over causes, `evictions` the simulator's own.
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
     reprefill_tokens: int = 0
-    reprefill_after_eviction: int = 0
-    reprefill_after_preemption: int = 0
-    offload_bytes: float = 0.0
-    load_bytes: float = 0.0
+    reprefill_evicted_tokens: int = 0
+    reprefill_preempted_tokens: int = 0
+    offloaded_bytes: float = 0.0
+    loaded_bytes: float = 0.0
     preemptions: int = 0
     evictions: int = 0  # radix-tree nodes that left the device (offloaded or dropped)
     # Turns after a tool call, and their seconds from arrival to first token, summed (as the
@@ -415,7 +417,7 @@ class _Engine:
         self.idle_device = 0  # tokens of `idle` on the device
         self.peak_pages = 0  # the most device pages in use when an iteration was planned
         self.trajectories = 0  # routed here and not finished (the router's load)
-        self.reprefill_after_eviction = 0  # tokens, for admission control's cache signal
+        self.reprefill_evicted_tokens = 0  # tokens, for admission control's cache signal
         admission = sim.policy.admission
         self.window = admission.initial_window if admission is not None else 0
         self.busy = False  # an iteration is in flight or a decision is due
@@ -933,15 +935,15 @@ class _Engine:
         to compute again."""
         sim, t = self.sim, req.traj
         sim.counters.host_hit_tokens += loaded
-        sim.counters.load_bytes += loaded * sim.cost.model.kv_bytes_per_token
+        sim.counters.loaded_bytes += loaded * sim.cost.model.kv_bytes_per_token
         lost = t.expected_cached - req.computed
         if lost > 0:
             sim.counters.reprefill_tokens += lost
             if req.resumed:
-                sim.counters.reprefill_after_preemption += lost
+                sim.counters.reprefill_preempted_tokens += lost
             else:
-                sim.counters.reprefill_after_eviction += lost
-                self.reprefill_after_eviction += lost
+                sim.counters.reprefill_evicted_tokens += lost
+                self.reprefill_evicted_tokens += lost
         sim.counters.device_hit_tokens += req.computed - loaded
 
     def _cache(self, req: _Request) -> None:
@@ -1064,7 +1066,7 @@ class _Engine:
             return False
         self.host_used += tokens
         cost = self.sim.cost
-        self.sim.counters.offload_bytes += tokens * cost.model.kv_bytes_per_token
+        self.sim.counters.offloaded_bytes += tokens * cost.model.kv_bytes_per_token
         self._transfer_s += cost.transfer_s(tokens, to_device=False)
         return True
 
@@ -1297,9 +1299,9 @@ class Simulation:
         self._control_due = False
         for e in self.engines:
             occupancy = e.live_pages() / max(e.capacity, 1)
-            signal = CacheSignal(occupancy, e.reprefill_after_eviction)
+            signal = CacheSignal(occupancy, e.reprefill_evicted_tokens)
             e.window = admission.next_window(e.window, signal)
-            e.reprefill_after_eviction = 0
+            e.reprefill_evicted_tokens = 0
         self._admit_waiting()
         if self._not_admitted or any(e.trajectories for e in self.engines):
             self._schedule_control()
