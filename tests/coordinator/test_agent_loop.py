@@ -14,6 +14,7 @@ import torch
 
 from venusrl.config import EngineConfig
 from venusrl.coordinator.agent_loop import ChatFormat, LoopLimits, run_episode
+from venusrl.coordinator.rollouts import LocalRollouts
 from venusrl.engine.async_engine import AsyncEngine
 from venusrl.engine.engine import Engine
 from venusrl.engine.model_dir import init_model_dir
@@ -21,6 +22,7 @@ from venusrl.engine.request import GenerationOutput, SamplingParams
 from venusrl.engine.tokenizer import Tokenizer
 from venusrl.envs import SandboxPool
 from venusrl.envs.builtin.guess_number import BinarySearchExpert, GuessNumber
+from venusrl.policy.critical_groups import HIGH
 from venusrl.types import Finish, Trajectory
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
@@ -222,3 +224,63 @@ def test_an_episode_whose_sandbox_died_goes_on_from_its_record_in_a_new_sandbox(
     # A tool that does not answer as recorded cannot be replayed: the platform's failure.
     assert diverged.finish is Finish.INFRA and diverged.reward is None
     assert (diverged.failure or "").startswith("ReplayDiverged")
+
+
+def test_an_episode_whose_sandbox_the_pool_preempts_goes_on_in_a_fresh_sandbox(
+    model_dir: Path,
+) -> None:
+    tokenizer = Tokenizer.load(model_dir)
+    assert tokenizer is not None
+    fmt, limits = ChatFormat(tokenizer), LoopLimits(max_context=8192)
+    task = next(GuessNumber.tasks(seed=1))
+    ended: list[str] = []
+
+    async def end_trajectory(trajectory_id: str) -> None:
+        ended.append(trajectory_id)
+
+    async def main() -> tuple[Any, ...]:
+        async with SandboxPool(memory_budget_bytes=2 << 30) as pool:
+            await pool.prepare_template(GuessNumber.template)
+            preempting: list[asyncio.Task[None]] = []
+
+            async def play(rollouts: LocalRollouts, tid: str, preempt_at_turn: int = 0) -> Any:
+                group = await rollouts.open_group(f"g-{tid}", GuessNumber, task, priority=HIGH)
+
+                def on_turn(tokens: int, turns: int) -> None:
+                    if turns == preempt_at_turn:  # memory ran high before this turn's tool call
+                        episode_sandbox = pool.sandboxes()[-1]
+                        why = "the pool's memory ran high"
+                        preempting.append(asyncio.create_task(pool.preempt(episode_sandbox, why)))
+
+                try:
+                    return await group.play(tid, on_turn)
+                finally:
+                    await group.close()
+
+            def rollouts(policy: ScriptedPolicy, resume: bool) -> LocalRollouts:
+                return LocalRollouts(pool, policy, fmt, SamplingParams(), limits, end_trajectory,
+                                     resume_preempted=resume)  # fmt: skip
+
+            whole = await play(rollouts(ScriptedPolicy(tokenizer), True), "t0")
+            policy = ScriptedPolicy(tokenizer)
+            local = rollouts(policy, True)
+            resumed = await play(local, "t1", preempt_at_turn=2)
+            # A fleet worker leaves the move to the fleet: the episode ends as the platform's
+            # failure, with its record, for another worker to go on from.
+            worker = rollouts(ScriptedPolicy(tokenizer), False)
+            moved = await play(worker, "t2", preempt_at_turn=2)
+            await asyncio.gather(*preempting)
+            return whole, resumed, len(policy.prompts), local, moved, worker, pool.stats()
+
+    whole, resumed, model_calls, local, moved, worker, stats = asyncio.run(main())
+    assert stats.preemptions == 2
+    assert resumed.finish is Finish.DONE and resumed.reward == whole.reward == 1.0
+    assert (resumed.token_ids, resumed.mask) == (whole.token_ids, whole.mask)
+    assert (resumed.logprobs, resumed.versions) == (whole.logprobs, whole.versions)
+    # The two turns taken before the preemption were kept, not sampled again.
+    assert model_calls == len(whole.turn_starts)
+    assert (local.resumed, local.resumed_completed, local.resumed_episodes) == (["t1"], 1, 1)
+    assert moved.finish is Finish.INFRA and (moved.failure or "").startswith("SandboxPreempted")
+    assert len(moved.turn_starts) == 2 and worker.resumed_episodes == 0
+    # The engine hears that an episode is over once, after its last attempt.
+    assert ended == ["t0", "t1", "t2"]

@@ -51,6 +51,12 @@ class Rollouts(Protocol):
         them; groups left out are best effort. Requests sent from now on carry it."""
         ...
 
+    @property
+    def resumed_episodes(self) -> int:
+        """Episodes whose sandbox their pool preempted that went on in a fresh sandbox from
+        their record (`agent_loop.run_episode`'s `replay`), instead of starting over."""
+        ...
+
 
 def preempted(traj: Trajectory) -> bool:
     """Whether the episode ended because its pool preempted its sandbox (memory ran high); the
@@ -78,14 +84,24 @@ class LocalRollouts:
         limits: LoopLimits,
         end_trajectory: Callable[[str], Awaitable[None]] | None = None,
         admission: AdmissionWindow | None = None,
+        resume_preempted: bool = True,
     ) -> None:
         """`end_trajectory` tells the engine that an episode is over, so that the KV it kept for
         the trajectory between turns can go; `admission`: episodes run only while its window
-        has room (None: all at once)."""
+        has room (None: all at once); `resume_preempted`: an episode whose sandbox the pool
+        preempted goes on here in a fresh one (False: it ends `Finish.INFRA`, for a caller
+        that moves it elsewhere, as the Ray fleet does)."""
         self.pool, self.generate, self.fmt = pool, generate, fmt
         self.sampling, self.limits = sampling, limits
         self.end_trajectory, self.admission = end_trajectory, admission
+        self.resume_preempted = resume_preempted
         self.priority: Mapping[str, int] = {}
+        self.resumed: list[str] = []  # trajectory ids, in the order they resumed
+        self.resumed_completed = 0  # of those, the ones that went on to their end
+
+    @property
+    def resumed_episodes(self) -> int:
+        return len(self.resumed)
 
     async def open_group(
         self, group_id: str, env: type[Environment], task: Task, priority: int
@@ -115,7 +131,29 @@ class LocalGroup:
         self, trajectory_id: str, on_turn: OnTurn, replay: Trajectory | None = None
     ) -> Trajectory:
         """`replay`: go on with this record of the episode, whose sandbox failed elsewhere
-        (`agent_loop.run_episode`)."""
+        (`agent_loop.run_episode`). An episode whose sandbox the pool preempts (memory ran
+        high) goes on once in a fresh one, admitted when the pool has room again, from its
+        record: the turns the model took are kept and their KV is still in this engine's cache
+        (`LocalRollouts.resume_preempted`)."""
+        r = self.rollouts
+        try:
+            traj = await self._episode(trajectory_id, on_turn, replay)
+            if r.resume_preempted and replay is None and preempted(traj) and traj.turn_starts:
+                r.resumed.append(trajectory_id)
+                traj = await self._episode(trajectory_id, on_turn, traj)
+                r.resumed_completed += traj.finish is not Finish.INFRA
+            return traj
+        finally:
+            if r.end_trajectory is not None:
+                # A hint for the engine's cache: an engine that cannot take it (down,
+                # restarting) has lost that KV anyway.
+                with contextlib.suppress(Exception):
+                    await r.end_trajectory(trajectory_id)
+
+    async def _episode(
+        self, trajectory_id: str, on_turn: OnTurn, replay: Trajectory | None
+    ) -> Trajectory:
+        """The episode in a sandbox of its own, closed at its end."""
         r, gid = self.rollouts, self.group_id
         try:
             sandbox = await self.handle.add()
@@ -142,11 +180,6 @@ class LocalGroup:
             return failed(trajectory_id, gid, self.task, f"{type(e).__name__}: {e}")
         finally:
             await sandbox.close()
-            if r.end_trajectory is not None:
-                # A hint for the engine's cache: an engine that cannot take it (down,
-                # restarting) has lost that KV anyway.
-                with contextlib.suppress(Exception):
-                    await r.end_trajectory(trajectory_id)
 
     async def close(self) -> None:
         await self.handle.close()

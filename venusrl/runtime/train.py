@@ -502,6 +502,7 @@ async def train(
                             "groups_started": coordinator.stats.groups_started,
                             "groups_dropped": coordinator.stats.groups_dropped,
                             "groups_running": coordinator.running_groups,
+                            "episodes_resumed": rollouts.resumed_episodes,
                             **admission_metrics(window),
                             "engine": since(counted, await engine.counters()),
                         },

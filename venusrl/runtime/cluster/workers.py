@@ -150,6 +150,7 @@ class RolloutWorker:
         self.rollouts = LocalRollouts(
             self._pool(), generate, ChatFormat(tokenizer), sampling, limits,
             end_trajectory=self.engine.end_trajectory,
+            resume_preempted=False,  # the fleet moves it to another worker
         )  # fmt: skip
         # From here on: the warm start's sandboxes are spared, as in one process.
         self._faults = sandbox_faults(self._pool(), self.cfg.faults, seed)
@@ -542,6 +543,10 @@ class RolloutFleet:
 
     def group_closed(self, group_id: str) -> None:
         self._group_workers.pop(group_id, None)
+
+    @property
+    def resumed_episodes(self) -> int:
+        return len(self.migrated)
 
     def set_priorities(self, priority: Mapping[str, int]) -> None:
         """Each worker gets the priorities of the groups it holds, when they changed; one push
