@@ -2,6 +2,7 @@
 # Create or refresh the project's virtual environment .venv/ and install venusrl into it.
 #   scripts/bootstrap.sh         runtime dependencies
 #   scripts/bootstrap.sh dev     plus test, lint and reference dependencies
+#   scripts/bootstrap.sh demo    plus the openai client (scripts/demo.sh)
 # torch is pinned to the 2.13.0 CPU build: a plain `torch` requirement pulls a multi-GB CUDA
 # build. On a GPU machine, install the CUDA torch you want first (VENUSRL_TORCH=skip keeps it).
 set -euo pipefail

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The main job until `venusrl train` lands: write a tiny random-weight Qwen3 model, serve it,
-# and talk to it with the official openai client.
+# Write a tiny random-weight Qwen3 model, serve it with `venusrl serve`, and talk to it with the
+# official openai client (installed into .venv/ with the `demo` extra).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/bootstrap.sh
+scripts/bootstrap.sh demo
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 model="runs/demo-model"
 [ -f "$model/config.json" ] || .venv/bin/venusrl model init "$model" --preset tiny
