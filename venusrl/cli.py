@@ -1,4 +1,4 @@
-"""`venusrl` command line: train | serve | sim | model init | generate."""
+"""`venusrl` command line: train | serve | sim | plot | model init | generate."""
 
 from __future__ import annotations
 
