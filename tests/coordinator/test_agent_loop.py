@@ -34,6 +34,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return init_model_dir(tmp_path_factory.mktemp("model") / "tiny", preset="tiny", seed=0)
 
 
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path) -> Tokenizer:
+    loaded = Tokenizer.load(model_dir)
+    assert loaded is not None
+    return loaded
+
+
 class ScriptedPolicy:
     """Plays the binary-search expert through token ids, as an engine would, and records what it
     was sent. Version 3, logprob -0.5 on every token, so the record can be checked."""
@@ -58,9 +65,9 @@ class ScriptedPolicy:
         return GenerationOutput("r", prompt_ids, ids, [-0.5] * n, [3] * n, "stop", 0)
 
 
-def test_expert_episode_is_one_token_record_that_was_never_retokenised(model_dir: Path) -> None:
-    tokenizer = Tokenizer.load(model_dir)
-    assert tokenizer is not None
+def test_expert_episode_is_one_token_record_that_was_never_retokenised(
+    tokenizer: Tokenizer,
+) -> None:
     fmt = ChatFormat(tokenizer)
     policy = ScriptedPolicy(tokenizer)
     task = next(GuessNumber.tasks(seed=1))
@@ -101,9 +108,9 @@ def test_expert_episode_is_one_token_record_that_was_never_retokenised(model_dir
     assert observations.count("<tool_response>") == traj.tool_calls - 1
 
 
-def test_real_engine_turns_carry_their_logprobs_and_weight_version(model_dir: Path) -> None:
-    tokenizer = Tokenizer.load(model_dir)
-    assert tokenizer is not None
+def test_real_engine_turns_carry_their_logprobs_and_weight_version(
+    model_dir: Path, tokenizer: Tokenizer
+) -> None:
     task = next(GuessNumber.tasks(seed=1))
 
     async def main() -> Any:
@@ -134,10 +141,8 @@ def test_real_engine_turns_carry_their_logprobs_and_weight_version(model_dir: Pa
 
 
 def test_context_cap_and_infrastructure_failure_end_the_episode_with_named_outcomes(
-    model_dir: Path,
+    tokenizer: Tokenizer,
 ) -> None:
-    tokenizer = Tokenizer.load(model_dir)
-    assert tokenizer is not None
     task = next(GuessNumber.tasks(seed=1))
 
     async def main() -> tuple[Any, Any]:
@@ -175,10 +180,8 @@ def test_context_cap_and_infrastructure_failure_end_the_episode_with_named_outco
 
 
 def test_an_episode_whose_sandbox_died_goes_on_from_its_record_in_a_new_sandbox(
-    model_dir: Path,
+    tokenizer: Tokenizer,
 ) -> None:
-    tokenizer = Tokenizer.load(model_dir)
-    assert tokenizer is not None
     fmt, limits = ChatFormat(tokenizer), LoopLimits(max_context=8192)
     task = next(GuessNumber.tasks(seed=1))
 
@@ -227,10 +230,8 @@ def test_an_episode_whose_sandbox_died_goes_on_from_its_record_in_a_new_sandbox(
 
 
 def test_an_episode_whose_sandbox_the_pool_preempts_goes_on_in_a_fresh_sandbox(
-    model_dir: Path,
+    tokenizer: Tokenizer,
 ) -> None:
-    tokenizer = Tokenizer.load(model_dir)
-    assert tokenizer is not None
     fmt, limits = ChatFormat(tokenizer), LoopLimits(max_context=8192)
     task = next(GuessNumber.tasks(seed=1))
     ended: list[str] = []
