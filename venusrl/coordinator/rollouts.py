@@ -97,7 +97,6 @@ class LocalRollouts:
         self.resume_preempted = resume_preempted
         self.priority: Mapping[str, int] = {}
         self.resumed: list[str] = []  # trajectory ids, in the order they resumed
-        self.resumed_completed = 0  # of those, the ones that went on to their end
 
     @property
     def resumed_episodes(self) -> int:
@@ -141,7 +140,6 @@ class LocalGroup:
             if r.resume_preempted and replay is None and preempted(traj) and traj.turn_starts:
                 r.resumed.append(trajectory_id)
                 traj = await self._episode(trajectory_id, on_turn, traj)
-                r.resumed_completed += traj.finish is not Finish.INFRA
             return traj
         finally:
             if r.end_trajectory is not None:
