@@ -42,13 +42,13 @@ def evaluate(run_dir: Path, episodes: int) -> dict[str, Any]:
     """Win rates of the start policy and the final checkpoint on the same tasks of the run's
     environment, sampled at the run's temperature and greedy."""
     from venusrl.config import load_config
-    from venusrl.envs.builtin import BUILTIN
+    from venusrl.envs.loading import environment_class
     from venusrl.runtime.evaluate import evaluation_tasks, play_policy
 
     cfg = load_config(run_dir / "config.yaml", [])
     if cfg.rollout.mix:
         raise SystemExit(f"{run_dir}: evaluating a run that mixes environments is not supported")
-    env = BUILTIN[cfg.rollout.env]
+    env = environment_class(cfg.rollout.env)
     tasks = evaluation_tasks(env, cfg.run.seed, episodes)
     final = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
     out: dict[str, Any] = {"eval_episodes": episodes}

@@ -7,8 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh dev
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-.venv/bin/ruff check venusrl tests benchmarks
-.venv/bin/ruff format --check venusrl tests benchmarks
+.venv/bin/ruff check venusrl tests benchmarks examples
+.venv/bin/ruff format --check venusrl tests benchmarks examples
 .venv/bin/mypy
 marker=(-m "not slow")
 if [ "${1:-}" = "--slow" ]; then

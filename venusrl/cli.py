@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="venusrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="train an agent with GRPO on a built-in task")
+    train = sub.add_parser("train", help="train an agent with GRPO on an environment")
     train.add_argument(
         "--model",
         help="starting model directory (default: a new micro model, tokenizer learnt from demos)",

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -101,7 +102,17 @@ class ServerConfig(_Section):
     model_name: str | None = Field(None, description="name served at /v1/models; default: dir name")
 
 
-EnvName = Literal["treasure_hunt", "guess_number", "swe_mini", "agent_workload"]
+def _environment(reference: str) -> str:
+    """A built-in environment's name or a reference to the user's own class
+    (`venusrl.envs.loading`); the class is loaded here, so that a wrong one stops the run
+    before anything starts."""
+    from venusrl.envs.loading import canonical_reference, environment_class
+
+    environment_class(reference)
+    return canonical_reference(reference)
+
+
+EnvName = Annotated[str, AfterValidator(_environment)]
 
 
 class MixEntry(_Section):
@@ -118,7 +129,8 @@ class RolloutConfig(_Section):
 
     env: EnvName = Field(
         "treasure_hunt",
-        description="built-in task when `mix` is empty (agent_workload: a scheduler benchmark)",
+        description="the environment when `mix` is empty: a built-in name (agent_workload is a"
+        " scheduler benchmark), 'package.module:Class' or 'path/to/file.py:Class'",
     )
     mix: list[MixEntry] = Field(
         default_factory=list,
@@ -173,9 +185,19 @@ class RolloutConfig(_Section):
     @field_validator("mix")
     @classmethod
     def _distinct_envs(cls, mix: list[MixEntry]) -> list[MixEntry]:
-        names = [entry.env for entry in mix]
+        from venusrl.envs.loading import environment_class
+
+        envs = [environment_class(entry.env) for entry in mix]
+        names = [env.name for env in envs]
         if len(set(names)) != len(names):
             raise ValueError(f"each environment may appear once in the mix, got {names}")
+        templates: dict[str, object] = {}
+        for env in envs:  # the pool keeps one template per name
+            if templates.setdefault(env.template.name, env.template) != env.template:
+                raise ValueError(
+                    f"two environments of the mix have different templates named"
+                    f" {env.template.name!r}: give each its own name"
+                )
         return mix
 
 

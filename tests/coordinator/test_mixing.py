@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from collections.abc import Iterator
 
 import pytest
 
 from venusrl.coordinator.mixing import EnvShare, mixed_tasks
 from venusrl.envs.builtin import GuessNumber, SweMini
+from venusrl.envs.environment import Task
 
 
 def draw(mix: list[EnvShare], n: int, seed: int = 0, skip: set[str] | None = None) -> list:
@@ -59,3 +61,29 @@ def test_a_bad_share_is_refused_naming_the_environment() -> None:
         EnvShare(GuessNumber, 0.0, 8)
     with pytest.raises(ValueError, match="K >= 2"):
         EnvShare(GuessNumber, 1.0, 1)
+
+
+class Repeating(GuessNumber):
+    """A task stream whose ids come round again (a dataset read twice, ids kept)."""
+
+    name = "repeating"
+
+    @classmethod
+    def tasks(cls, seed: int) -> Iterator[Task]:
+        return itertools.cycle(list(itertools.islice(GuessNumber.tasks(seed), 3)))
+
+
+class Finite(GuessNumber):
+    name = "finite"
+
+    @classmethod
+    def tasks(cls, seed: int) -> Iterator[Task]:
+        return itertools.islice(GuessNumber.tasks(seed), 2)
+
+
+def test_a_task_stream_that_repeats_an_id_or_ends_is_an_error_naming_the_environment() -> None:
+    # A resumed run skips the ids it trained on: a repeated id would be skipped for ever.
+    with pytest.raises(ValueError, match="repeating: task id 'guess-0-0' came twice"):
+        draw([EnvShare(Repeating, 1.0, 8)], 4)
+    with pytest.raises(ValueError, match="finite: tasks\\(seed\\) ended"):
+        draw([EnvShare(Finite, 1.0, 8)], 3)

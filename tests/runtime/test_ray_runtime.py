@@ -119,6 +119,26 @@ def test_two_workers_keep_each_trajectory_on_one_engine_and_each_group_on_one_no
     assert calls["verb"] < 16 * 16  # 16 demonstrations of at most 8 turns, a call or two each
 
 
+def test_an_environment_in_a_file_outside_any_package_runs_on_the_workers(
+    two_nodes: Cluster, tmp_path: Path
+) -> None:
+    # Off the workers' sys.path: each loads the file by its path, as the driver did.
+    own = tmp_path / "elsewhere" / "own_guess.py"
+    own.parent.mkdir()
+    own.write_text(
+        "from venusrl.envs.builtin.guess_number import GuessNumber\n\n\n"
+        "class OwnGuess(GuessNumber):\n    name = 'own_guess'\n"
+    )
+    cfg = load_config(None, [*RAY_RUN, "run.steps=2", f"rollout.env={own}:OwnGuess"])
+    metrics = asyncio.run(train(cfg, tmp_path / "run"))
+    assert [m["step"] for m in metrics] == [0, 1]
+    assert sum(m["infra_failures"] for m in metrics) == 0
+    records = list(read_records(tmp_path / "run"))
+    assert len(records) == 2 * 2 * 2 and {r["env"] for r in records} == {"own_guess"}
+    workers = json.loads((tmp_path / "run" / "cluster.json").read_text())["workers"]
+    assert sum(w["episodes_played"] for w in workers) >= len(records)
+
+
 def test_engines_the_cluster_cannot_hold_are_refused_before_any_actor_starts(
     two_nodes: Cluster, tmp_path: Path
 ) -> None:

@@ -240,6 +240,72 @@ def test_a_mixed_run_trains_on_every_environment_with_its_own_group_size_and_tur
     assert all(len(r["turns"]) <= 3 for r in records if r["env"] == "guess_number")
 
 
+def test_a_run_trains_on_an_environment_of_the_users_own_named_by_its_file(
+    tmp_path: Path,
+) -> None:
+    example = Path(__file__).resolve().parents[2] / "examples" / "custom_env" / "arithmetic.py"
+    own = [f"rollout.env={example}:Arithmetic", "rollout.max_context=1536", "run.steps=2"]
+    metrics = asyncio.run(train(load_config(None, [*SMALL, *own]), tmp_path))
+    assert [m["step"] for m in metrics] == [0, 1]
+    assert sum(m["infra_failures"] for m in metrics) == 0
+    # The warm start played the example's demonstrator in its sandboxes, scored by its reward.
+    warm = json.loads((tmp_path / "warm_start.json").read_text())
+    assert warm["episodes"] == 16 and warm["demo_reward_mean"] == 1.0
+    records = list(read_records(tmp_path))
+    assert len(records) == 2 * 2 * 2 and {r["env"] for r in records} == {"arithmetic"}
+    assert all(r["prompt_id"].startswith("arith-") for r in records)
+
+
+# Environments with a bug of their own, as a user's first version may have.
+BUGGY = """
+import itertools
+from venusrl.envs.builtin.guess_number import GuessNumber
+
+class RepeatsIds(GuessNumber):
+    name = "repeats_ids"
+
+    @classmethod
+    def tasks(cls, seed):
+        return itertools.cycle(list(itertools.islice(GuessNumber.tasks(seed), 3)))
+
+class RewardRaises(GuessNumber):
+    name = "reward_raises"
+    scored = 0
+
+    async def reward(self):
+        RewardRaises.scored += 1
+        if RewardRaises.scored % 3 == 0:
+            return {}["no such key"]
+        return await super().reward()
+"""
+
+
+def test_a_task_stream_that_repeats_an_id_stops_the_run_saying_so(tmp_path: Path) -> None:
+    (tmp_path / "buggy.py").write_text(BUGGY)
+    cfg = load_config(None, [*SMALL, f"rollout.env={tmp_path}/buggy.py:RepeatsIds"])
+    # Six groups of the three tasks would start before the first batch: the fourth draw stops it.
+    with pytest.raises(ValueError, match="repeats_ids: task id 'guess-0-0' came twice"):
+        asyncio.run(asyncio.wait_for(train(cfg, tmp_path / "run"), 120))
+
+
+def test_an_environment_whose_reward_raises_loses_those_episodes_not_the_run(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "buggy.py").write_text(BUGGY)
+    env = f"rollout.env={tmp_path}/buggy.py:RewardRaises"
+    # No warm start: there a bug stops the run at once, with its traceback, before RL starts.
+    cfg = load_config(None, [*SMALL, env, "run.warm_start_episodes=0"])
+    metrics = asyncio.run(asyncio.wait_for(train(cfg, tmp_path / "run"), 300))
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    assert sum(m["infra_failures"] for m in metrics) >= 2  # masked and replaced, not scored 0
+    records = list(read_records(tmp_path / "run"))
+    assert all(r["reward"] in (0.0, 1.0) for r in records if r["finish"] != "infra")
+    # The author sees the traceback once, not once per failed episode.
+    shown = [r for r in caplog.records if "reward_raises: episode" in r.getMessage()]
+    assert len(shown) == 1 and shown[0].exc_info is not None
+    assert shown[0].exc_info[0] is KeyError
+
+
 def test_a_warm_start_with_no_demonstrator_in_the_mix_is_refused(tmp_path: Path) -> None:
     cfg = load_config(None, [*SMALL, "rollout.env=swe_mini"])
     with pytest.raises(ValueError, match="no demonstrator for swe_mini"):

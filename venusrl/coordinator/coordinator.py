@@ -127,11 +127,15 @@ class Coordinator:
         self._tasks: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         self._launcher: asyncio.Task[None] | None = None
+        # What stopped the launcher or a group's task (a task stream that ran dry, a bug): the
+        # trainer's next wait raises it instead of waiting out `batch_timeout_s`.
+        self._fatal: BaseException | None = None
 
     # --- the trainer's side ---------------------------------------------------------------------
 
     def start(self) -> None:
         self._launcher = asyncio.create_task(self._launch())
+        self._launcher.add_done_callback(self._settled)
 
     async def next_batch(self) -> list[GroupResult]:
         """B complete groups for the trainer at its current version: every group the staleness
@@ -140,6 +144,8 @@ class Coordinator:
         deadline = time.monotonic() + self.config.batch_timeout_s
         version = self.weight_version()
         while True:
+            if self._fatal is not None:
+                raise self._fatal
             self._changed.clear()
             running = [g.started_version for g in self._open.values()]
             picked = self.bound.batch([r.started_version for r in self._ready], running, version)
@@ -189,7 +195,13 @@ class Coordinator:
     def _spawn(self, coro: object) -> None:
         task = asyncio.ensure_future(coro)  # type: ignore[call-overload]
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._settled)
+
+    def _settled(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and self._fatal is None:
+            self._fatal = task.exception()
+            self._changed.set()
 
     async def _run_group(self, work: GroupTask, arrival: int) -> None:
         gid = f"g{next(self._ids)}"

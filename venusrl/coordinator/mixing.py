@@ -60,8 +60,15 @@ def mixed_tasks(
     streams = [share.env.tasks(seed) for share in mix]
     envs = [share.environment() for share in mix]
     weights = [share.weight for share in mix]
+    seen: set[str] = set()
     while True:
         i = rng.choices(range(len(mix)), weights)[0] if len(mix) > 1 else 0
-        task = next(streams[i])
+        task = next(streams[i], None)
+        if task is None:
+            raise ValueError(f"{names[i]}: tasks(seed) ended; it must be an endless stream")
+        # A resume skips the ids it trained on: an id seen twice would be skipped for ever.
+        if task.id in seen:
+            raise ValueError(f"{names[i]}: task id {task.id!r} came twice; ids must be unique")
+        seen.add(task.id)
         if task.id not in skip:
             yield GroupTask(envs[i], task, mix[i].group_size)

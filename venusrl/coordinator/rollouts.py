@@ -12,6 +12,7 @@ episode is one call from the coordinator, not one per turn and per tool call
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol
 
@@ -23,6 +24,8 @@ from venusrl.envs.service import GroupHandle, SandboxService
 from venusrl.envs.types import InfraFailure, SandboxPreempted
 from venusrl.policy.critical_groups import BEST_EFFORT
 from venusrl.types import Finish, Trajectory
+
+log = logging.getLogger(__name__)
 
 # A member's progress after each model turn: model tokens so far, turns so far.
 OnTurn = Callable[[int, int], None]
@@ -97,6 +100,7 @@ class LocalRollouts:
         self.resume_preempted = resume_preempted
         self.priority: Mapping[str, int] = {}
         self.resumed: list[str] = []  # trajectory ids, in the order they resumed
+        self.tracebacks_shown: set[tuple[str, str]] = set()  # (environment, exception type)
 
     @property
     def resumed_episodes(self) -> int:
@@ -175,6 +179,13 @@ class LocalGroup:
                     replay=replay,
                 )
         except Exception as e:  # an engine call that failed is the platform's fault too
+            # So is a bug in the environment's own code (its step, ended or reward raised): the
+            # episode is masked and replaced like any other. Its traceback is what the author
+            # needs, once per kind, not once per episode.
+            kind = (self.env.name, type(e).__qualname__)
+            if not isinstance(e, InfraFailure) and kind not in r.tracebacks_shown:
+                r.tracebacks_shown.add(kind)
+                log.warning("%s: episode %s failed", self.env.name, trajectory_id, exc_info=e)
             return failed(trajectory_id, gid, self.task, f"{type(e).__name__}: {e}")
         finally:
             await sandbox.close()

@@ -167,7 +167,8 @@ class Environment(ABC):
     @classmethod
     @abstractmethod
     def tasks(cls, seed: int) -> Iterator[Task]:
-        """An endless stream of tasks; the same seed gives the same stream."""
+        """An endless stream of tasks; the same seed gives the same stream. Ids never repeat in
+        it: a resumed run skips the ids it has trained on."""
 
     @abstractmethod
     async def reward(self) -> float:

@@ -38,8 +38,8 @@ from venusrl.engine.model import CausalLM
 from venusrl.engine.model_dir import PRESETS, init_model_dir, load_model
 from venusrl.engine.request import SamplingParams
 from venusrl.engine.tokenizer import CHATML_TEMPLATE, Tokenizer, build_byte_level_tokenizer
-from venusrl.envs.builtin import BUILTIN
 from venusrl.envs.environment import Environment, Task
+from venusrl.envs.loading import environment_class
 from venusrl.envs.pool import SandboxPool
 from venusrl.envs.service import SandboxSource
 from venusrl.envs.types import GiB
@@ -193,7 +193,7 @@ def environment_mix(cfg: Config) -> list[EnvShare]:
     r = cfg.rollout
     entries = r.mix or [MixEntry(env=r.env)]
     return [
-        EnvShare(BUILTIN[e.env], e.weight, e.group_size or r.group_size, e.max_turns)
+        EnvShare(environment_class(e.env), e.weight, e.group_size or r.group_size, e.max_turns)
         for e in entries
     ]
 
