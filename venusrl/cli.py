@@ -135,9 +135,17 @@ def _train(args: argparse.Namespace) -> int:
     from venusrl.runtime.train import train
 
     flags = {"model": args.model, "runtime.kind": args.runtime}
-    cfg = load_config(
-        args.config, args.overrides, {k: v for k, v in flags.items() if v is not None}
-    )
+    config = args.config
+    if args.resume:
+        if not args.run_dir:
+            raise ValueError("--resume needs the --run-dir of the run to continue")
+        if config is not None:
+            raise ValueError(
+                "--resume continues with the run's own config.yaml: give KEY=VALUE overrides"
+                " (run.steps=...), not --config"
+            )
+        config = Path(args.run_dir) / "config.yaml"  # what the run started with
+    cfg = load_config(config, args.overrides, {k: v for k, v in flags.items() if v is not None})
     console = Console(stderr=True)
 
     previous_wall_s = 0.0
@@ -155,8 +163,6 @@ def _train(args: argparse.Namespace) -> int:
             f"{m['wall_s']:.0f} s"
         )
 
-    if args.resume and not args.run_dir:
-        raise ValueError("--resume needs the --run-dir of the run to continue")
     run_dir = Path(args.run_dir or time.strftime("runs/train-%Y%m%d-%H%M%S"))
     console.print(f"run directory {run_dir}")
     asyncio.run(train(cfg, run_dir, on_step=show, resume=args.resume, on_message=console.print))

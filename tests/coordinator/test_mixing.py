@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from venusrl.coordinator.mixing import EnvShare, mixed_tasks
+from venusrl.coordinator.mixing import EnvShare, mixed_tasks, task_key
 from venusrl.envs.builtin import GuessNumber, SweMini
 from venusrl.envs.environment import Task
 
@@ -31,9 +31,9 @@ def test_groups_draw_environments_in_proportion_to_their_weights() -> None:
 
 def test_the_same_seed_gives_the_same_sequence_and_skipped_tasks_are_left_out() -> None:
     mix = [EnvShare(GuessNumber, 1.0, 8), EnvShare(SweMini, 1.0, 4)]
-    first = [w.task.id for w in draw(mix, 50)]
-    assert first == [w.task.id for w in draw(mix, 50)]
-    resumed = [w.task.id for w in draw(mix, 40, skip=set(first[:10]))]
+    first = [task_key(w.env.name, w.task.id) for w in draw(mix, 50)]
+    assert first == [task_key(w.env.name, w.task.id) for w in draw(mix, 50)]
+    resumed = [task_key(w.env.name, w.task.id) for w in draw(mix, 40, skip=set(first[:10]))]
     assert resumed == first[10:50]  # a resumed run continues where the trained tasks end
 
 
@@ -81,9 +81,23 @@ class Finite(GuessNumber):
         return itertools.islice(GuessNumber.tasks(seed), 2)
 
 
-def test_a_task_stream_that_repeats_an_id_or_ends_is_an_error_naming_the_environment() -> None:
+class Dicts(GuessNumber):
+    name = "dicts"
+
+    @classmethod
+    def tasks(cls, seed: int) -> Iterator[Task]:
+        return iter([{"id": "a", "prompt": "p"}])  # type: ignore[list-item]
+
+
+def test_a_task_stream_that_repeats_an_id_ends_or_yields_no_task_is_an_error_naming_it() -> None:
     # A resumed run skips the ids it trained on: a repeated id would be skipped for ever.
     with pytest.raises(ValueError, match="repeating: task id 'guess-0-0' came twice"):
         draw([EnvShare(Repeating, 1.0, 8)], 4)
     with pytest.raises(ValueError, match="finite: tasks\\(seed\\) ended"):
         draw([EnvShare(Finite, 1.0, 8)], 3)
+    with pytest.raises(ValueError, match="dicts: tasks\\(seed\\) yielded dict, not a Task"):
+        draw([EnvShare(Dicts, 1.0, 8)], 1)
+    # Unique within an environment: a subclass of another draws the same ids, told apart.
+    twin = type("Twin", (GuessNumber,), {"name": "twin"})
+    work = draw([EnvShare(GuessNumber, 1.0, 8), EnvShare(twin, 1.0, 8)], 100)
+    assert {w.env.name for w in work if w.task.id == "guess-0-0"} == {"guess_number", "twin"}

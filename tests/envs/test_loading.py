@@ -3,6 +3,7 @@ anything else is refused before a run starts, saying what is wrong."""
 
 from __future__ import annotations
 
+import sys
 import textwrap
 from pathlib import Path
 
@@ -18,12 +19,18 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_env" / "ari
 # A user's environment in a file outside any package, importing a module beside it.
 MY_ENV = """
 from venusrl.envs.builtin.guess_number import GuessNumber
-from my_helpers import NAME
+from {helpers} import NAME
 
 class MyGuess(GuessNumber):
     name = NAME
     instructions = "Guess well."
 """
+
+
+@pytest.fixture(autouse=True)
+def _sys_path_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading a file puts its directory on sys.path, for the rest of the process."""
+    monkeypatch.setattr(sys, "path", [*sys.path])
 
 
 def write(directory: Path, name: str, source: str) -> Path:
@@ -40,8 +47,8 @@ def test_a_builtin_name_and_a_module_reference_name_the_same_class() -> None:
 def test_a_class_in_a_file_loads_once_and_may_import_the_modules_beside_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    write(tmp_path, "my_helpers.py", "NAME = 'my_guess'\n")
-    write(tmp_path, "my_env.py", MY_ENV)
+    write(tmp_path, "helpers_a.py", "NAME = 'my_guess'\n")
+    write(tmp_path, "my_env.py", MY_ENV.format(helpers="helpers_a"))
     monkeypatch.chdir(tmp_path)  # a relative path is read from the current directory
     env = environment_class("my_env.py:MyGuess")
     assert issubclass(env, GuessNumber) and env.name == "my_guess"
@@ -79,6 +86,16 @@ def test_the_example_environment_loads_by_its_file() -> None:
             "bad.py:Env",
             "`template` must be .*TemplateSpec; `tools` must be a tuple",
         ),
+        (
+            "from venusrl.envs.builtin import GuessNumber\n"
+            "class Env(GuessNumber):\n    name = 'g'\n"
+            "    tools = GuessNumber.tools * 2\n"
+            "    def reward(self): return 1.0\n"
+            "    def tasks(self, seed): return GuessNumber.tasks(seed)",
+            "bad.py:Env",
+            "two `tools` have one name.*`reward` must be an async method.*`tasks` must be a"
+            " classmethod",
+        ),
     ],
 )
 def test_a_bad_reference_is_refused_saying_why(
@@ -96,10 +113,11 @@ def test_a_bad_reference_is_refused_saying_why(
 def test_the_config_keeps_a_file_reference_as_an_absolute_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    write(tmp_path, "my_helpers.py", "NAME = 'my_guess_2'\n")
-    write(tmp_path, "my_env.py", MY_ENV)
+    write(tmp_path, "helpers_b.py", "NAME = 'my_guess_b'\n")
+    write(tmp_path, "my_env.py", MY_ENV.format(helpers="helpers_b"))
     monkeypatch.chdir(tmp_path)
     cfg = load_config(None, ["rollout.env=my_env.py:MyGuess"])
+    assert environment_class(cfg.rollout.env).name == "my_guess_b"
     assert cfg.rollout.env == f"{tmp_path}/my_env.py:MyGuess"  # a resume from elsewhere finds it
 
 

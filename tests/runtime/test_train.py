@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import math
 import os
 import signal
 import socket
@@ -18,6 +19,7 @@ import pytest
 
 from tests.runtime import SMALL
 from venusrl.config import load_config
+from venusrl.coordinator.coordinator import EpisodesFailing
 from venusrl.engine.model_dir import init_model_dir
 from venusrl.runtime.plots import plot_run
 from venusrl.runtime.record import read_records
@@ -85,7 +87,9 @@ def test_kill_9_mid_run_then_resume_completes_with_every_step_once(tmp_path: Pat
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert (run / "checkpoints").exists()
-    resumed = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, timeout=300)
+    # The resumed run takes its settings from the run's config.yaml, not from the command line.
+    resume = [*cmd[:6], "--resume"]
+    resumed = subprocess.run(resume, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     lines = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert [m["step"] for m in lines] == list(range(8))
@@ -256,8 +260,23 @@ def test_a_run_trains_on_an_environment_of_the_users_own_named_by_its_file(
     assert all(r["prompt_id"].startswith("arith-") for r in records)
 
 
+def test_a_mix_with_a_subclass_of_a_builtin_shares_the_builtins_template(tmp_path: Path) -> None:
+    own = tmp_path / "own_guess.py"
+    own.write_text(
+        "from venusrl.envs.builtin.guess_number import GuessNumber\n\n\n"
+        "class OwnGuess(GuessNumber):\n    name = 'own_guess'\n"
+        "    instructions = 'Find the number.'\n"
+    )
+    mix = f"rollout.mix=[{{env: guess_number}}, {{env: '{own}:OwnGuess'}}]"
+    cfg = load_config(None, [*SMALL, "run.steps=2", "rollout.batch_groups=4", mix])
+    metrics = asyncio.run(train(cfg, tmp_path / "run"))
+    assert [m["step"] for m in metrics] == [0, 1]
+    assert {r["env"] for r in read_records(tmp_path / "run")} == {"guess_number", "own_guess"}
+
+
 # Environments with a bug of their own, as a user's first version may have.
 BUGGY = """
+import dataclasses
 import itertools
 from venusrl.envs.builtin.guess_number import GuessNumber
 
@@ -268,6 +287,14 @@ class RepeatsIds(GuessNumber):
     def tasks(cls, seed):
         return itertools.cycle(list(itertools.islice(GuessNumber.tasks(seed), 3)))
 
+class SetupRaises(GuessNumber):
+    name = "setup_raises"
+
+    @classmethod
+    def tasks(cls, seed):
+        for task in GuessNumber.tasks(seed):
+            yield dataclasses.replace(task, setup="secret = undefined_name")
+
 class RewardRaises(GuessNumber):
     name = "reward_raises"
     scored = 0
@@ -276,6 +303,8 @@ class RewardRaises(GuessNumber):
         RewardRaises.scored += 1
         if RewardRaises.scored % 3 == 0:
             return {}["no such key"]
+        if RewardRaises.scored % 3 == 1:
+            return float("nan")  # would poison the advantages, and the weights
         return await super().reward()
 """
 
@@ -301,9 +330,20 @@ def test_an_environment_whose_reward_raises_loses_those_episodes_not_the_run(
     records = list(read_records(tmp_path / "run"))
     assert all(r["reward"] in (0.0, 1.0) for r in records if r["finish"] != "infra")
     # The author sees the traceback once, not once per failed episode.
-    shown = [r for r in caplog.records if "reward_raises: episode" in r.getMessage()]
+    shown = [r for r in caplog.records if "reward_raises.reward raised KeyError" in r.getMessage()]
     assert len(shown) == 1 and shown[0].exc_info is not None
-    assert shown[0].exc_info[0] is KeyError
+    assert isinstance(shown[0].exc_info[1].__cause__, KeyError)
+    assert any("reward_raises.reward returned nan" in r.getMessage() for r in caplog.records)
+    assert all(math.isfinite(m["loss"]) for m in metrics)
+
+
+def test_a_run_whose_every_group_fails_stops_with_the_last_failure(tmp_path: Path) -> None:
+    (tmp_path / "buggy.py").write_text(BUGGY)
+    env = f"rollout.env={tmp_path}/buggy.py:SetupRaises"
+    cfg = load_config(None, [*SMALL, env, "run.warm_start_episodes=0"])
+    stopped = r"(?s)64 groups in a row were dropped.*undefined_name"  # the setup's own error
+    with pytest.raises(EpisodesFailing, match=stopped):
+        asyncio.run(asyncio.wait_for(train(cfg, tmp_path / "run"), 240))
 
 
 def test_a_warm_start_with_no_demonstrator_in_the_mix_is_refused(tmp_path: Path) -> None:

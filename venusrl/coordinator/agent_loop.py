@@ -16,15 +16,19 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import math
+import numbers
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 from venusrl.engine.request import GenerationOutput, SamplingParams
 from venusrl.engine.tokenizer import Tokenizer
 from venusrl.envs.environment import Environment
 from venusrl.envs.types import InfraFailure
 from venusrl.types import Finish, Trajectory, TurnTimes
+
+T = TypeVar("T")
 
 _MARK = "\ue000"  # a private-use character: where the assistant's text goes in a rendering
 
@@ -82,6 +86,21 @@ class ReplayDiverged(InfraFailure):
     """Acting again on a record's turns in a new sandbox did not give its observations back."""
 
 
+class EnvironmentFailed(Exception):
+    """The environment's own code (its reset, step, ended or reward) raised: a bug of its
+    author's, neither the model's turn nor the platform. The episode is lost; the exception it
+    raised is the cause, with the traceback its author needs."""
+
+
+async def _environment(env: Environment, verb: str, call: Awaitable[T]) -> T:
+    try:
+        return await call
+    except (InfraFailure, TimeoutError):
+        raise
+    except Exception as e:
+        raise EnvironmentFailed(f"{env.name}.{verb} raised {type(e).__name__}: {e}") from e
+
+
 async def run_episode(
     env: Environment,
     generate: Generate,
@@ -104,17 +123,27 @@ async def run_episode(
     again on each of its model turns, in this episode's fresh sandbox, and the episode goes on
     from there: the turns already generated are kept, not sampled again. The observations must
     come out as recorded (`ReplayDiverged` otherwise: a tool that is not deterministic)."""
-    messages = await env.reset()
+    messages = await _environment(env, "reset", env.reset())
     traj = Trajectory.start(trajectory_id, group_id, prompt_id, fmt.prompt_ids(messages))
     try:
         finish = await _replay(env, fmt, limits, replay, traj) if replay else None
         traj.finish = finish or await _turns(
             env, generate, fmt, sampling, limits, traj, priority, on_turn
         )
-        traj.reward = float(await asyncio.wait_for(env.reward(), limits.reward_timeout_s))
+        reward = _environment(env, "reward", env.reward())
+        traj.reward = _checked_reward(env, await asyncio.wait_for(reward, limits.reward_timeout_s))
     except (InfraFailure, TimeoutError) as e:
         traj.finish, traj.failure, traj.reward = Finish.INFRA, f"{type(e).__name__}: {e}", None
     return traj
+
+
+def _checked_reward(env: Environment, reward: object) -> float:
+    """A NaN would poison the advantages, and through them the weights, without an error."""
+    if not isinstance(reward, numbers.Real) or not math.isfinite(reward):
+        raise EnvironmentFailed(
+            f"{env.name}.reward returned {reward!r}: a reward is a finite number"
+        )
+    return float(reward)
 
 
 async def _replay(
@@ -144,7 +173,8 @@ async def _act(
 ) -> Finish | None:
     """The environment acts on a model turn; the observation joins the record, unless the
     episode ends (its finish)."""
-    result = await asyncio.wait_for(env.step(fmt.text(model_ids)), limits.step_timeout_s)
+    step = _environment(env, "step", env.step(fmt.text(model_ids)))
+    result = await asyncio.wait_for(step, limits.step_timeout_s)
     traj.tool_calls += int(result.info.get("tool_calls", 0))
     if result.done:
         return Finish.TURN_CAP if result.info.get("truncated") else Finish.DONE

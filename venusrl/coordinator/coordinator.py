@@ -56,6 +56,14 @@ class CoordinatorConfig:
     group_timeout_s: float = 900.0
     batch_timeout_s: float = 1800.0
     priorities: Literal["critical", "fifo"] = "critical"
+    # The run stops once this many groups in a row are dropped with none completing between
+    # them: every episode fails (an environment's bug, a task setup that raises), and waiting
+    # out `batch_timeout_s` would only hide it.
+    max_dropped_in_a_row: int = 64
+
+
+class EpisodesFailing(ValueError):
+    """Group after group is dropped: the run cannot make a batch."""
 
 
 @dataclass
@@ -86,6 +94,7 @@ class _OpenGroup:
     members: list[MemberView]
     infra_failures: int = 0
     results: list[Trajectory | None] = field(default_factory=list)
+    last_failure: str | None = None
 
 
 @dataclass
@@ -130,6 +139,7 @@ class Coordinator:
         # What stopped the launcher or a group's task (a task stream that ran dry, a bug): the
         # trainer's next wait raises it instead of waiting out `batch_timeout_s`.
         self._fatal: BaseException | None = None
+        self._dropped_in_a_row = 0
 
     # --- the trainer's side ---------------------------------------------------------------------
 
@@ -232,12 +242,13 @@ class Coordinator:
             scored = k - result.masked
             self.stats.masked += result.masked
             if scored < 2:
-                self.stats.groups_dropped += 1
+                self._dropped(state.last_failure)
             else:
                 self.stats.groups_completed += 1
+                self._dropped_in_a_row = 0
                 self._ready.append(result)
-        except (TimeoutError, InfraFailure):
-            self.stats.groups_dropped += 1
+        except (TimeoutError, InfraFailure) as e:
+            self._dropped(f"{type(e).__name__}: {e}")
         finally:
             self._open.pop(gid, None)
             self._priority.pop(gid, None)
@@ -247,6 +258,16 @@ class Coordinator:
             self._wake.set()
             self._changed.set()
 
+    def _dropped(self, failure: str | None) -> None:
+        self.stats.groups_dropped += 1
+        self._dropped_in_a_row += 1
+        if self._dropped_in_a_row >= self.config.max_dropped_in_a_row and self._fatal is None:
+            self._fatal = EpisodesFailing(
+                f"{self._dropped_in_a_row} groups in a row were dropped, none completed: their"
+                f" episodes fail. The last failure: {failure}"
+            )
+            self._changed.set()
+
     async def _run_member(self, state: _OpenGroup, group: GroupEpisodes, index: int) -> None:
         while True:
             tid = f"{state.group_id}-m{index}-{next(self._ids)}"
@@ -254,6 +275,7 @@ class Coordinator:
                 tid, lambda tokens, turns: self._progress(state, index, tokens, turns)
             )
             if traj.finish is Finish.INFRA:
+                state.last_failure = traj.failure
                 state.infra_failures += 1
                 self.stats.infra_failures += 1
                 if state.infra_failures <= self.config.max_infra_retries:

@@ -49,26 +49,40 @@ class GroupTask:
 def mixed_tasks(
     mix: Sequence[EnvShare], seed: int, skip: Container[str] = ()
 ) -> Iterator[GroupTask]:
-    """An endless stream of group tasks drawn from `mix`; tasks whose id is in `skip` (trained
-    on before a resume) are drawn but not yielded."""
+    """An endless stream of group tasks drawn from `mix`; tasks whose `task_key` is in `skip`
+    (trained on before a resume) are drawn but not yielded."""
     if not mix:
         raise ValueError("an environment mix needs at least one environment")
     names = [share.env.name for share in mix]
     if len(set(names)) != len(names):
         raise ValueError(f"an environment appears twice in the mix: {names}")
     rng = random.Random(seed)
-    streams = [share.env.tasks(seed) for share in mix]
+    streams = [task_stream(share.env, seed) for share in mix]
     envs = [share.environment() for share in mix]
     weights = [share.weight for share in mix]
-    seen: set[str] = set()
+    drawn: set[str] = set()
     while True:
         i = rng.choices(range(len(mix)), weights)[0] if len(mix) > 1 else 0
-        task = next(streams[i], None)
-        if task is None:
-            raise ValueError(f"{names[i]}: tasks(seed) ended; it must be an endless stream")
-        # A resume skips the ids it trained on: an id seen twice would be skipped for ever.
-        if task.id in seen:
+        task = next(streams[i])
+        key = task_key(names[i], task.id)
+        # A resume skips the tasks it trained on: an id drawn twice would be skipped for ever.
+        if key in drawn:
             raise ValueError(f"{names[i]}: task id {task.id!r} came twice; ids must be unique")
-        seen.add(task.id)
-        if task.id not in skip:
+        drawn.add(key)
+        if key not in skip:
             yield GroupTask(envs[i], task, mix[i].group_size)
+
+
+def task_key(env: str, task_id: str) -> str:
+    """A task's name in a run: ids are unique within one environment's stream, not across a
+    mix (a subclass of an environment draws the same ids)."""
+    return f"{env}/{task_id}"
+
+
+def task_stream(env: type[Environment], seed: int) -> Iterator[Task]:
+    """`env.tasks(seed)`, checked as it is drawn: tasks, and no end."""
+    for task in env.tasks(seed):
+        if not isinstance(task, Task):
+            raise ValueError(f"{env.name}: tasks(seed) yielded {type(task).__name__}, not a Task")
+        yield task
+    raise ValueError(f"{env.name}: tasks(seed) ended; it must be an endless stream")

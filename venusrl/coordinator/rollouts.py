@@ -13,11 +13,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import traceback
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol
 
 from venusrl.coordinator.admission import AdmissionWindow
-from venusrl.coordinator.agent_loop import ChatFormat, Generate, LoopLimits, run_episode
+from venusrl.coordinator.agent_loop import (
+    ChatFormat,
+    EnvironmentFailed,
+    Generate,
+    LoopLimits,
+    run_episode,
+)
 from venusrl.engine.request import SamplingParams
 from venusrl.envs.environment import Environment, Task
 from venusrl.envs.service import GroupHandle, SandboxService
@@ -100,7 +107,7 @@ class LocalRollouts:
         self.resume_preempted = resume_preempted
         self.priority: Mapping[str, int] = {}
         self.resumed: list[str] = []  # trajectory ids, in the order they resumed
-        self.tracebacks_shown: set[tuple[str, str]] = set()  # (environment, exception type)
+        self.tracebacks_shown: set[tuple[str, str]] = set()  # (environment, where it raised)
 
     @property
     def resumed_episodes(self) -> int:
@@ -179,13 +186,14 @@ class LocalGroup:
                     replay=replay,
                 )
         except Exception as e:  # an engine call that failed is the platform's fault too
-            # So is a bug in the environment's own code (its step, ended or reward raised): the
-            # episode is masked and replaced like any other. Its traceback is what the author
-            # needs, once per kind, not once per episode.
-            kind = (self.env.name, type(e).__qualname__)
-            if not isinstance(e, InfraFailure) and kind not in r.tracebacks_shown:
+            # A bug in the environment's code is masked and replaced the same way, so that one
+            # bad episode does not end the run; its author needs the traceback once per bug
+            # (where it raised), not once per episode.
+            raised = traceback.extract_tb(e.__cause__.__traceback__) if e.__cause__ else []
+            kind = (self.env.name, str(raised[-1][:2]) if raised else str(e))
+            if isinstance(e, EnvironmentFailed) and kind not in r.tracebacks_shown:
                 r.tracebacks_shown.add(kind)
-                log.warning("%s: episode %s failed", self.env.name, trajectory_id, exc_info=e)
+                log.warning("episode %s: %s", trajectory_id, e, exc_info=e)
             return failed(trajectory_id, gid, self.task, f"{type(e).__name__}: {e}")
         finally:
             await sandbox.close()

@@ -107,5 +107,13 @@ def _check_class(reference: str, cls: object) -> None:
     tools = getattr(cls, "tools", None)
     if not isinstance(tools, tuple) or not all(isinstance(t, Tool) for t in tools):
         problems.append("`tools` must be a tuple of venusrl.envs.environment.Tool")
+    elif len({t.name for t in tools}) < len(tools):
+        problems.append("two `tools` have one name (the model could call only the first)")
+    for method in ("reset", "step", "reward"):
+        if not inspect.iscoroutinefunction(getattr(cls, method)):
+            problems.append(f"`{method}` must be an async method")
+    for method in ("tasks", "demonstrator"):
+        if not isinstance(inspect.getattr_static(cls, method), classmethod):
+            problems.append(f"`{method}` must be a classmethod")
     if problems:
         raise ValueError(f"{reference!r}: " + "; ".join(problems))

@@ -32,7 +32,7 @@ from venusrl.coordinator.admission import AdmissionWindow
 from venusrl.coordinator.agent_loop import ChatFormat, LoopLimits, run_episode
 from venusrl.coordinator.coordinator import Coordinator, CoordinatorConfig, GroupResult
 from venusrl.coordinator.demonstrations import ScriptedGenerate, retokenize
-from venusrl.coordinator.mixing import EnvShare, mixed_tasks
+from venusrl.coordinator.mixing import EnvShare, mixed_tasks, task_key, task_stream
 from venusrl.coordinator.rollouts import LocalRollouts, Rollouts
 from venusrl.engine.model import CausalLM
 from venusrl.engine.model_dir import PRESETS, init_model_dir, load_model
@@ -208,7 +208,7 @@ async def play_demonstrations(
     with_demos: list[tuple[float, list[tuple[type[Environment], Task]]]] = []
     for share in mix:
         env = share.environment()
-        tasks = list(itertools.islice(env.tasks(cfg.run.seed + 7919), n_tasks))
+        tasks = list(itertools.islice(task_stream(env, cfg.run.seed + 7919), n_tasks))
         if tasks and env.demonstrator(tasks[0], cfg.run.seed) is not None:
             with_demos.append((share.weight, [(env, t) for t in tasks]))
     if not with_demos:
@@ -368,8 +368,9 @@ async def train(
                 share_pages=cfg.sandbox.share_pages,
             )
             pool = await roles.enter_async_context(local_pool)
-        for share in mix:
-            await pool.prepare_template(share.env.template)
+        # One per name: environments that share one (a subclass of another) share its sandboxes.
+        for template in {share.env.template.name: share.env.template for share in mix}.values():
+            await pool.prepare_template(template)
         demos: list[Trajectory] = []
         prepare_started = time.monotonic()
         if fresh and not cfg.model and not (model_dir / "config.json").exists():
@@ -519,7 +520,7 @@ async def train(
                     with metrics_file.open("a") as f:
                         f.write(json.dumps(line) + "\n")
                     metrics.append(line)
-                    state.consumed_tasks += [g.task.id for g in batch]
+                    state.consumed_tasks += [task_key(g.env, g.task.id) for g in batch]
                     state.step, state.weight_version = step, trainer.version
                     last = step == cfg.run.steps - 1
                     if (step + 1) % cfg.run.checkpoint_every == 0 or last:

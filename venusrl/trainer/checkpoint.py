@@ -28,7 +28,7 @@ MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "genera
 class RunState:
     step: int  # the last completed trainer step
     weight_version: int
-    consumed_tasks: list[str] = field(default_factory=list)  # ids of tasks already trained on
+    consumed_tasks: list[str] = field(default_factory=list)  # mixing.task_key of those trained
 
 
 def _fsync_dir(path: Path) -> None:
