@@ -295,6 +295,10 @@ class SetupRaises(GuessNumber):
         for task in GuessNumber.tasks(seed):
             yield dataclasses.replace(task, setup="secret = undefined_name")
 
+class ToolTypo(GuessNumber):
+    name = "tool_typo"
+    tools = (dataclasses.replace(GuessNumber.tools[0], name="gues"),)
+
 class RewardRaises(GuessNumber):
     name = "reward_raises"
     scored = 0
@@ -327,6 +331,7 @@ def test_an_environment_whose_reward_raises_loses_those_episodes_not_the_run(
     metrics = asyncio.run(asyncio.wait_for(train(cfg, tmp_path / "run"), 300))
     assert [m["step"] for m in metrics] == [0, 1, 2]
     assert sum(m["infra_failures"] for m in metrics) >= 2  # masked and replaced, not scored 0
+    assert sum(m["env_failures"] for m in metrics) == sum(m["infra_failures"] for m in metrics)
     records = list(read_records(tmp_path / "run"))
     assert all(r["reward"] in (0.0, 1.0) for r in records if r["finish"] != "infra")
     # The author sees the traceback once, not once per failed episode.
@@ -335,6 +340,16 @@ def test_an_environment_whose_reward_raises_loses_those_episodes_not_the_run(
     assert isinstance(shown[0].exc_info[1].__cause__, KeyError)
     assert any("reward_raises.reward returned nan" in r.getMessage() for r in caplog.records)
     assert all(math.isfinite(m["loss"]) for m in metrics)
+
+
+def test_a_python_tool_the_template_does_not_define_is_refused_before_training(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "buggy.py").write_text(BUGGY)
+    cfg = load_config(None, [*SMALL, f"rollout.env={tmp_path}/buggy.py:ToolTypo"])
+    with pytest.raises(ValueError, match=r"tool_typo: .* no function for the tools \['gues'\]"):
+        asyncio.run(asyncio.wait_for(train(cfg, tmp_path / "run"), 120))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_a_run_whose_every_group_fails_stops_with_the_last_failure(tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from venusrl.coordinator.mixing import GroupTask
-from venusrl.coordinator.rollouts import GroupEpisodes, Rollouts
+from venusrl.coordinator.rollouts import GroupEpisodes, Rollouts, environment_failed
 from venusrl.envs.environment import Environment, Task
 from venusrl.envs.types import InfraFailure
 from venusrl.policy.critical_groups import (
@@ -74,6 +74,7 @@ class GroupResult:
     trajectories: list[Trajectory]  # K, in member order; masked ones have reward None
     started_version: int
     infra_failures: int = 0
+    env_failures: int = 0  # of the infra failures, those the environment's own code raised
     duration_s: float = 0.0  # from opening the group to its last member's end
 
     @property
@@ -93,6 +94,7 @@ class _OpenGroup:
     started_version: int
     members: list[MemberView]
     infra_failures: int = 0
+    env_failures: int = 0
     results: list[Trajectory | None] = field(default_factory=list)
     last_failure: str | None = None
 
@@ -237,6 +239,7 @@ class Coordinator:
                 [t for t in state.results if t is not None],
                 state.started_version,
                 state.infra_failures,
+                state.env_failures,
                 time.monotonic() - opened,
             )
             scored = k - result.masked
@@ -277,6 +280,7 @@ class Coordinator:
             if traj.finish is Finish.INFRA:
                 state.last_failure = traj.failure
                 state.infra_failures += 1
+                state.env_failures += environment_failed(traj)
                 self.stats.infra_failures += 1
                 if state.infra_failures <= self.config.max_infra_retries:
                     continue  # a replacement member runs the same task

@@ -76,6 +76,13 @@ def preempted(traj: Trajectory) -> bool:
     )
 
 
+def environment_failed(traj: Trajectory) -> bool:
+    """Whether the episode ended because the environment's own code raised."""
+    return traj.finish is Finish.INFRA and (traj.failure or "").startswith(
+        f"{EnvironmentFailed.__name__}:"
+    )
+
+
 def failed(trajectory_id: str, group_id: str, task: Task, why: str) -> Trajectory:
     traj = Trajectory.start(trajectory_id, group_id, task.id, [])
     traj.finish, traj.failure = Finish.INFRA, why

@@ -188,6 +188,19 @@ class Environment(ABC):
         with each observation; returns the next turn's text), or None when the task has none."""
         return None
 
+    @classmethod
+    async def undefined_tools(cls, sandbox: SandboxVerbs) -> list[str]:
+        """The Python tools (`run` None) that are not functions in `sandbox`, a fresh sandbox
+        of the template: each call of one would only ever answer an error."""
+        names = [t.name for t in cls.tools if t.run is None]
+        r = await sandbox.run_python(
+            f"print(*[n for n in {names!r} if not callable(globals().get(n))])",
+            timeout_s=cls.tool_timeout_s,
+        )
+        if not r.ok:
+            raise RuntimeError(f"{cls.name}: looking for the tools failed: {r.text()}")
+        return r.stdout.decode().split()
+
     async def reset(self) -> list[Message]:
         """The opening messages: the instructions with the tools announced, then the task."""
         system = f"{self.instructions}\n\n{render_tool_prompt([t.schema() for t in self.tools])}"

@@ -128,6 +128,7 @@ def step_metrics(
         "groups": len(batch),
         "group_s": [round(d, 3) for d in durations],  # open to last member's end, sorted
         "infra_failures": sum(g.infra_failures for g in batch),
+        "env_failures": sum(g.env_failures for g in batch),  # of them, the environment's bugs
         "masked": sum(g.masked for g in batch),
         "tool_calls_mean": sum(t.tool_calls for t in trajectories) / max(len(trajectories), 1),
         "wins": len(wins),
@@ -299,6 +300,20 @@ def write_start_policy(run_dir: Path, trainer: GRPOTrainer, model_dir: Path) -> 
     tmp.rename(run_dir / "start-model")
 
 
+async def check_tools(env: type[Environment], pool: SandboxSource) -> None:
+    """Refuse, before anything trains, an environment whose template does not define its
+    Python tools (a typo in a name): the model would be trained on error answers only."""
+    sandbox = await pool.create(env.template.name)
+    try:
+        missing = await env.undefined_tools(sandbox)
+    finally:
+        await sandbox.close()
+    if missing:
+        raise ValueError(
+            f"{env.name}: its template's setup defines no function for the tools {missing}"
+        )
+
+
 def reference_policy(cfg: Config, run_dir: Path, device: torch.device) -> CausalLM:
     """The KL penalty's reference, the start policy, read from disk so that a resumed run is
     held to the same one."""
@@ -371,6 +386,8 @@ async def train(
         # One per name: environments that share one (a subclass of another) share its sandboxes.
         for template in {share.env.template.name: share.env.template for share in mix}.values():
             await pool.prepare_template(template)
+        for share in mix:
+            await check_tools(share.env, pool)
         demos: list[Trajectory] = []
         prepare_started = time.monotonic()
         if fresh and not cfg.model and not (model_dir / "config.json").exists():

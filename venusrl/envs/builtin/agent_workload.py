@@ -52,7 +52,10 @@ def _text(rng: random.Random, chars: int) -> str:
 
 class AgentWorkload(Environment):
     name = "agent_workload"
-    template = TemplateSpec(name="agent-workload", setup="", declared_memory_bytes=64 * MiB)
+    # `step` runs every turn as a sleep of its own; the tool is what the prompt shows.
+    template = TemplateSpec(
+        name="agent-workload", setup="def work():\n    return ''\n", declared_memory_bytes=64 * MiB
+    )
     instructions = "You are an agent. Use the tool."
     tools = (Tool("work", "Do one step of work.", {"type": "object", "properties": {}}),)
     max_turns = 20
