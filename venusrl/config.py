@@ -186,12 +186,13 @@ class RolloutConfig(_Section):
     @classmethod
     def _distinct_envs(cls, mix: list[MixEntry]) -> list[MixEntry]:
         from venusrl.envs.loading import environment_class
+        from venusrl.envs.types import TemplateSpec
 
         envs = [environment_class(entry.env) for entry in mix]
         names = [env.name for env in envs]
         if len(set(names)) != len(names):
             raise ValueError(f"each environment may appear once in the mix, got {names}")
-        templates: dict[str, object] = {}
+        templates: dict[str, TemplateSpec] = {}
         for env in envs:  # the pool keeps one template per name
             if templates.setdefault(env.template.name, env.template) != env.template:
                 raise ValueError(

@@ -69,6 +69,7 @@ def test_the_example_environment_loads_by_its_file() -> None:
         (None, "no_such_package.envs:Env", "cannot import no_such_package.envs"),
         ("raise RuntimeError('boom')", "bad.py:Env", "loading .*bad.py failed: RuntimeError: boom"),
         ("x = 1", "bad.py:Env", "has no attribute 'Env'"),
+        ("import sys\nsys.exit(3)", "bad.py:Env", "loading .*bad.py failed: SystemExit: 3"),
         ("Env = 42", "bad.py:Env", "is 42, not a subclass of venusrl Environment"),
         (
             "from venusrl.envs.environment import Environment\nclass Env(Environment): pass",

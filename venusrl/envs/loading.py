@@ -59,7 +59,7 @@ def canonical_reference(reference: str) -> str:
 def _import(module_name: str) -> object:
     try:
         return importlib.import_module(module_name)
-    except Exception as e:  # the user's module-level code may raise anything
+    except (Exception, SystemExit) as e:  # the user's module-level code may do anything
         raise ValueError(f"cannot import {module_name}: {type(e).__name__}: {e}") from None
 
 
@@ -81,7 +81,7 @@ def _load_file(path: Path) -> object:
     sys.modules[name] = module  # before running it, as an import would (dataclasses need it)
     try:
         spec.loader.exec_module(module)
-    except Exception as e:
+    except (Exception, SystemExit) as e:
         del sys.modules[name]
         raise ValueError(f"loading {path} failed: {type(e).__name__}: {e}") from None
     return module
