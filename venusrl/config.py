@@ -334,11 +334,26 @@ def load_config(
                 f"config file {path} must hold a mapping, got {type(loaded).__name__}"
             )
         data = loaded or {}
+        _anchor_environment_files(data, Path(path).parent)
     for item in overrides:
         apply_override(data, item)
     for key, value in (values or {}).items():
         _set_dotted(data, key, value, key)
     return validate_config(data)
+
+
+def _anchor_environment_files(data: dict[str, Any], directory: Path) -> None:
+    """An environment file named in a YAML file is read from the YAML file's directory, so that
+    a config and the environment beside it move together (on the command line: the current
+    directory)."""
+    rollout = data.get("rollout")
+    if not isinstance(rollout, dict):
+        return
+    entries = [rollout, *(e for e in rollout.get("mix") or [] if isinstance(e, dict))]
+    for entry in entries:
+        where, colon, attribute = str(entry.get("env", "")).rpartition(":")
+        if colon and where.endswith(".py") and not Path(where).is_absolute():
+            entry["env"] = f"{directory / where}:{attribute}"
 
 
 def apply_override(data: dict[str, Any], item: str) -> None:

@@ -135,3 +135,19 @@ def test_a_mix_of_two_environments_with_one_template_name_is_refused(tmp_path: P
     mix = f"rollout.mix=[{{env: guess_number}}, {{env: '{path}:Other'}}]"
     with pytest.raises(ConfigError, match="different templates named 'guess-number'"):
         load_config(None, [mix])
+
+
+def test_an_environment_file_in_a_config_file_is_read_from_the_config_files_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    write(conf, "helpers_c.py", "NAME = 'my_guess_c'\n")
+    write(conf, "my_env.py", MY_ENV.format(helpers="helpers_c"))
+    config = write(conf, "run.yaml", "rollout:\n  mix:\n    - env: my_env.py:MyGuess\n")
+    monkeypatch.chdir(tmp_path)  # elsewhere: the path is the config file's
+    cfg = load_config(config)
+    assert cfg.rollout.mix[0].env == f"{tmp_path}/conf/my_env.py:MyGuess"
+    # On the command line the current directory's, as a shell user expects.
+    with pytest.raises(ConfigError, match="is not a file"):
+        load_config(None, ["rollout.env=my_env.py:MyGuess"])
