@@ -346,14 +346,15 @@ def _anchor_environment_files(data: dict[str, Any], directory: Path) -> None:
     """An environment file named in a YAML file is read from the YAML file's directory, so that
     a config and the environment beside it move together (on the command line: the current
     directory)."""
+    from venusrl.envs.loading import canonical_reference
+
     rollout = data.get("rollout")
     if not isinstance(rollout, dict):
         return
     entries = [rollout, *(e for e in rollout.get("mix") or [] if isinstance(e, dict))]
     for entry in entries:
-        where, colon, attribute = str(entry.get("env", "")).rpartition(":")
-        if colon and where.endswith(".py") and not Path(where).is_absolute():
-            entry["env"] = f"{directory / where}:{attribute}"
+        if isinstance(entry.get("env"), str):
+            entry["env"] = canonical_reference(entry["env"], directory)
 
 
 def apply_override(data: dict[str, Any], item: str) -> None:

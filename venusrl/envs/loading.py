@@ -47,12 +47,13 @@ def environment_class(reference: str) -> type[Environment]:
     return cls
 
 
-def canonical_reference(reference: str) -> str:
-    """`reference` as it should be stored: a file path made absolute, so that a run resumed
-    from another directory (`config.yaml` in the run directory) loads the same file."""
+def canonical_reference(reference: str, directory: Path | None = None) -> str:
+    """`reference` as it should be stored: a file path made absolute (a relative one is taken
+    from `directory`, by default the current one), so that a run resumed from elsewhere
+    (`config.yaml` in the run directory) loads the same file."""
     where, _, attribute = reference.rpartition(":")
     if where.endswith(".py"):
-        return f"{Path(where).resolve()}:{attribute}"
+        return f"{((directory or Path.cwd()) / where).resolve()}:{attribute}"
     return reference
 
 
