@@ -7,13 +7,13 @@ three pool configurations run one after another for the same wall time:
   footprint        admit by measured footprint + learned growth, every sandbox cold
   footprint+fork   footprint admission, and the K members of a group fork from one warm zygote
 
-The workload follows seed 000 section 4: groups of K=8 sandboxes share a template that imports
-numpy and holds a 200-400 MB read-mostly working set (different per group: no sharing across
-groups); every sandbox declares 4 GiB and runs a task of several tool calls separated by "model
-thinking" time; each call reads part of the working set and keeps some private memory, and a rare
-call spikes. A preempted member is replaced (the task restarts in a new sandbox of its group), as
-the coordinator would do. Groups are launched while fewer than K members wait for admission, so
-every configuration runs at the concurrency its admission allows.
+The workload follows DESIGN.md's footprint admission and page sharing: groups of K=8 sandboxes share
+a template that imports numpy and holds a 200-400 MB read-mostly working set (different per group:
+no sharing across groups); every sandbox declares 4 GiB and runs a task of several tool calls
+separated by "model thinking" time; each call reads part of the working set and keeps some private
+memory, and a rare call spikes. A preempted member is replaced (the task restarts in a new sandbox
+of its group), as the coordinator would do. Groups are launched while fewer than K members wait for
+admission, so every configuration runs at the concurrency its admission allows.
 
 Prints one JSON object: per configuration `mean_concurrent` (time-averaged live sandboxes),
 `completed_per_min`, `oom_kills`, `preemptions`, `gb_seconds_per_completed` (budget x wall time

@@ -16,14 +16,14 @@ Ownership of device pages (checked by `check()`): each page is free, owned by th
 owned by exactly one running request. A request's first `num_shared_pages` pages are the tree's,
 kept alive by a lock on `tree_node`.
 
-Idle KV (DESIGN.md seed 000 section 3): between two turns of a trajectory, its KV stays in the
-tree, unlocked. When pages run short the tree evicts in the order of a retention policy
-(`policy.kv_retention`, `engine.retention`) that sees each node's owners: whether their episodes
-are over (`end_trajectory`), their priority, and the retention pin a request sets for the tool
-wait that follows it (`expected_wait_s`, the coordinator's estimate of when the tool answers).
-Where the policy says so and the host tier has room, the KV is offloaded rather than dropped; a
-later match loads it back (a host hit) instead of computing it again (a re-prefill, counted by
-cause). A preempted request's full pages go the same way.
+Idle KV (DESIGN.md, "Trajectory-aware radix cache"): between two turns of a trajectory, its KV stays
+in the tree, unlocked. When pages run short the tree evicts in the order of a retention policy
+(`policy.kv_retention`, `engine.retention`) that sees each node's owners: whether their episodes are
+over (`end_trajectory`), their priority, and the retention pin a request sets for the tool wait that
+follows it (`expected_wait_s`, the coordinator's estimate of when the tool answers). Where the
+policy says so and the host tier has room, the KV is offloaded rather than dropped; a later match
+loads it back (a host hit) instead of computing it again (a re-prefill, counted by cause). A
+preempted request's full pages go the same way.
 
 Layer-wise residency (`engine.layer_residency`, `policy.layer_residency`): when the KV that
 high-priority requests need presses on the device, a running high-priority request's completed

@@ -21,7 +21,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from venusrl.engine.model import CausalLM, ModelConfig, ModelConfigError
 from venusrl.engine.tokenizer import build_byte_level_tokenizer, write_byte_level_tokenizer
 
-# Shapes for demos and benchmarks. `tiny` is the engine-benchmark shape of shared/MEASURED.md;
+# Shapes for demos and benchmarks. `tiny` is the engine-benchmark shape of docs/MEASURED.md;
 # `small` is ~100M parameters, where compute rather than Python overhead dominates on CPU.
 PRESETS: dict[str, dict[str, Any]] = {
     # ~0.5M parameters: the built-in CPU training example learns in minutes on 2 cores.

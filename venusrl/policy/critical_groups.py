@@ -1,6 +1,6 @@
 """Which GRPO groups run first: the ones that unlock the next trainer batch.
 
-Pure policy (DESIGN.md contract 1; seed 000 section 2, "critical groups"). The trainer consumes
+Pure policy (DESIGN.md contract 1; "Critical groups" there). The trainer consumes
 batches of B complete groups. A group is useless to it until all its members are done, so time
 spent on a group that cannot complete soon only delays the batch. The coordinator therefore ranks
 the open groups

@@ -9,7 +9,7 @@ host tier (it is loaded back over PCIe: seconds cheaper at long context, WORKLOA
 dropped. A trajectory that waits seconds on a tool looks cold to it, so its whole context is
 prefilled again when the observation returns.
 
-`TrajectoryRetention` knows why the KV is idle (seed 000 section 3, seed 002 "Batch Conductor"):
+`TrajectoryRetention` knows why the KV is idle (DESIGN.md, "Trajectory-aware radix cache"):
 KV nobody will read again goes first, then best-effort work's, then KV whose retention pin (the
 expected tool latency) has expired, and last the KV of high-priority trajectories still within
 their pin. Pinned KV of a live trajectory is offloaded, never silently dropped.

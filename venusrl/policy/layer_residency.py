@@ -1,12 +1,12 @@
 """How many of its layers a high-priority request keeps on device when KV runs short.
 
-Pure policy (DESIGN.md contract 1), after LayerKV and seed 000 section 3. The pressure is
-E = KV pages the high-priority requests need / device pages. Below the threshold λ everything
-high-priority stays on device. At and above it, a request's completed pages keep only a band of
-its layers on device and the rest is read from the host tier layer by layer as the forward pass
-reaches it. Every further level halves the residency again and moves the threshold halfway to 1
-(λ ← 1 − (1 − λ)/2): with λ = 0.5, half the layers from E = 0.5, a quarter from 0.75, an eighth
-from 0.875, never less than one layer.
+Pure policy (DESIGN.md contract 1), after LayerKV and the paper's batch conductor (DESIGN.md, "Batch
+conductor"). The pressure is E = KV pages the high-priority requests need / device pages. Below the
+threshold λ everything high-priority stays on device. At and above it, a request's completed pages
+keep only a band of its layers on device and the rest is read from the host tier layer by layer as
+the forward pass reaches it. Every further level halves the residency again and moves the threshold
+halfway to 1 (λ ← 1 − (1 − λ)/2): with λ = 0.5, half the layers from E = 0.5, a quarter from 0.75,
+an eighth from 0.875, never less than one layer.
 
 A page kept at residency 1/n holds n requests' bands (layers split into n contiguous ranges), so
 the device memory such a page costs each of them is 1/n of a page.

@@ -3,10 +3,10 @@
 Pure policy (DESIGN.md contract 1): a snapshot of running and pending sandboxes in, a decision out;
 no clock, no I/O, no torch, so the pool and the simulator run the same objects.
 
-Footprint admission (seed 000 section 4: admit by measured physical footprint plus predicted growth,
-not by declared quota). With `fp_i` the measured footprint of running sandbox i, `peak(t)` the
-predicted peak footprint of template t and B the memory budget, a pending sandbox of template t is
-admitted while
+Footprint admission (DESIGN.md, "Footprint admission": admit by measured physical footprint plus
+predicted growth, not by declared quota). With `fp_i` the measured footprint of running sandbox i,
+`peak(t)` the predicted peak footprint of template t and B the memory budget, a pending sandbox of
+template t is admitted while
 
     sum_i max(fp_i, peak(t_i)) + peak(t) <= safety_fraction * B
 
