@@ -25,15 +25,9 @@ policy says so and the host tier has room, the KV is offloaded rather than dropp
 loads it back (a host hit) instead of computing it again (a re-prefill, counted by cause). A
 preempted request's full pages go the same way.
 
-Layer-wise residency (`engine.layer_residency`, `policy.layer_residency`): when the KV that
-high-priority requests need presses on the device, a running high-priority request's completed
-pages keep only a band of their layers on device (the page shared with other requests' bands) and
-a whole copy on the host tier, from which each layer outside the band is read as the forward pass
-reaches it. New tokens go to ordinary pages, which are banded once complete. When the pressure
-falls, the pages are loaded back whole. When the request stops, its banded pages join the radix
-tree as host nodes (their host copy is the cache); when its trajectory's next turn comes back
-under pressure, it takes those host pages back as banded pages, copying only its band to the
-device. Outputs do not change: the same keys and values are read, from another place.
+Layer-wise residency (`engine.layer_residency`): when the KV that high-priority requests need
+presses on the device, running high-priority requests keep only a band of their layers on device
+and read the rest from the host tier (`engine.layer_bands`); the engine measures the pressure.
 """
 
 from __future__ import annotations
@@ -61,10 +55,11 @@ from venusrl.engine.attention import (
 )
 from venusrl.engine.host_malloc import keep_freed_memory_in_heap
 from venusrl.engine.kv_cache import KVCache
+from venusrl.engine.layer_bands import BandStats, LayerBands
 from venusrl.engine.model import CausalLM
 from venusrl.engine.model_dir import iter_safetensors, load_model
 from venusrl.engine.radix_tree import Cached, PrefixMatch, RadixNode, RadixTree
-from venusrl.engine.request import Banded, GenerationOutput, Request, SamplingParams, Status
+from venusrl.engine.request import GenerationOutput, Request, SamplingParams, Status
 from venusrl.engine.sampler import sample
 from venusrl.engine.tokenizer import Tokenizer
 from venusrl.policy.critical_groups import HIGH
@@ -83,7 +78,7 @@ from venusrl.policy.kv_retention import (
     TrajectoryRetention,
     eviction_key,
 )
-from venusrl.policy.layer_residency import LayerResidency, band_layers
+from venusrl.policy.layer_residency import LayerResidency
 
 # Decode rows sharing a prefix attend it once (cascade attention) when that saves reading at
 # least this many KV tokens per layer; below it one fused SDPA call over all pages is cheaper.
@@ -111,7 +106,7 @@ class RequestError(ValueError):
 
 
 @dataclass
-class EngineStats:
+class EngineStats(BandStats):
     steps: int = 0
     prompt_tokens: int = 0  # prompt tokens of admitted requests (first admission only)
     cached_prompt_tokens: int = 0  # of those, served from the prefix cache
@@ -133,15 +128,7 @@ class EngineStats:
     # in the engine, behind other work and for its own prefill.
     tool_returns: int = 0
     tool_return_wait_s: float = 0.0
-    # Layer-wise residency: pages reduced to a layer band (ever; of those, taken from the host
-    # tier by a returning trajectory, only its band copied to the device), loaded back whole
-    # (ever); bytes copied between the tiers to band, unband and cache banded KV, and bytes of
-    # KV layers read from the host tier by the forward passes.
-    banded_pages: int = 0
-    banded_from_host_pages: int = 0
-    unbanded_pages: int = 0
-    band_copy_bytes: int = 0
-    streamed_bytes: int = 0
+    # (and BandStats: what layer-wise residency moved)
 
     @property
     def prefix_hit_ratio(self) -> float:
@@ -219,22 +206,22 @@ class Engine:
                 f"{capacity_tokens} tokens, less than one sequence of the context limit "
                 f"({self.max_context}); raise device_kv_pages or lower engine.max_context"
             )
-        self.layer_residency = (
-            LayerResidency(cfg.layer_residency) if cfg.layer_residency is not None else None
-        )
-        if self.layer_residency is not None and cfg.host_kv_pages == 0:
-            raise ValueError(
-                "engine.layer_residency reads layers from the host tier: set engine.host_kv_pages"
-            )
-        self._next_band: Counter[int] = Counter()
-        self._bands = 1  # what the pressure asked for at the last step
+        self.stats = EngineStats()
+        self.layer_bands: LayerBands | None = None
+        if cfg.layer_residency is not None:
+            if cfg.host_kv_pages == 0:
+                raise ValueError(
+                    "engine.layer_residency reads layers from the host tier: "
+                    "set engine.host_kv_pages"
+                )
+            policy = LayerResidency(cfg.layer_residency)
+            self.layer_bands = LayerBands(policy, self.kv, self.tree, self.stats, self._make_room)
         eos = set(mc.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
         self.eos_token_ids = frozenset(eos)
         self.weight_version = 0
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by the scheduler's queue order
         self.running: list[Request] = []
-        self.stats = EngineStats()
         self._arrivals = itertools.count()
 
     @classmethod
@@ -404,8 +391,9 @@ class Engine:
     def step(self) -> list[Request]:
         """Run one forward pass; returns the requests that finished in it."""
         began = time.perf_counter()
-        if self.layer_residency is not None:
-            self._set_residency(self.layer_residency)
+        if self.layer_bands is not None:
+            high = [r for r in self.running if r.priority >= HIGH]
+            self.layer_bands.apply(self._pressure(high), high, self._sibling_waiting)
         plan = self.scheduler.schedule(self._snapshot())
         for rid in plan.preempt:
             self._preempt(self.requests[rid])
@@ -555,7 +543,7 @@ class Engine:
             else:
                 used = torch.tensor(r.pages[: pages_for(start + n, ps)], device=dev)
                 mask = causal_mask(start, n, group, dev) if needs_prefill_mask(dev) else None
-                prefills.append(PrefillSpan(row, n, used, start + n, mask, self._banded_pages(r)))
+                prefills.append(PrefillSpan(row, n, used, start + n, mask, self._host_reads(r)))
         return StepBatch(
             input_ids=torch.tensor(input_ids, device=dev),
             positions=torch.tensor(positions, device=dev),
@@ -601,7 +589,7 @@ class Engine:
                     pages=None if contiguous else torch.tensor(pages, device=dev),
                 )
             )
-        banded = [(i, self._banded_pages(r, skip[i])) for i, r in enumerate(rows)]
+        banded = [(i, self._host_reads(r, skip[i])) for i, r in enumerate(rows)]
         return DecodeBatch(
             num_rows=len(rows),
             pages=_padded(own, width, dev),
@@ -638,7 +626,7 @@ class Engine:
                 finished.append(r)
         for r, _ in work:
             if r.banded is not None and not r.finished:
-                self._band_completed(r)
+                self._banding.band_completed(r)
         if self.cfg.prefix_cache:
             for r, n in work:
                 if n > 1 and not r.finished and r.banded is None:
@@ -671,7 +659,9 @@ class Engine:
         is on host and cannot be loaded now: computing that again would waste what was kept."""
         loaded = 0
         if self.cfg.prefix_cache:
-            banded = self._admit_banded(r)
+            banded = None
+            if self.layer_bands is not None and r.priority >= HIGH:
+                banded = self.layer_bands.admit(r, self._sibling_waiting)
             if banded is not None:
                 loaded = banded
             else:
@@ -695,9 +685,7 @@ class Engine:
         host = loaded_pages * self.page_size
         self.stats.host_hit_tokens += host
         if r.banded is not None:  # admitted with its host pages as banded pages
-            self.stats.banded_pages += loaded_pages
-            self.stats.banded_from_host_pages += loaded_pages
-            self._count_copies(loaded_pages, r.banded.layers)
+            self._banding.count_admission(r, loaded_pages)
         self.stats.device_hit_tokens += r.num_computed - host
         if r.expected_cached > r.num_computed:
             cause = "preempted" if r.admissions else "evicted"
@@ -786,7 +774,7 @@ class Engine:
             r.banded = None  # nothing was banded: an ordinary request
         node = None
         if r.banded is not None:
-            node = self._release_bands(r)
+            node = self._banding.release(r, self.cfg.prefix_cache)
             own = r.pages[r.banded.end :]
         else:
             if self.cfg.prefix_cache:
@@ -812,14 +800,12 @@ class Engine:
 
     # -- layer-wise residency -----------------------------------------------------------------
 
-    def _set_residency(self, policy: LayerResidency) -> None:
-        """Band or unband the running high-priority requests' pages by the pressure: the KV
-        pages high-priority requests need over the device pages. A prefix several of them
-        share counts once: running requests' shared pages by id; a waiting request's cached
+    def _pressure(self, high: Sequence[Request]) -> float:
+        """The KV pages high-priority requests need over the device pages. A prefix several of
+        them share counts once: running requests' shared pages by id; a waiting request's cached
         prefix is counted once per group (its siblings share it) unless running requests hold
         it."""
         ps = self.page_size
-        high = [r for r in self.running if r.priority >= HIGH]
         shared: set[int] = set()
         need = 0
         for r in high:
@@ -836,25 +822,7 @@ class Engine:
             )
             if r.group_id is not None:
                 groups.add(r.group_id)
-        pressure = (need + len(shared)) / self.kv.device_pages.capacity
-        self._bands = bands = policy.bands(pressure, self.kv.num_layers)
-        for r in high:
-            if r.banded is not None and bands == 1 and policy.unband(pressure):
-                self._unband(r)
-            elif r.banded is None and bands > 1 and self.kv.host_free() > 0:
-                self._take_private_prefix(r)
-                band = self._pick_band(bands)
-                layers = band_layers(band, bands, self.kv.num_layers)
-                r.banded = Banded(bands, band, layers, first=r.num_shared_pages)
-                self._band_completed(r)
-
-    def _pick_band(self, bands: int) -> int:
-        """The band with the most free slots in split pages (the fewest new pages to split),
-        round robin among equals, so requests spread over the bands."""
-        start = self._next_band[bands]
-        self._next_band[bands] += 1
-        order = [(start + i) % bands for i in range(bands)]
-        return max(order, key=lambda b: self.kv.bands.free_slots(bands, b))
+        return (need + len(shared)) / self.kv.device_pages.capacity
 
     def _sibling_waiting(self, r: Request) -> bool:
         """Does a request of its group wait that has nothing cached yet? It may be about to
@@ -869,122 +837,14 @@ class Engine:
                     return True
         return False
 
-    def _admit_banded(self, r: Request) -> int | None:
-        """Under layer bands, a high-priority request whose context continues on host (its
-        earlier turns, offloaded while it waited on a tool) takes those host pages as its
-        banded pages and copies only its band's layers to the device, rather than load them
-        whole and band them again. Returns how many pages it took; None where that does not
-        apply (the prefix is then matched and loaded as usual)."""
-        bands = self._bands
-        if bands == 1 or r.priority < HIGH:
-            return None
-        ids, ns = r.all_ids[: r.num_tokens - 1], r.namespace
-        on_host = self.tree.cached(ids, ns).host_pages
-        if not on_host or self._sibling_waiting(r):
-            return None
-        band = self._pick_band(bands)
-        head = self.tree.match(ids, ns, load=False)
-        self.tree.lock(head.node)
-        host: list[int] = []
-        if self._make_room(max(0, on_host - self.kv.bands.free_slots(bands, band))):
-            end, host = self.tree.take_host_path(ids, ns, r.trajectory_id)
-            assert end is head.node
-        if not host:
-            self.tree.unlock(head.node)
-            return None
-        layers = band_layers(band, bands, self.kv.num_layers)
-        slots = self.kv.band_from_host(host, bands, band, layers)
-        if head.pages:
-            r.tree_node = head.node
-        else:
-            self.tree.unlock(head.node)  # the root: nothing on device to hold
-        r.pages = [*head.pages, *slots]
-        r.num_shared_pages = len(head.pages)
-        r.num_computed = len(r.pages) * self.page_size
-        r.banded = Banded(bands, band, layers, first=len(head.pages), host=host)
-        return len(host)
+    @property
+    def _banding(self) -> LayerBands:
+        assert self.layer_bands is not None, "a banded request without layer residency"
+        return self.layer_bands
 
-    def _take_private_prefix(self, r: Request) -> None:
-        """The cached prefix only this request reads becomes its own, to be banded: in a
-        multi-turn trajectory that is most of its context (its earlier turns). No more than
-        the host tier can take: what is not banded must go back to the tree on device."""
-        if r.tree_node is None or self._sibling_waiting(r):
-            return
-        node, pages = self.tree.detach_private(r.tree_node, r.trajectory_id, self.kv.host_free())
-        r.num_shared_pages -= len(pages)
-        r.tree_node = node
-        if node.parent is None:  # the root: nothing on device to hold
-            self.tree.unlock(node)
-            r.tree_node = None
-
-    def _band_completed(self, r: Request) -> None:
-        """Reduce the request's completed pages not banded yet to its band (while the host tier
-        has room for their whole copy)."""
-        s = r.banded
-        assert s is not None
-        start = s.end
-        n = min(r.num_computed // self.page_size - start, self.kv.host_free())
-        if n <= 0:
-            return
-        pages, host = self.kv.split(r.pages[start : start + n], s.bands, s.band, s.layers)
-        r.pages[start : start + n] = pages
-        s.host += host
-        self.stats.banded_pages += n
-        self._count_copies(n)
-
-    def _unband(self, r: Request) -> None:
-        """Load the request's banded pages back whole, evicting idle KV in the retention
-        policy's order where free pages do not hold them."""
-        s = r.banded
-        assert s is not None
-        banded = r.pages[s.first : s.end]
-        freed = sum(self.kv.bands.frees(p, s.band) for p in banded)
-        if not self._make_room(len(banded) - freed):
-            return
-        device = self.kv.unsplit(banded, s.band, s.host)
-        r.pages[s.first : s.end] = device
-        self._count_copies(len(device))
-        self.stats.unbanded_pages += len(device)
-        r.banded = None
-
-    def _count_copies(self, pages: int, layers: range | None = None) -> None:
-        """Count `pages` copied between the tiers (only `layers` of them, if given)."""
-        n_layers = len(layers) if layers is not None else self.kv.num_layers
-        self.stats.band_copy_bytes += pages * self.kv.page_bytes() * n_layers // self.kv.num_layers
-
-    def _banded_pages(self, r: Request, skip: int = 0) -> BandedPages | None:
-        """What a banded request reads from host in the layers outside its band; `skip`: its
-        first pages, which its row reads elsewhere (a shared prefix)."""
-        s = r.banded
-        if s is None or not s.host:
-            return None
-        layers = self.kv.num_layers
-        self.stats.streamed_bytes += (
-            len(s.host) * (layers - len(s.layers)) * self.kv.page_bytes() // layers
-        )
-        return BandedPages(s.first - skip, torch.tensor(s.host), s.layers)
-
-    def _release_bands(self, r: Request) -> RadixNode | None:
-        """A banded request's KV leaves the device: with the prefix cache, its banded pages and
-        its completed pages after them (copied to host while there is room) join the tree as
-        host nodes, the host copies being whole; without, its host pages are freed. Returns
-        the node its cached context ends at."""
-        s = r.banded
-        assert s is not None
-        for p in r.pages[s.first : s.end]:
-            self.kv.bands.release(p, s.band)
-        if not self.cfg.prefix_cache:
-            self.kv.free_host(s.host)
-            return None
-        complete = r.pages[s.end : r.num_computed // self.page_size]
-        tail = self.kv.to_host(complete[: self.kv.host_free()])
-        self._count_copies(len(tail))
-        host = s.host + tail
-        node, duplicates = self.tree.insert_host(
-            r.all_ids, host, s.first, r.namespace, r.trajectory_id
-        )
-        self.kv.free_host(duplicates)
-        return node
+    def _host_reads(self, r: Request, skip: int = 0) -> BandedPages | None:
+        """What a banded request's row reads from host (`LayerBands.reads`)."""
+        return None if r.banded is None else self._banding.reads(r, skip)
 
     def _preempt(self, r: Request) -> None:
         self.running.remove(r)
