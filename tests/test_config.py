@@ -71,3 +71,9 @@ def test_unreadable_or_malformed_files_are_config_errors(tmp_path: Path) -> None
     listy.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="must hold a mapping"):
         load_config(listy)
+
+
+def test_an_empty_api_key_is_refused_rather_than_turning_auth_off() -> None:
+    """`--api-key "$KEY"` with KEY unset must not serve without a key."""
+    with pytest.raises(ConfigError, match=r"server\.api_key"):
+        load_config(None, [], {"server.api_key": ""})

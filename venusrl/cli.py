@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from venusrl.config import ConfigError, load_config
+
+# Seconds `venusrl serve` waits for requests in flight when told to stop, before it cuts them.
+SHUTDOWN_GRACE_S = 10
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
         help="override one config.json field, e.g. --set num_hidden_layers=2",
     )
     init.add_argument("--seed", type=int, default=0)
+    init.add_argument(
+        "--force", action="store_true", help="write into a directory that is not empty"
+    )
 
     gen = sub.add_parser("generate", help="generate from a prompt in-process and print JSON")
     gen.add_argument("--model", required=True)
@@ -197,10 +204,21 @@ def _serve(args: argparse.Namespace) -> int:
     )
     if cfg.model is None:
         raise ConfigError("no model: pass --model DIR or set `model` in the config")
+    if "seed" not in cfg.engine.model_fields_set:
+        # As OpenAI's API: a request without a seed samples anew after a restart.
+        cfg.engine.seed = secrets.randbelow(2**32)
     engine = Engine.from_model_dir(cfg.model, cfg.engine)
     name = cfg.server.model_name or Path(cfg.model).name
     app = create_app(engine, name, cfg.server.api_key)
-    uvicorn.run(app, host=cfg.server.host, port=cfg.server.port, log_level="warning")
+    url = f"http://{cfg.server.host}:{cfg.server.port}"
+    print(f"venusrl serve: {name} at {url} (Ctrl-C stops)", file=sys.stderr, flush=True)
+    uvicorn.run(
+        app,
+        host=cfg.server.host,
+        port=cfg.server.port,
+        log_level="warning",
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+    )
     return 0
 
 
@@ -211,13 +229,21 @@ def _model_init(args: argparse.Namespace) -> int:
 
     fields: dict[str, Any] = {}
     if args.hf_config:
-        fields.update(json.loads(Path(args.hf_config).read_text()))
+        try:
+            given = json.loads(Path(args.hf_config).read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--config {args.hf_config}: not JSON ({e})") from None
+        if not isinstance(given, dict):
+            raise ValueError(f"--config {args.hf_config}: must hold a JSON object of fields")
+        fields.update(given)
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"--set {item!r} must look like key=value")
         fields[key] = yaml.safe_load(value)
-    path = init_model_dir(args.out, args.preset, fields, seed=args.seed)
+    if args.seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {args.seed}")
+    path = init_model_dir(args.out, args.preset, fields, seed=args.seed, overwrite=args.force)
     print(json.dumps({"model_dir": str(path)}))
     return 0
 

@@ -180,6 +180,19 @@ def test_salted_cache_is_not_reused_across_weight_versions(tiny_qwen3: Path) -> 
     assert engine.generate([prompt], GREEDY)[0].cached_prompt_tokens == 0
 
 
+def test_a_version_number_given_again_still_salts_the_new_weights_apart(tiny_qwen3: Path) -> None:
+    """A second run against the same server publishes version 0, 1, ... again, with other
+    weights: KV cached under the first run's weights must not serve it."""
+    engine = engine_for(tiny_qwen3)
+    prompt = list(range(10, 50))
+    engine.update_weights(engine.model.hf_state_dict().items(), version=3)
+    engine.generate([prompt], GREEDY)
+    assert engine.generate([prompt], GREEDY)[0].cached_prompt_tokens > 0
+    engine.update_weights(engine.model.hf_state_dict().items(), version=3)
+    assert engine.weight_version == 3
+    assert engine.generate([prompt], GREEDY)[0].cached_prompt_tokens == 0
+
+
 def test_a_trajectory_keeps_its_kv_across_weight_updates_but_new_ones_never_read_it(
     tiny_qwen3: Path,
 ) -> None:

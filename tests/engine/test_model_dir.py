@@ -117,3 +117,50 @@ def test_unsupported_architectures_are_clear_errors(tmp_path: Path) -> None:
         load_model(tmp_path)
     with pytest.raises(ModelConfigError, match="does not exist"):
         load_model(tmp_path / "nowhere")
+
+
+def model_init(*args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "venusrl.cli", "model", "init", *args]
+    return subprocess.run(command, capture_output=True, text=True)
+
+
+def test_model_init_never_overwrites_a_directory_unless_forced(tmp_path: Path) -> None:
+    """Pointed at a trained checkpoint by mistake, it must not replace its weights."""
+    out = tmp_path / "m"
+    assert model_init(str(out), "--preset", "micro").returncode == 0
+    weights = (out / "model.safetensors").read_bytes()
+    proc = model_init(str(out), "--preset", "micro", "--seed", "5")
+    assert proc.returncode == 2 and "not empty" in proc.stderr
+    assert (out / "model.safetensors").read_bytes() == weights
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"left over")
+    assert model_init(str(out), "--preset", "micro", "--seed", "5", "--force").returncode == 0
+    assert (out / "model.safetensors").read_bytes() != weights
+    assert not (out / "model-00001-of-00002.safetensors").exists()
+    load_model(out)
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--set", "vocab_size=1e9"], "vocab_size must be an integer"),
+        (["--set", "num_hidden_layers=0"], "num_hidden_layers must be an integer >= 1"),
+        (["--set", "head_dim=abc"], "head_dim must be an integer"),
+        (["--set", "max_position_embeddings=1"], "max_position_embeddings"),
+        (["--set", "eos_token_id=99999"], "eos_token_id"),
+        (["--set", "rope_theta=-1"], "rope_theta"),
+        (["--seed", "-1"], "--seed"),
+    ],
+)
+def test_model_init_names_the_field_a_bad_value_is_in(
+    tmp_path: Path, args: list[str], words: str
+) -> None:
+    proc = model_init(str(tmp_path / "m"), "--preset", "micro", *args)
+    assert proc.returncode == 2 and words in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_model_init_config_file_must_hold_an_object(tmp_path: Path) -> None:
+    fields = tmp_path / "fields.json"
+    fields.write_text("[1, 2]")
+    proc = model_init(str(tmp_path / "m"), "--config", str(fields))
+    assert proc.returncode == 2 and "must hold a JSON object" in proc.stderr

@@ -253,7 +253,7 @@ def test_a_trajectory_keeps_its_kv_across_a_tool_wait_and_ends_over_http(server:
     ("path", "body", "status", "words"),
     [
         ("/v1/completions", {"prompt": [1, 2], "max_tokens": -3}, 400, "max_tokens"),
-        ("/v1/completions", {"prompt": list(range(600)), "max_tokens": 4}, 400, "context limit"),
+        ("/v1/completions", {"prompt": [1] * 600, "max_tokens": 4}, 400, "context limit"),
         ("/v1/completions", {"prompt": [1, 2], "max_tokens": 511}, 400, "context limit"),
         ("/v1/completions", {"model": "gpt-9", "prompt": [1]}, 404, "does not exist"),
         ("/v1/completions", {"prompt": [1, 99999]}, 400, "outside the vocabulary"),
@@ -277,6 +277,36 @@ def test_a_trajectory_keeps_its_kv_across_a_tool_wait_and_ends_over_http(server:
         ("/v1/completions", {"prompt": [1], "seed": 2**64}, 400, "seed"),
         ("/v1/completions", {"prompt": [1], "top_p": 0}, 400, "top_p"),
         ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "content"),
+        ("/v1/completions", {"prompt": [1], "max_tokens": "5"}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": [1], "ignore_eos": 1}, 400, "ignore_eos"),
+        ("/v1/completions", {"prompt": [1, "a"]}, 400, "prompt: must be a string, a list"),
+        ("/v1/completions", {"prompt": [[1], []]}, 400, "prompt[1] is empty"),
+        ("/v1/completions", {"prompt": [1], "logprobs": 2}, 400, "top alternatives"),
+        ("/v1/completions", {"prompt": [1], "logit_bias": {"5": 10}}, 400, "logit_bias"),
+        ("/v1/completions", {"prompt": [1], "stop_token_ids": [99999]}, 400, "stop token id"),
+        ("/v1/completions", {"prompt": [99999], "stream": True}, 400, "outside the vocabulary"),
+        ("/v1/completions", {"prompt": "", "stream": True}, 400, "prompt is empty"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3},
+            400,
+            "top alternatives",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+            400,
+            "tools",
+        ),
+        (
+            "/generate",
+            {"input_ids": [1], "sampling_param": {"max_tokens": 3}},
+            400,
+            "sampling_param",
+        ),
+        ("/update_weights", {"path": "relative/dir"}, 400, "absolute"),
+        ("/update_weights", {"path": "/nonexistent", "version": -1}, 400, "version"),
+        ("/update_weights", {"path": ""}, 400, "path"),
     ],
 )
 def test_bad_requests_get_a_4xx_that_says_what_is_wrong(
@@ -310,12 +340,146 @@ def test_a_vanishing_temperature_samples_greedily_instead_of_failing(server: str
 def test_malformed_json_is_a_400(server: str) -> None:
     r = httpx.post(
         f"{server}/v1/completions",
-        content=b"{not json",
+        content=b'{"prompt": "Hello",',
         headers={**auth(), "content-type": "application/json"},
         timeout=30,
     )
     assert r.status_code == 400
-    assert "JSON" in r.json()["error"]["message"]
+    error = r.json()["error"]
+    assert error["message"].startswith("the body is not valid JSON: ") and error["param"] is None
+
+
+def test_an_unknown_path_gets_an_openai_style_error(server: str) -> None:
+    r = httpx.get(f"{server}/v1/nothing", headers=auth(), timeout=30)
+    assert r.status_code == 404 and "/v1/nothing" in r.json()["error"]["message"]
+    r = httpx.get(f"{server}/v1/completions", headers=auth(), timeout=30)
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_null_means_unset_as_in_openais_api(client: openai.OpenAI, server: str) -> None:
+    nulls = {"temperature": None, "top_p": None, "n": None, "stream": None, "ignore_eos": None}
+    body = {"prompt": list(range(300, 320)), "max_tokens": 4, "seed": 1, **nulls}
+    r = httpx.post(f"{server}/v1/completions", json={**body, "echo": None}, headers=auth())
+    assert r.status_code == 200, r.text
+    plain = httpx.post(
+        f"{server}/v1/completions",
+        json={k: v for k, v in body.items() if v is not None},
+        headers=auth(),
+    )
+    assert r.json()["choices"][0]["token_ids"] == plain.json()["choices"][0]["token_ids"]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": None}
+    r = httpx.post(f"{server}/v1/chat/completions", json=chat, headers=auth())
+    assert r.status_code == 200, r.text
+
+
+def test_text_parts_are_the_same_message_as_a_string(client: openai.OpenAI) -> None:
+    def reply(content: Any) -> list[int]:
+        r = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": content}],
+            max_tokens=6,
+            temperature=0,
+        )
+        return list(r.choices[0].model_extra["token_ids"])
+
+    parts = [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}]
+    assert reply(parts) == reply("Hello, world")
+
+
+def test_choices_of_neighbouring_seeds_are_not_shared(server: str) -> None:
+    def choices(seed: int, n: int) -> list[list[int]]:
+        body = {"prompt": [300, 301], "max_tokens": 8, "seed": seed, "n": n, "temperature": 1}
+        r = httpx.post(f"{server}/v1/completions", json=body, headers=auth(), timeout=60)
+        return [c["token_ids"] for c in r.json()["choices"]]
+
+    three = choices(5, 3)
+    assert three[0] == choices(5, 1)[0]  # the seed's own sample is choice 0 whatever n is
+    assert three[1] != choices(6, 1)[0] and len({tuple(c) for c in three}) == 3
+
+
+def test_streamed_chunks_carry_logprobs_and_usage_when_asked(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "logprobs": True,
+        "extra_body": {"ignore_eos": True},
+    }
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(
+        client.chat.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    streamed = [
+        entry.logprob
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for entry in c.choices[0].logprobs.content or []
+    ]
+    assert whole.choices[0].logprobs is not None
+    # The second request reads the first one's cached prompt: the same logprobs up to rounding.
+    expected = [entry.logprob for entry in whole.choices[0].logprobs.content or []]
+    assert len(expected) == 8 and streamed == pytest.approx(expected, abs=1e-4)
+    usage = chunks[-1].usage
+    assert not chunks[-1].choices and usage is not None and whole.usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (whole.usage.prompt_tokens, 8)
+
+
+def _load(server: str) -> tuple[int, int]:
+    health = httpx.get(f"{server}/health", timeout=30).json()
+    return health["running"], health["waiting"]
+
+
+def _idle_within(server: str, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if _load(server) == (0, 0):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/generate"])
+def test_a_client_that_goes_away_stops_its_generation(server: str, path: str) -> None:
+    """Not streamed either: the server would otherwise compute the whole answer for no one."""
+    body: dict[str, Any] = (
+        {"prompt": [300, 301], "max_tokens": 400, "ignore_eos": True}
+        if path == "/v1/completions"
+        else {"input_ids": [300, 301], "sampling_params": {"max_tokens": 400, "ignore_eos": True}}
+    )
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}{path}", json=body, headers=auth(), timeout=0.5)
+    assert _idle_within(server, 5), _load(server)
+
+
+def test_one_failing_prompt_runs_none_of_its_request(server: str) -> None:
+    before = engine_counters(server)["generated_tokens"]
+    body = {"prompt": [[300], [301], [99999]], "max_tokens": 300, "ignore_eos": True}
+    r = httpx.post(f"{server}/v1/completions", json=body, headers=auth(), timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt[2]"
+    assert _load(server) == (0, 0)
+    assert engine_counters(server)["generated_tokens"] == before
+
+
+def test_a_request_id_in_use_is_refused_without_harming_its_owner(server: str) -> None:
+    async def both() -> tuple[httpx.Response, httpx.Response]:
+        body = {
+            "input_ids": [300, 301],
+            "request_id": "same",
+            "sampling_params": {"max_tokens": 200, "ignore_eos": True},
+        }
+        async with httpx.AsyncClient(base_url=server, headers=auth(), timeout=60) as http:
+            first = asyncio.create_task(http.post("/generate", json=body))
+            while _load(server) == (0, 0) and not first.done():
+                await asyncio.sleep(0.02)
+            second = await http.post("/generate", json=body)
+            return await first, second
+
+    first, second = asyncio.run(both())
+    assert second.status_code == 400 and second.json()["error"]["param"] == "request_id"
+    assert first.status_code == 200 and len(first.json()["token_ids"]) == 200
 
 
 def test_requests_without_the_api_key_are_refused(server: str) -> None:

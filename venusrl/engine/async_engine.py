@@ -103,8 +103,13 @@ class AsyncEngine:
             self._listeners[r.request_id] = _Listener(loop, deltas, r)
 
         done = False
+        added = True  # until the engine refuses it: a caller cancelled meanwhile still aborts
         try:
-            await self.call(add)
+            try:
+                await self.call(add)
+            except Exception:
+                added = False  # refused (its id may be another request's): nothing to abort
+                raise
             while True:
                 item = await deltas.get()
                 if isinstance(item, BaseException):
@@ -114,7 +119,8 @@ class AsyncEngine:
                 if done:
                     return
         finally:
-            if not done and not self._stopped:  # the caller went away: stop wasting compute
+            # The caller went away: stop wasting compute.
+            if added and not done and not self._stopped:
                 self._submit(lambda: self._abort(request_id))
 
     async def generate(

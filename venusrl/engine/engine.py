@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import time
 import uuid
 from collections import Counter
@@ -102,7 +103,11 @@ def tool_return_wait_mean_s(counters: Mapping[str, float]) -> float | None:
 
 
 class RequestError(ValueError):
-    """A request the engine cannot run as given; the message says why."""
+    """A request the engine cannot run as given; the message says why, `param` which field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -142,10 +147,10 @@ class TrajectoryState:
     priority: int = 0
     pin_deadline: float | None = None  # while it waits on a tool: when the answer is expected
     node: RadixNode | None = None  # the end of its cached context
-    # The weight version of its first request: with `salt_cache_by_version` its requests read
-    # and cache KV under that version, so it keeps its own KV across weight updates (its tokens'
-    # staleness bounds that KV's) while a trajectory started later reads none of it.
-    version: int = 0
+    # The weights its first request read (`Engine.weights_loaded`): with `salt_cache_by_version`
+    # its requests read and cache KV under them, so it keeps its own KV across weight updates
+    # (its tokens' staleness bounds that KV's) while a trajectory started later reads none of it.
+    weights: int = 0
     cached_ids: list[int] = field(default_factory=list)  # the context that was cached (pages)
 
 
@@ -219,6 +224,7 @@ class Engine:
         eos = set(mc.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
         self.eos_token_ids = frozenset(eos)
         self.weight_version = 0
+        self.weights_loaded = 0  # loads since start: the cache's salt (`update_weights`)
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by the scheduler's queue order
         self.running: list[Request] = []
@@ -251,34 +257,27 @@ class Engine:
         front end received it, so that its wait counts the step it queued behind."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
-        vocab = self.model.config.vocab_size
-        if not prompt:
-            raise RequestError("prompt is empty")
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        if len(prompt) >= self.max_context:
+        self.check_prompt(prompt)
+        self.check_params(params)
+        if expected_wait_s is not None and not 0 <= expected_wait_s < math.inf:
             raise RequestError(
-                f"prompt has {len(prompt)} tokens; the context limit is {self.max_context} "
-                "and at least one token must be generated"
+                f"expected_wait_s must be a finite number >= 0, got {expected_wait_s}",
+                "expected_wait_s",
             )
-        if expected_wait_s is not None and not expected_wait_s >= 0:
-            raise RequestError(f"expected_wait_s must be >= 0, got {expected_wait_s}")
         if expected_wait_s is not None and trajectory_id is None:
-            raise RequestError("expected_wait_s needs a trajectory_id: whose KV is to be kept?")
-        if params.stop and self.tokenizer is None:
             raise RequestError(
-                "stop strings need a tokenizer; this model has none (use stop_token_ids)"
+                "expected_wait_s needs a trajectory_id: whose KV is to be kept?", "trajectory_id"
             )
         request_id = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
         if request_id in self.requests:
-            raise RequestError(f"request id {request_id!r} is already in use")
+            raise RequestError(f"request id {request_id!r} is already in use", "request_id")
         arrival = next(self._arrivals)
         sampling_seed = None
         if not params.greedy:
-            sampling_seed = (
-                params.seed if params.seed is not None else self.cfg.seed * 1_000_003 + arrival
-            )
+            # Requests without a seed draw from the upper half of the seed space, which given
+            # seeds (< 2**63) never reach: an unseeded request never replays a seeded one.
+            default = (self.cfg.seed * 1_000_003 + arrival) % 2**63 + 2**63
+            sampling_seed = params.seed if params.seed is not None else default
         r = Request(
             request_id,
             prompt,
@@ -287,7 +286,7 @@ class Engine:
             arrival=arrival,
             trajectory_id=trajectory_id,
             group_id=group_id,
-            namespace=self.weight_version if self.cfg.salt_cache_by_version else None,
+            namespace=self.weights_loaded if self.cfg.salt_cache_by_version else None,
             sampling_seed=sampling_seed,
             expected_wait_s=expected_wait_s,
             arrived_at=self.clock() if arrived_at is None else arrived_at,
@@ -295,11 +294,11 @@ class Engine:
         if trajectory_id is not None:
             t = self.trajectories.pop(trajectory_id, None)
             if t is None:
-                t = TrajectoryState(version=self.weight_version)
+                t = TrajectoryState(weights=self.weights_loaded)
             else:
                 r.after_tool = True
             if self.cfg.salt_cache_by_version:
-                r.namespace = t.version
+                r.namespace = t.weights
             self.trajectories[trajectory_id] = t  # the most recently seen last
             while len(self.trajectories) > self.max_trajectories:
                 self.end_trajectory(next(iter(self.trajectories)))
@@ -309,6 +308,38 @@ class Engine:
         self.requests[request_id] = r
         self._enqueue(r)
         return r
+
+    def check_prompt(self, prompt: Sequence[int], param: str = "prompt") -> None:
+        """Raise `RequestError` unless the engine can run this prompt (front ends call it before
+        they answer, so that a stream never opens on a request that cannot run)."""
+        vocab = self.model.config.vocab_size
+        if not prompt:
+            raise RequestError(f"{param} is empty", param)
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(
+                f"{param} token id {bad} is outside the vocabulary [0, {vocab})", param
+            )
+        if len(prompt) >= self.max_context:
+            raise RequestError(
+                f"{param} has {len(prompt)} tokens; the context limit is {self.max_context} "
+                "and at least one token must be generated",
+                param,
+            )
+
+    def check_params(self, params: SamplingParams) -> None:
+        """What `SamplingParams` cannot check alone: it needs the model's vocabulary and
+        tokenizer."""
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(
+                f"stop token id {bad} is outside the vocabulary [0, {vocab})", "stop_token_ids"
+            )
+        if params.stop and self.tokenizer is None:
+            raise RequestError(
+                "stop strings need a tokenizer; this model has none (use stop_token_ids)", "stop"
+            )
 
     def end_trajectory(self, trajectory_id: str) -> None:
         """The trajectory's episode is over: no request reads its KV again, except siblings
@@ -878,10 +909,13 @@ class Engine:
         Requests in flight keep their KV and continue; their later tokens record the new
         version. `flush_cache` drops every cached prefix no running request holds; with
         `engine.salt_cache_by_version` (the default), trajectories started from now on never
-        match KV computed under an older version, while those in flight keep reading their own.
+        match KV computed under earlier weights, while those in flight keep reading their own.
+        The salt counts the loads, not the version numbers a caller gives: a version given
+        twice (a second run against the same server) still salts each load apart.
         """
         source = iter_safetensors(weights) if isinstance(weights, str | Path) else weights
         self.model.load_weights(source)
+        self.weights_loaded += 1
         self.weight_version = self.weight_version + 1 if version is None else version
         if flush_cache:
             self.flush_cache()

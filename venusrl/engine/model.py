@@ -61,33 +61,49 @@ class ModelConfig:
                 raise ModelConfigError(f"config.json lacks {key!r} (model_type {model_type})")
             return hf[key]
 
+        def count(key: str, default: int | None = None, least: int = 1) -> int:
+            value = need(key) if default is None else hf.get(key) or default
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ModelConfigError(f"{key} must be an integer >= {least}, got {value!r}")
+            return value
+
+        def number(key: str, default: float) -> float:
+            value = hf.get(key, default)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ModelConfigError(f"{key} must be a number > 0, got {value!r}")
+            return float(value)
+
         scaling = hf.get("rope_scaling")
         if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
             raise ModelConfigError(f"rope_scaling {scaling!r} is not supported yet")
-        num_heads = int(need("num_attention_heads"))
-        hidden = int(need("hidden_size"))
-        num_kv_heads = int(hf.get("num_key_value_heads") or num_heads)
+        num_heads = count("num_attention_heads")
+        hidden = count("hidden_size")
+        num_kv_heads = count("num_key_value_heads", num_heads)
         if num_heads % num_kv_heads:
             raise ModelConfigError(
                 f"num_attention_heads ({num_heads}) must be a multiple of "
                 f"num_key_value_heads ({num_kv_heads})"
             )
+        vocab = count("vocab_size")
         eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in eos_ids):
+            raise ModelConfigError(f"eos_token_id {eos!r} must be token ids below {vocab}")
         # Qwen2 always has q/k/v bias; the others say so in `attention_bias`.
         attention_bias = model_type == "qwen2" or bool(hf.get("attention_bias", False))
         return cls(
             model_type=model_type,
-            vocab_size=int(need("vocab_size")),
+            vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            intermediate_size=count("intermediate_size"),
+            num_layers=count("num_hidden_layers"),
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
-            head_dim=int(hf.get("head_dim") or hidden // num_heads),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(hf.get("rope_theta", 10000.0)),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            head_dim=count("head_dim", max(hidden // num_heads, 1)),
+            rms_norm_eps=number("rms_norm_eps", 1e-6),
+            rope_theta=number("rope_theta", 10000.0),
+            # A context of one token could never generate: the prompt needs one.
+            max_position_embeddings=count("max_position_embeddings", 4096, least=2),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
             qk_norm=model_type == "qwen3",

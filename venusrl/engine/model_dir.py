@@ -150,25 +150,33 @@ def init_model_dir(
     overrides: Mapping[str, Any] | None = None,
     seed: int = 0,
     tokenizer: bool | HFTokenizer = True,
+    overwrite: bool = False,
 ) -> Path:
     """Write a random-weight Qwen3 model directory with a byte-level tokenizer: the one without
-    merges, or `tokenizer` (from `build_byte_level_tokenizer`), or none when it is False."""
+    merges, or `tokenizer` (from `build_byte_level_tokenizer`), or none when it is False. A
+    directory that is not empty (a trained checkpoint, say) is refused unless `overwrite`."""
     if preset is not None and preset not in PRESETS:
         raise ModelConfigError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
+    path = Path(out_dir)
+    if path.is_dir() and any(path.iterdir()) and not overwrite:
+        raise ModelConfigError(f"{path} is not empty; choose a new directory (or --force)")
     hf = {**QWEN3_DEFAULTS, **(PRESETS[preset] if preset else {}), **(overrides or {})}
     tok = build_byte_level_tokenizer() if tokenizer is True else tokenizer or None
     if tok is not None:
-        needed = tok.get_vocab_size(with_added_tokens=True)
-        if hf["vocab_size"] < needed:
-            raise ModelConfigError(
-                f"vocab_size {hf['vocab_size']} is too small for the tokenizer (needs >= {needed})"
-            )
         hf.setdefault("eos_token_id", tok.token_to_id("<|im_end|>"))
         hf.setdefault("bos_token_id", None)
     cfg = ModelConfig.from_hf(hf)
+    if tok is not None:
+        needed = tok.get_vocab_size(with_added_tokens=True)
+        if cfg.vocab_size < needed:
+            raise ModelConfigError(
+                f"vocab_size {cfg.vocab_size} is too small for the tokenizer (needs >= {needed})"
+            )
+    if overwrite:  # weights of another shape left beside the new ones would be read with them
+        for old in [*path.glob("*.safetensors"), path / "model.safetensors.index.json"]:
+            old.unlink(missing_ok=True)
     model = build_model(cfg)
     model.init_random(seed)
-    path = Path(out_dir)
     save_model(model, path, hf)
     if tok is not None:
         write_byte_level_tokenizer(path, cfg.max_position_embeddings, tok)

@@ -73,7 +73,8 @@ class RemoteEngine:
 
     async def update_weights(self, path: Path, version: int) -> int:
         """The server loads the safetensors directory `path` (it must see the same filesystem)."""
-        d = await self._call("/update_weights", {"path": str(path), "version": version})
+        body = {"path": str(Path(path).resolve()), "version": version}
+        d = await self._call("/update_weights", body)
         return int(d["weight_version"])
 
     async def close(self) -> None:

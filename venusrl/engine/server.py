@@ -16,22 +16,24 @@ that says what is wrong; one bad request never disturbs the others.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
+from starlette.exceptions import HTTPException
 
 from venusrl.engine.async_engine import AsyncEngine, EngineClosed, TokenDelta
 from venusrl.engine.engine import Engine, RequestError
@@ -40,6 +42,10 @@ from venusrl.engine.request import GenerationOutput, SamplingParams
 from venusrl.engine.tokenizer import IncrementalDecoder, Tokenizer, cut_at_stop
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# How often a request whose answer is not streamed checks that its client is still there.
+DISCONNECT_POLL_S = 0.25
 
 
 class ApiError(Exception):
@@ -60,55 +66,110 @@ def _error(
 
 # -- request bodies -----------------------------------------------------------------------------
 
+# JSON types as they are: "5" is not a number, true is not 1.
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]
+Bool = Annotated[bool, Strict()]
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use
+# Fields of OpenAI's API that change what is generated, with the value that changes nothing:
+# ignoring one silently would answer something else than what was asked.
+UNSUPPORTED: dict[str, Any] = {
+    "logit_bias": {},
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "repetition_penalty": 1,
+    "min_tokens": 0,
+    "best_of": 1,
+    "suffix": "",
+    "response_format": {"type": "text"},
+    "tools": [],
+    "functions": [],
+    "tool_choice": "none",
+    "function_call": "none",
+}
 
 
-class _Sampling(_Body):
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=100)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    seed: int | None = Field(None, ge=0, lt=2**62)
+class _OpenAIBody(BaseModel):
+    # OpenAI clients send fields we do not use (kept, to refuse those that would change the
+    # answer), and null for a field they leave unset.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+    def refuse_unsupported(self) -> None:
+        for key, value in (self.model_extra or {}).items():
+            if key in UNSUPPORTED and value != UNSUPPORTED[key]:
+                raise ApiError(400, f"{key} is not supported by this server", key)
+
+
+class StreamOptions(_OpenAIBody):
+    include_usage: Bool = False
+
+
+class _Sampling(_OpenAIBody):
+    max_tokens: Int | None = Field(None, ge=1)
+    temperature: Float = Field(1.0, ge=0, le=100)
+    top_p: Float = Field(1.0, gt=0, le=1)
+    top_k: Int = Field(0, ge=0)
+    seed: Int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    n: int = Field(1, ge=1, le=64)
-    stream: bool = False
+    stop_token_ids: list[Int] | None = None
+    ignore_eos: Bool = False
+    n: Int = Field(1, ge=1, le=64)
+    stream: Bool = False
+    stream_options: StreamOptions | None = None
 
 
 class CompletionBody(_Sampling):
     model: str | None = None
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=0, description="only the sampled token's logprob")
+    prompt: str | list[Int] | list[str] | list[list[Int]]
+    logprobs: Int | None = Field(None, ge=0, description="0: the sampled tokens' logprobs")
     echo: Literal[False] = False
 
 
-class ChatMessage(_Body):
+class ContentPart(_OpenAIBody):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_OpenAIBody):
     role: str
-    content: str
+    content: str | list[ContentPart]
+
+    def as_template_input(self) -> dict[str, str]:
+        text = self.content
+        if not isinstance(text, str):
+            text = "".join(part.text for part in text)
+        return {"role": self.role, "content": text}
 
 
 class ChatBody(_Sampling):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=0)
+    max_completion_tokens: Int | None = Field(None, ge=1)
+    logprobs: Bool = False
+    top_logprobs: Int | None = Field(None, ge=0)
 
 
-class GenerateSampling(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _NativeBody(BaseModel):
+    # The native API has no clients to tolerate: a misspelt key is an error, not a default.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0, le=100)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    seed: int | None = Field(None, ge=0, lt=2**63)
+
+class GenerateSampling(_NativeBody):
+    max_tokens: Int = Field(16, ge=1)
+    temperature: Float = Field(1.0, ge=0, le=100)
+    top_p: Float = Field(1.0, gt=0, le=1)
+    top_k: Int = Field(0, ge=0)
+    seed: Int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] = Field(default_factory=list)
-    stop_token_ids: list[int] = Field(default_factory=list)
-    ignore_eos: bool = False
+    stop_token_ids: list[Int] = Field(default_factory=list)
+    ignore_eos: Bool = False
 
     def params(self) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -121,24 +182,24 @@ class GenerateSampling(BaseModel):
         )
 
 
-class GenerateBody(_Body):
-    input_ids: list[int] = Field(min_length=1)
+class GenerateBody(_NativeBody):
+    input_ids: list[Int] = Field(min_length=1)
     sampling_params: GenerateSampling = Field(default_factory=GenerateSampling)
     request_id: str | None = None
     trajectory_id: str | None = None
     group_id: str | None = None
-    priority: int = 0
-    expected_wait_s: float | None = Field(None, ge=0)  # the tool wait after this turn
+    priority: Int = 0
+    expected_wait_s: Float | None = Field(None, ge=0)  # the tool wait after this turn
 
 
-class EndTrajectoryBody(_Body):
+class EndTrajectoryBody(_NativeBody):
     trajectory_id: str
 
 
-class UpdateWeightsBody(_Body):
-    path: str
-    version: int | None = None
-    flush_cache: bool = False
+class UpdateWeightsBody(_NativeBody):
+    path: str = Field(min_length=1)
+    version: Int | None = Field(None, ge=0)
+    flush_cache: Bool = False
 
 
 # -- the app ------------------------------------------------------------------------------------
@@ -167,12 +228,12 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"] if p != "body") or "body"
-        message = f"{where}: {first['msg']}"
-        if len(exc.errors()) > 1:
-            message += f" (and {len(exc.errors()) - 1} more problems)"
-        return _error(400, message, param=where)
+        message, param = _validation_message(exc.errors())
+        return _error(400, message, param=param)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return _error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -196,25 +257,22 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
                 "model_not_found",
             )
 
-    def encode(prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, list):
-            return prompt
-        if tok is None:
-            raise ApiError(
-                400, "this model has no tokenizer: send the prompt as token ids", "prompt"
-            )
-        return tok.encode(prompt)
+    def encode(prompt: str | list[int], param: str) -> list[int]:
+        if isinstance(prompt, str):
+            if tok is None:
+                raise ApiError(
+                    400, "this model has no tokenizer: send the prompt as token ids", param
+                )
+            prompt = tok.encode(prompt)
+        checked(lambda: engine.check_prompt(prompt, param))
+        return prompt
 
     def sampling(
         body: _Sampling, prompt_len: int, max_tokens: int | None, index: int, default: int = 16
     ) -> SamplingParams:
+        """Choice `index` of the request: checked here, before any of its choices runs or a
+        stream opens."""
         limit = engine.max_context - prompt_len
-        if limit < 1:
-            raise ApiError(
-                400,
-                f"prompt has {prompt_len} tokens; the context limit is {engine.max_context}",
-                "prompt",
-            )
         if max_tokens is not None and max_tokens > limit:
             raise ApiError(
                 400,
@@ -223,21 +281,21 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
                 "max_tokens",
             )
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        if stop and tok is None:
-            raise ApiError(400, "stop strings need a tokenizer; use stop_token_ids", "stop")
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 max_tokens=max_tokens if max_tokens is not None else min(default, limit),
                 temperature=body.temperature,
                 top_p=body.top_p,
                 top_k=body.top_k,
-                seed=None if body.seed is None else body.seed + index,
+                seed=None if body.seed is None else choice_seed(body.seed, index),
                 stop=tuple(stop),
                 stop_token_ids=tuple(body.stop_token_ids or ()),
                 ignore_eos=body.ignore_eos,
             )
         except ValueError as e:
             raise ApiError(400, str(e)) from None
+        checked(lambda: engine.check_params(params))
+        return params
 
     def text_of(out: GenerationOutput, stop: tuple[str, ...]) -> str:
         return cut_at_stop(tok.decode(out.token_ids), stop)[0] if tok is not None else ""
@@ -246,24 +304,33 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         try:
             return await runner.generate(prompt, params, **meta)
         except RequestError as e:
-            raise ApiError(400, str(e)) from None
+            raise ApiError(400, str(e), e.param) from None
 
-    def usage(outs: list[GenerationOutput], n: int) -> dict[str, int]:
-        prompt = sum(len(o.prompt_ids) for o in outs) // n  # each prompt counts once, as OpenAI
+    async def run_all(request: Request, jobs: Jobs) -> list[GenerationOutput]:
+        """Every job, or none: when one fails or the client goes away, the others stop."""
+        return await _unless_disconnected(request, _all(run(ids, sp) for ids, sp in jobs))
 
-        completion = sum(len(o.token_ids) for o in outs)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-        }
+    def usage(outs: Sequence[GenerationOutput], n: int) -> dict[str, int]:
+        return _usage(sum(len(o.prompt_ids) for o in outs), sum(len(o.token_ids) for o in outs), n)
+
+    def stream(body: _Sampling, jobs: Jobs, rid: str, created: int, logprobs: bool) -> _Stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return _Stream(runner, jobs, rid, created, model_name, tok, body.n, logprobs, include_usage)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "weight_version": engine.weight_version}
+        """Also the engine's load, read between its steps' bookkeeping (plain counts)."""
+        return {
+            "status": "ok",
+            "weight_version": engine.weight_version,
+            "running": len(engine.running),
+            "waiting": len(engine.waiting),
+            "free_device_kv_pages": engine.kv.device_pages.num_free,
+            "free_host_kv_pages": engine.kv.host_pages.num_free,
+        }
 
     @app.get("/stats")
-    async def stats() -> dict[str, float]:
+    async def stats() -> dict[str, int | float]:
         return await runner.call(lambda e: e.counters())
 
     @app.get("/v1/models")
@@ -278,14 +345,17 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionBody) -> Any:
+    async def completions(body: CompletionBody, request: Request) -> Any:
         check_model(body.model)
+        body.refuse_unsupported()
+        if body.logprobs not in (None, 0):
+            raise ApiError(400, TOP_LOGPROBS_UNSUPPORTED, "logprobs")
         raw = body.prompt
         single = isinstance(raw, str) or (raw and isinstance(raw[0], int))
         prompts: list[Any] = [raw] if single else list(raw)
         if not prompts:
             raise ApiError(400, "prompt is empty", "prompt")
-        encoded = [encode(p) for p in prompts]
+        encoded = [encode(p, "prompt" if single else f"prompt[{i}]") for i, p in enumerate(prompts)]
         jobs = [
             (ids, sampling(body, len(ids), body.max_tokens, i * body.n + j))
             for i, ids in enumerate(encoded)
@@ -293,8 +363,9 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         ]
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            return _sse(_stream_completion(_Stream(runner, jobs, rid, created, model_name, tok)))
-        outs = await _gather(run, jobs)
+            s = stream(body, jobs, rid, created, body.logprobs is not None)
+            return _sse(_stream_completion(s))
+        outs = await run_all(request, jobs)
         choices = []
         for index, ((_, sp), out) in enumerate(zip(jobs, outs, strict=True)):
             choice: dict[str, Any] = {
@@ -306,12 +377,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             choice["logprobs"] = (
                 None
                 if body.logprobs is None
-                else {
-                    "tokens": [tok.decode([t]) if tok else str(t) for t in out.token_ids],
-                    "token_logprobs": out.logprobs,
-                    "top_logprobs": None,
-                    "text_offset": None,
-                }
+                else _completion_logprobs(tok, out.token_ids, out.logprobs)
             )
             choices.append(choice)
         return {
@@ -324,41 +390,38 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         }
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat(body: ChatBody) -> Any:
+    async def chat(body: ChatBody, request: Request) -> Any:
         check_model(body.model)
+        body.refuse_unsupported()
+        if body.top_logprobs not in (None, 0):
+            raise ApiError(400, TOP_LOGPROBS_UNSUPPORTED, "top_logprobs")
         if tok is None or tok.chat_template is None:
             raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
         try:
-            text = tok.apply_chat_template([m.model_dump() for m in body.messages])
+            text = tok.apply_chat_template([m.as_template_input() for m in body.messages])
         except TemplateError as e:
             raise ApiError(
                 400, f"the chat template rejected the messages: {e}", "messages"
             ) from None
-        ids = tok.encode(text)
+        ids = encode(text, "messages")
         max_tokens = body.max_completion_tokens or body.max_tokens
         # As OpenAI's chat API: without max_tokens, generate up to the context limit.
         limit = engine.max_context
         jobs = [(ids, sampling(body, len(ids), max_tokens, j, limit)) for j in range(body.n)]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            return _sse(_stream_chat(_Stream(runner, jobs, rid, created, model_name, tok)))
-        outs = await _gather(run, jobs)
+            return _sse(_stream_chat(stream(body, jobs, rid, created, body.logprobs)))
+        outs = await run_all(request, jobs)
         choices = []
         for index, ((_, sp), out) in enumerate(zip(jobs, outs, strict=True)):
-            logprobs: dict[str, Any] | None = None
-            if body.logprobs:
-                logprobs = {
-                    "content": [
-                        {"token": tok.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
-                        for t, lp in zip(out.token_ids, out.logprobs, strict=True)
-                    ]
-                }
             choices.append(
                 {
                     "index": index,
                     "finish_reason": out.finish_reason,
                     "message": {"role": "assistant", "content": text_of(out, sp.stop)},
-                    "logprobs": logprobs,
+                    "logprobs": (
+                        _chat_logprobs(tok, out.token_ids, out.logprobs) if body.logprobs else None
+                    ),
                     "token_ids": out.token_ids,
                 }
             )
@@ -372,19 +435,22 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         }
 
     @app.post("/generate")
-    async def generate(body: GenerateBody) -> dict[str, Any]:
+    async def generate(body: GenerateBody, request: Request) -> dict[str, Any]:
         try:
             params = body.sampling_params.params()
         except ValueError as e:
             raise ApiError(400, f"sampling_params: {e}", "sampling_params") from None
-        out = await run(
-            body.input_ids,
-            params,
-            request_id=body.request_id,
-            trajectory_id=body.trajectory_id,
-            group_id=body.group_id,
-            priority=body.priority,
-            expected_wait_s=body.expected_wait_s,
+        out = await _unless_disconnected(
+            request,
+            run(
+                body.input_ids,
+                params,
+                request_id=body.request_id,
+                trajectory_id=body.trajectory_id,
+                group_id=body.group_id,
+                priority=body.priority,
+                expected_wait_s=body.expected_wait_s,
+            ),
         )
         return {
             "request_id": out.request_id,
@@ -403,11 +469,19 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
 
     @app.post("/update_weights")
     async def update_weights(body: UpdateWeightsBody) -> dict[str, Any]:
-        if not Path(body.path).is_dir():
+        path = Path(body.path)
+        if not path.is_absolute():
+            raise ApiError(
+                400,
+                f"path {body.path!r} is relative: give an absolute path (the server's working "
+                "directory is not the client's)",
+                "path",
+            )
+        if not path.is_dir():
             raise ApiError(400, f"path {body.path!r} is not a directory", "path")
         try:
             version = await runner.call(
-                lambda e: e.update_weights(body.path, body.version, body.flush_cache)
+                lambda e: e.update_weights(path, body.version, body.flush_cache)
             )
         except ModelConfigError as e:
             raise ApiError(400, str(e), "path") from None
@@ -418,10 +492,135 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
     return app
 
 
-async def _gather(
-    run: Callable[..., Any], jobs: list[tuple[list[int], SamplingParams]]
-) -> list[GenerationOutput]:
-    return list(await asyncio.gather(*(run(ids, sp) for ids, sp in jobs)))
+Jobs = list[tuple[list[int], SamplingParams]]
+
+TOP_LOGPROBS_UNSUPPORTED = (
+    "top alternatives are not returned: 0 (or none) gives the sampled tokens' logprobs"
+)
+
+# Fields whose value may take several forms: one message for all of them, not one per form.
+FORMS = {
+    "prompt": "a string, a list of token ids, a list of strings or a list of token-id lists",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of text parts",
+}
+
+
+def checked(check: Callable[[], None]) -> None:
+    """Run one of the engine's request checks; its `RequestError` becomes a 400."""
+    try:
+        check()
+    except RequestError as e:
+        raise ApiError(400, str(e), e.param) from None
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request seeded `seed` (n > 1, or several prompts). Choice 0
+    keeps the seed (n = 1 and n > 1 agree on it); the others are mixed (splitmix64), so that
+    seed s's second choice is not seed s + 1's first."""
+    if index == 0:
+        return seed
+    z = (seed + index * 0x9E3779B97F4A7C15) % 2**64
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 % 2**64
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB % 2**64
+    return (z ^ (z >> 31)) % 2**63
+
+
+def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """One line for a body that does not validate, naming the field as a client writes it
+    (`messages[0].content`), and that field."""
+    first = errors[0]
+    loc = [p for p in first["loc"] if p != "body"]
+    if first["type"] == "json_invalid":
+        reason = first.get("ctx", {}).get("error", "JSON decode error")
+        at = f" at character {loc[0]}" if loc else ""
+        return f"the body is not valid JSON: {reason}{at}", None
+    if not loc:
+        return (
+            f"the body must be a JSON object (Content-Type: application/json): {first['msg']}",
+            None,
+        )
+    # Drop the union members pydantic names in a location ('str', 'list[int]', ...).
+    fields = [p for p in loc if isinstance(p, int) or not _is_type_tag(str(p))]
+    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in fields).lstrip(".")
+    same_field = [e for e in errors if [p for p in e["loc"] if p != "body"][:1] == loc[:1]]
+    name = next((str(p) for p in reversed(fields) if isinstance(p, str)), "")
+    if name in FORMS and len(same_field) > 1:
+        message = f"{where}: must be {FORMS[name]}"
+    else:
+        message = f"{where}: {first['msg']}"
+    others = len(errors) - (len(same_field) if name in FORMS else 1)
+    if others > 0:
+        message += f" (and {others} more problems)"
+    return message, where
+
+
+def _is_type_tag(part: str) -> bool:
+    return "[" in part or part in ("str", "int", "float", "bool", "list", "dict")
+
+
+async def _all(coros: Iterable[Awaitable[T]]) -> list[T]:
+    """`asyncio.gather`, except that the first failure cancels the others."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`await work`, cancelled (its requests aborted) if the client disconnects first: the
+    server cancels only a streamed answer when its client goes."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ApiError(499, "the client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ApiError):
+                await task
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, n: int) -> dict[str, int]:
+    prompt = prompt_tokens // n  # each prompt counts once, as OpenAI counts it
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt + completion_tokens,
+    }
+
+
+def _token_text(tok: Tokenizer | None, token: int) -> str:
+    return tok.decode([token]) if tok is not None else str(token)
+
+
+def _completion_logprobs(
+    tok: Tokenizer | None, tokens: Sequence[int], logprobs: Sequence[float]
+) -> dict[str, Any]:
+    return {
+        "tokens": [_token_text(tok, t) for t in tokens],
+        "token_logprobs": list(logprobs),
+        "top_logprobs": None,
+        "text_offset": None,
+    }
+
+
+def _chat_logprobs(
+    tok: Tokenizer | None, tokens: Sequence[int], logprobs: Sequence[float]
+) -> dict[str, Any]:
+    content = []
+    for t, lp in zip(tokens, logprobs, strict=True):
+        text = _token_text(tok, t)
+        content.append(
+            {"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
+        )
+    return {"content": content}
 
 
 def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
@@ -430,7 +629,9 @@ def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
             async for chunk in chunks:
                 yield f"data: {json.dumps(chunk)}\n\n"
         except RequestError as e:
-            error = {"error": {"message": str(e), "type": "invalid_request_error"}}
+            error = {
+                "error": {"message": str(e), "type": "invalid_request_error", "param": e.param}
+            }
             yield f"data: {json.dumps(error)}\n\n"
         except Exception as e:  # the stream has started: report in-band, then end it cleanly
             log.exception("streamed request failed")
@@ -443,9 +644,7 @@ def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
     return StreamingResponse(body(), media_type="text/event-stream")
 
 
-async def _deltas(
-    runner: AsyncEngine, jobs: list[tuple[list[int], SamplingParams]]
-) -> AsyncIterator[tuple[int, TokenDelta]]:
+async def _deltas(runner: AsyncEngine, jobs: Jobs) -> AsyncIterator[tuple[int, TokenDelta]]:
     """Deltas of several requests, interleaved as they come."""
     queue: asyncio.Queue[tuple[int, TokenDelta] | BaseException | None] = asyncio.Queue()
 
@@ -477,57 +676,67 @@ async def _deltas(
 @dataclass(frozen=True)
 class _Stream:
     runner: AsyncEngine
-    jobs: list[tuple[list[int], SamplingParams]]
+    jobs: Jobs
     rid: str
     created: int
     model: str
     tok: Tokenizer | None
+    n: int
+    logprobs: bool
+    include_usage: bool  # a last chunk with no choices and the request's usage
 
 
-async def _stream_completion(s: _Stream) -> AsyncIterator[dict[str, Any]]:
+async def _pieces(s: _Stream) -> AsyncIterator[tuple[int, TokenDelta, str]]:
+    """Each choice's deltas with the text they add (held back while it may begin a stop
+    string)."""
     decoders = [IncrementalDecoder(s.tok, sp.stop) if s.tok else None for _, sp in s.jobs]
     async for index, delta in _deltas(s.runner, s.jobs):
         decoder = decoders[index]
-        final = delta.output is not None
-        piece = decoder.push(delta.token_ids, final) if decoder else ""
-        yield {
-            "id": s.rid,
-            "object": "text_completion",
-            "created": s.created,
-            "model": s.model,
-            "choices": [
-                {
-                    "index": index,
-                    "text": piece,
-                    "token_ids": delta.token_ids,
-                    "finish_reason": delta.output.finish_reason if delta.output else None,
-                }
-            ],
+        piece = decoder.push(delta.token_ids, delta.output is not None) if decoder else ""
+        yield index, delta, piece
+
+
+def _finish_reason(delta: TokenDelta) -> str | None:
+    return delta.output.finish_reason if delta.output is not None else None
+
+
+def _stream_usage(s: _Stream, completion_tokens: int) -> dict[str, int]:
+    return _usage(sum(len(ids) for ids, _ in s.jobs), completion_tokens, s.n)
+
+
+async def _stream_completion(s: _Stream) -> AsyncIterator[dict[str, Any]]:
+    base = {"id": s.rid, "object": "text_completion", "created": s.created, "model": s.model}
+    completion_tokens = 0
+    async for index, delta, piece in _pieces(s):
+        completion_tokens += len(delta.token_ids)
+        choice: dict[str, Any] = {
+            "index": index,
+            "text": piece,
+            "token_ids": delta.token_ids,
+            "finish_reason": _finish_reason(delta),
         }
+        if s.logprobs:
+            choice["logprobs"] = _completion_logprobs(s.tok, delta.token_ids, delta.logprobs)
+        yield {**base, "choices": [choice]}
+    if s.include_usage:
+        yield {**base, "choices": [], "usage": _stream_usage(s, completion_tokens)}
 
 
 async def _stream_chat(s: _Stream) -> AsyncIterator[dict[str, Any]]:
     base = {"id": s.rid, "object": "chat.completion.chunk", "created": s.created, "model": s.model}
     for index in range(len(s.jobs)):
-        yield {
-            **base,
-            "choices": [
-                {
-                    "index": index,
-                    "delta": {"role": "assistant", "content": ""},
-                    "finish_reason": None,
-                }
-            ],
+        role = {"role": "assistant", "content": ""}
+        yield {**base, "choices": [{"index": index, "delta": role, "finish_reason": None}]}
+    completion_tokens = 0
+    async for index, delta, piece in _pieces(s):
+        completion_tokens += len(delta.token_ids)
+        choice: dict[str, Any] = {
+            "index": index,
+            "delta": {"content": piece},
+            "finish_reason": _finish_reason(delta),
         }
-    async for chunk in _stream_completion(s):
-        choice = chunk["choices"][0]
-        yield {
-            **base,
-            "choices": [
-                {
-                    "index": choice["index"],
-                    "delta": {"content": choice["text"]},
-                    "finish_reason": choice["finish_reason"],
-                }
-            ],
-        }
+        if s.logprobs:
+            choice["logprobs"] = _chat_logprobs(s.tok, delta.token_ids, delta.logprobs)
+        yield {**base, "choices": [choice]}
+    if s.include_usage:
+        yield {**base, "choices": [], "usage": _stream_usage(s, completion_tokens)}
