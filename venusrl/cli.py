@@ -151,7 +151,9 @@ def _train(args: argparse.Namespace) -> int:
                 "--resume continues with the run's own config.yaml: give KEY=VALUE overrides"
                 " (run.steps=...), not --config"
             )
-        config = Path(args.run_dir) / "config.yaml"  # what the run started with
+        config = Path(args.run_dir) / "config.yaml"  # what the run last ran with
+        if not config.exists():
+            raise ValueError(f"--resume: {args.run_dir} holds no run (it has no config.yaml)")
     cfg = load_config(config, args.overrides, {k: v for k, v in flags.items() if v is not None})
     console = Console(stderr=True)
 

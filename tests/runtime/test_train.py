@@ -22,7 +22,7 @@ from venusrl.config import load_config
 from venusrl.coordinator.coordinator import EpisodesFailing
 from venusrl.engine.model_dir import init_model_dir
 from venusrl.runtime.plots import plot_run
-from venusrl.runtime.record import read_records
+from venusrl.runtime.record import read_metrics, read_records
 from venusrl.runtime.train import train
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
@@ -108,6 +108,35 @@ def test_kill_9_mid_run_then_resume_completes_with_every_step_once(tmp_path: Pat
     # A second plain start refuses to clobber the run.
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert again.returncode == 2 and "--resume" in again.stderr
+
+
+def test_a_resume_keeps_its_overrides_and_gets_past_a_torn_line_and_a_damaged_checkpoint(
+    tmp_path: Path,
+) -> None:
+    # A start-model/ left by an earlier attempt in this directory, stopped before its first step.
+    (tmp_path / "start-model").mkdir()
+    (tmp_path / "start-model" / "model.safetensors").write_bytes(b"stale")
+    asyncio.run(train(load_config(None, [*SMALL, "run.checkpoint_every=1"]), tmp_path))
+    # The newest checkpoint damaged (a run directory copied in part) and a torn metrics line
+    # (a full disk): the older checkpoint serves, and the plots still draw.
+    (tmp_path / "checkpoints" / "step-000002" / "model.safetensors").write_bytes(b"\0" * 100)
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "rew')
+    assert plot_run(tmp_path)
+    messages: list[str] = []
+    longer = load_config(tmp_path / "config.yaml", ["run.steps=5", "rollout.temperature=0.9"])
+    asyncio.run(train(longer, tmp_path, resume=True, on_message=messages.append))
+    assert any("passing over step-000002" in m and "model.safetensors" in m for m in messages)
+    metrics = read_metrics(tmp_path)
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4]  # step 2 trained again
+    walls = [m["wall_s"] for m in metrics]
+    assert walls == sorted(walls)  # the resumed run's times go on from where it stopped
+    # The next --resume (config.yaml with no overrides) goes on with the last one's settings...
+    saved = load_config(tmp_path / "config.yaml")
+    assert (saved.run.steps, saved.rollout.temperature) == (5, 0.9)
+    # ... and says so when there is nothing left to train.
+    with pytest.raises(ValueError, match="nothing to train"):
+        asyncio.run(train(saved, tmp_path, resume=True))
 
 
 def test_killed_sandboxes_and_failed_engine_calls_are_replaced_or_masked(tmp_path: Path) -> None:

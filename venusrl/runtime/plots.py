@@ -13,14 +13,13 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from venusrl.runtime.record import read_records
+from venusrl.runtime.record import read_metrics, read_records
 
 
 def plot_run(run_dir: Path) -> list[Path]:
@@ -31,7 +30,7 @@ def plot_run(run_dir: Path) -> list[Path]:
     metrics_file = run_dir / "metrics.jsonl"
     if not metrics_file.exists():
         raise FileNotFoundError(f"{run_dir} holds no metrics.jsonl: not a run directory")
-    metrics = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+    metrics = read_metrics(run_dir)
     if not metrics:
         raise ValueError(f"{metrics_file} is empty: the run has not finished a step yet")
     records = list(read_records(run_dir))

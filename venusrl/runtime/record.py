@@ -25,6 +25,7 @@ from typing import Any
 from venusrl.types import Trajectory
 
 FILE = "trajectories.jsonl"
+METRICS_FILE = "metrics.jsonl"
 
 
 def trajectory_record(traj: Trajectory, step: int, env: str, t0: float) -> dict[str, Any]:
@@ -80,6 +81,25 @@ def read_records(run_dir: Path, after_step: int | None = None) -> Iterator[dict[
                 continue
             if after_step is None or record["step"] <= after_step:
                 yield record
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The lines of `run_dir/metrics.jsonl`, but a torn last one (the run was killed while
+    writing it, or the disk filled): that step is trained again on resume. A bad line before
+    the last is damage this cannot mend, and an error naming the file and line."""
+    path = run_dir / METRICS_FILE
+    if not path.exists():
+        return []
+    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    metrics = []
+    for i, (number, line) in enumerate(lines):
+        try:
+            metrics.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"{path}:{number}: not a JSON line ({e})") from None
+    return metrics
 
 
 def truncate_records(run_dir: Path, last_step: int) -> None:

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import logging
 import random
 import shutil
 import time
@@ -61,6 +62,7 @@ if TYPE_CHECKING:  # ray is imported for Ray runs only
     from venusrl.runtime.cluster.workers import RolloutFleet
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class RolloutEngine(Protocol):
@@ -156,37 +158,53 @@ def _by_env(batch: list[GroupResult]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _prepare_run_dir(cfg: Config, run_dir: Path, resume: bool) -> tuple[Path, RunState | None]:
+def _prepare_run_dir(
+    cfg: Config, run_dir: Path, resume: bool, say: Callable[[str], None]
+) -> tuple[Path, RunState | None, float]:
     """The model to start from (on a fresh run without `model`, a directory still to be
-    written), and the state to resume (None for a fresh run)."""
+    written), the state to resume (None for a fresh run) and the run's time when it was saved
+    (its wall_s: a resumed run's times go on from there)."""
     metrics_file = run_dir / "metrics.jsonl"
     if resume:
-        checkpoint = latest_checkpoint(run_dir)
-        if checkpoint is None:
-            raise ValueError(f"--resume: {run_dir} has no complete checkpoint to resume from")
-        state = load_run_state(checkpoint)
-        # Steps after the checkpoint are redone: drop their lines so none appears twice.
-        kept = (
-            [
-                line
-                for line in metrics_file.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] <= state.step
-            ]
-            if metrics_file.exists()
-            else []
+        checkpoint = latest_checkpoint(
+            run_dir, lambda path, why: say(f"--resume: passing over {path.name}: {why}")
         )
+        if checkpoint is None:
+            raise ValueError(
+                f"--resume: {run_dir} has no checkpoint that reads back (the first is written "
+                f"after run.checkpoint_every={cfg.run.checkpoint_every} steps): start again with "
+                "another --run-dir, or remove this one"
+            )
+        state = load_run_state(checkpoint)
+        if state.step + 1 >= cfg.run.steps:
+            raise ValueError(
+                f"--resume: {run_dir} has trained {state.step + 1} steps, run.steps is "
+                f"{cfg.run.steps}: nothing to train (pass run.steps=N with N > {state.step + 1}"
+                " to train longer)"
+            )
+        # Steps after the checkpoint are redone: drop their lines so none appears twice.
+        kept = [m for m in record.read_metrics(run_dir) if m["step"] <= state.step]
         tmp = metrics_file.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.write_text("".join(json.dumps(m) + "\n" for m in kept))
         tmp.replace(metrics_file)
         record.truncate_records(run_dir, state.step)
-        return checkpoint, state
+        # What it resumes with, overrides included: the next --resume starts from this.
+        _write_config(cfg, run_dir)
+        return checkpoint, state, kept[-1]["wall_s"] if kept else 0.0
     if metrics_file.exists():
         raise ValueError(f"{run_dir} already holds a run: pass --resume, or another --run-dir")
     if cfg.model and not (Path(cfg.model) / "config.json").is_file():
         raise ValueError(f"model: {cfg.model} is not a model directory (it has no config.json)")
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
-    return (Path(cfg.model) if cfg.model else run_dir / "initial-model"), None
+    _write_config(cfg, run_dir)
+    return (Path(cfg.model) if cfg.model else run_dir / "initial-model"), None, 0.0
+
+
+def _write_config(cfg: Config, run_dir: Path) -> None:
+    path = run_dir / "config.yaml"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+    tmp.replace(path)
 
 
 def environment_mix(cfg: Config) -> list[EnvShare]:
@@ -294,10 +312,12 @@ def start_policy(cfg: Config, run_dir: Path) -> Path:
 
 
 def write_start_policy(run_dir: Path, trainer: GRPOTrainer, model_dir: Path) -> None:
-    tmp = run_dir / ".tmp-start-model"
+    tmp, final = run_dir / ".tmp-start-model", run_dir / "start-model"
     shutil.rmtree(tmp, ignore_errors=True)
     write_model_dir(tmp, trainer.model, model_dir)
-    tmp.rename(run_dir / "start-model")
+    # One left by a run stopped before its first step, in this directory started again.
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
 
 
 async def check_tools(env: type[Environment], pool: SandboxSource) -> None:
@@ -347,7 +367,8 @@ async def train(
     # The engine and the trainer compute side by side on their own threads, one core each by
     # default: more threads than cores makes both several times slower (MEASURED.md).
     torch.set_num_threads(cfg.engine.threads or 1)
-    model_dir, state = _prepare_run_dir(cfg, run_dir, resume)
+    say = on_message or (lambda message: log.warning("%s", message))
+    model_dir, state, wall_s = _prepare_run_dir(cfg, run_dir, resume, say)
     fresh = state is None
     state = state or RunState(step=-1, weight_version=0)
     consumed = set(state.consumed_tasks)
@@ -484,7 +505,7 @@ async def train(
                 weight_version=lambda: trainer.version,
             )
             coordinator.start()
-            started = time.monotonic()
+            started = time.monotonic() - wall_s  # a resumed run's times go on from its last
             # Counters since this run (re)started: a served engine may have counted before.
             counted = await engine.counters()
             try:

@@ -4,7 +4,7 @@ A checkpoint is a directory `checkpoints/step-NNNNNN/` in Hugging Face layout (`
 `model.safetensors`, the tokenizer files: `venusrl serve` and `transformers` load it as it is) plus
 `optimizer.pt` and `state.json` (the step it follows, the weight version, the coordinator's data
 position). It is written under a temporary name, flushed, then renamed: a directory with the final
-name is always complete, whatever moment the process dies at. The newest complete one wins.
+name is always complete, whatever moment the process dies at. The newest one that reads back wins.
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from venusrl.engine.model import CausalLM
@@ -77,12 +78,49 @@ def save_checkpoint(
     return final
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    found = sorted((run_dir / "checkpoints").glob("step-*"))
-    complete = [p for p in found if (p / "state.json").exists()]
-    return complete[-1] if complete else None
+def latest_checkpoint(
+    run_dir: Path, on_skip: Callable[[Path, str], None] | None = None
+) -> Path | None:
+    """The newest checkpoint that reads back whole. A damaged one (a run directory copied or
+    synced in part: the atomic rename rules out a torn write) is passed over, not removed, and
+    `on_skip(path, why)` says so."""
+    for path in sorted((run_dir / "checkpoints").glob("step-*"), reverse=True):
+        try:
+            check_checkpoint(path)
+        except ValueError as e:
+            if on_skip is not None:
+                on_skip(path, str(e))
+            continue
+        return path
+    return None
+
+
+def check_checkpoint(checkpoint: Path) -> RunState:
+    """Its state, after checking that every file of it reads back; ValueError naming the file
+    that does not."""
+    state = load_run_state(checkpoint)
+    weights = checkpoint / "model.safetensors"
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            f.keys()
+    except Exception as e:  # safetensors raises its own error types
+        raise ValueError(f"{weights}: unreadable ({e})") from None
+    optimizer = checkpoint / "optimizer.pt"
+    try:  # mapped, not read: the archive's structure is checked, the tensors are not loaded
+        torch.load(optimizer, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as e:
+        raise ValueError(f"{optimizer}: unreadable ({e})") from None
+    return state
 
 
 def load_run_state(checkpoint: Path) -> RunState:
-    data: dict[str, Any] = json.loads((checkpoint / "state.json").read_text())
-    return RunState(**data)
+    path = checkpoint / "state.json"
+    try:
+        data = json.loads(path.read_text())
+        return RunState(
+            step=int(data["step"]),
+            weight_version=int(data["weight_version"]),
+            consumed_tasks=[str(k) for k in data.get("consumed_tasks", [])],
+        )
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a run state ({type(e).__name__}: {e})") from None
