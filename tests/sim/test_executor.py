@@ -58,6 +58,19 @@ def test_synchronous_training_is_on_policy_and_asynchronous_trains_on_older_grou
     assert asyn["mean_step_s"] < sync["mean_step_s"]
 
 
+def test_the_trainer_time_per_step_counts_only_the_steps_of_the_run() -> None:
+    """The step still training when the run ends is not one of its steps: one trainer, one step
+    at a time, cannot train longer per step than a step takes."""
+    # The trainer is the bottleneck: a batch is ready whenever a step is published.
+    busy_trainer = SCENARIOS["search-short"].scaled_for(
+        name="search-small", rollout_gpus=4, train_gpus=1, prompts_per_batch=8, group_size=8
+    )
+    sync, asyn = (run(p, workload=busy_trainer, steps=4) for p in ("sync", "async"))
+    assert 0 < asyn["train_s_per_step"] <= asyn["mean_step_s"]
+    # Batches of as many tokens: the trainer takes as long per step under either policy.
+    assert asyn["train_s_per_step"] == pytest.approx(sync["train_s_per_step"], rel=0.05)
+
+
 def test_a_larger_staleness_bound_buys_rollout_time_with_staleness() -> None:
     one_step, two_steps = run("async", steps=4), run("async@2", steps=4)
     assert two_steps["policy"] == "async@2" and two_steps["knobs"]["max_staleness"] == 2

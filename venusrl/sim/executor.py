@@ -269,6 +269,7 @@ class Simulation:
         self.ready: list[SimGroup] = []
         self.trainer_busy = False
         self.train_s = 0.0  # trainer compute, all steps
+        self._training: tuple[float, list[int]] = (0.0, [])  # the step in flight: time, staleness
         self.weight_sync_s = 0.0  # engines paused for new weights, all steps
         self.step_ends: list[float] = []
         self.group_completion_s: list[float] = []
@@ -491,10 +492,11 @@ class Simulation:
         self.ready = [g for i, g in enumerate(self.ready) if i not in taken]
         tokens = sum(g.tokens for g in batch)
         sequences = sum(g.sequences for g in batch)
-        self.staleness += [self.version - g.started_version for g in batch]
         self.trainer_busy = True
         seconds = self.cost.train_s(tokens, tokens / sequences, self.workload.train_gpus)
-        self.train_s += seconds
+        # Counted when the step is published: a step still training when the run ends is not one
+        # of its steps.
+        self._training = (seconds, [self.version - g.started_version for g in batch])
         self.clock.at(self.clock.now + seconds, self._sync_weights)
 
     def _sync_weights(self) -> None:
@@ -506,6 +508,9 @@ class Simulation:
         self.clock.at(done, self._published)
 
     def _published(self) -> None:
+        seconds, staleness = self._training
+        self.train_s += seconds
+        self.staleness += staleness
         self.version += 1
         self.step_ends.append(self.clock.now)
         self.trainer_busy = False
