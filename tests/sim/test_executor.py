@@ -103,6 +103,8 @@ def test_a_train_bound_above_the_start_bound_lets_batches_overtake_stragglers() 
         ("venus@1.5", "after '@' comes a staleness bound"),
         ("venus@\u00b2", "after '@' comes a staleness bound"),
         ("venus@\u0661", "after '@' comes a staleness bound"),
+        ("venus@99999999999", "staleness bounds go up to 64"),
+        ("venus@1:65", "staleness bounds go up to 64"),
     ],
 )
 def test_a_bad_policy_name_says_what_is_wrong(name: str, error: str) -> None:

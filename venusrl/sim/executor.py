@@ -86,6 +86,9 @@ POLICIES = {
 }
 
 
+MAX_STALENESS = 64
+
+
 def sim_policy(name: str) -> SimPolicy:
     """A policy by name; `NAME@N` is that policy with a staleness bound of N versions, so that
     policies compare at the same bound (`async@2,venus@2`; `venus@0` is synchronous), and
@@ -108,6 +111,10 @@ def sim_policy(name: str) -> SimPolicy:
         max_staleness=int(start),
         max_train_staleness=int(train) if colon else None,
     )
+    most = max(policy.max_staleness, policy.max_train_staleness or 0)
+    if most > MAX_STALENESS:
+        # The bound opens P x (N + 1) groups at once: a typo's extra zeros would take the memory.
+        raise ValueError(f"policy {name!r}: staleness bounds go up to {MAX_STALENESS} versions")
     try:
         StalenessBound(1, policy.max_staleness, policy.max_train_staleness)
     except ValueError as err:

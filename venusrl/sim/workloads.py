@@ -43,6 +43,15 @@ class LogNormal:
     min: float = 0.0
     max: float = math.inf
 
+    def __post_init__(self) -> None:
+        if not (0 < self.median < math.inf and 0 <= self.sigma < math.inf):
+            raise ValueError(
+                f"lognormal needs a finite median > 0 and sigma >= 0, got {self.median}, "
+                f"{self.sigma}"
+            )
+        if not 0 <= self.min <= self.max:
+            raise ValueError(f"lognormal needs 0 <= min <= max, got {self.min}, {self.max}")
+
     def sample(self, rng: random.Random) -> float:
         return min(
             max(self.median * math.exp(self.sigma * rng.gauss(0.0, 1.0)), self.min), self.max
@@ -56,6 +65,10 @@ class LogNormal:
 class Constant:
     value: float
 
+    def __post_init__(self) -> None:
+        if not 0 <= self.value < math.inf:
+            raise ValueError(f"a constant is a finite number >= 0, got {self.value}")
+
     def sample(self, rng: random.Random) -> float:
         return self.value
 
@@ -66,6 +79,11 @@ class Constant:
 @dataclass(frozen=True)
 class Mixture:
     parts: tuple[tuple[float, Dist], ...]  # (probability, distribution); probabilities sum to 1
+
+    def __post_init__(self) -> None:
+        ps = [p for p, _ in self.parts]
+        if not ps or not all(0 <= p <= 1 for p in ps) or abs(sum(ps) - 1) > 1e-6:
+            raise ValueError(f"mixture probabilities must be in [0, 1] and sum to 1, got {ps}")
 
     def sample(self, rng: random.Random) -> float:
         u = rng.random()
@@ -92,6 +110,21 @@ class Turns:
     p: float = 0.5
     mean: float = 2.5
 
+    def __post_init__(self) -> None:
+        if self.kind not in ("lognormal", "binomial", "poisson"):
+            raise ValueError(
+                f"turns: kind must be lognormal, binomial or poisson, not {self.kind!r}"
+            )
+        if self.kind == "lognormal" and self.prompt_median is None:
+            raise ValueError("turns: lognormal needs prompt_median (each prompt's median turns)")
+        if not (0 <= self.sigma < math.inf and 0 <= self.p <= 1 and 0 <= self.mean <= 1e4):
+            raise ValueError(
+                f"turns: needs sigma >= 0, p in [0, 1], mean in [0, 1e4]; got {self.sigma}, "
+                f"{self.p}, {self.mean}"
+            )
+        if not 0 <= self.n <= 10_000:
+            raise ValueError(f"turns: n must be in [0, 10000], got {self.n}")
+
     def prompt_level(self, rng: random.Random) -> float:
         return self.prompt_median.sample(rng) if self.prompt_median else 0.0
 
@@ -117,6 +150,18 @@ class ToolLatency:
     hang_p: float = 0.0
     hang_s: float = 0.0
     per_prompt_sigma: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.heavy_p <= 1 and 0 <= self.hang_p <= 1 - self.heavy_p):
+            raise ValueError(
+                f"tool_s: heavy_p and hang_p are probabilities (their sum at most 1), got "
+                f"{self.heavy_p}, {self.hang_p}"
+            )
+        if not (0 <= self.hang_s < math.inf and 0 <= self.per_prompt_sigma < math.inf):
+            raise ValueError(
+                f"tool_s: hang_s and per_prompt_sigma must be finite and >= 0, got "
+                f"{self.hang_s}, {self.per_prompt_sigma}"
+            )
 
     def prompt_level(self, rng: random.Random) -> float:
         return LogNormal(1.0, self.per_prompt_sigma).sample(rng) if self.per_prompt_sigma else 1.0
@@ -188,8 +233,19 @@ class Workload:
             problems.append(
                 f"group_size must be >= 2 (GRPO compares members), got {self.group_size}"
             )
-        if not 0 <= self.infra_failure_rate <= 1:
-            problems.append(f"infra_failure_rate must be in [0, 1], got {self.infra_failure_rate}")
+        if not 0 <= self.infra_failure_rate < 1:
+            # At 1 every episode fails and is replaced, forever.
+            problems.append(f"infra_failure_rate must be in [0, 1), got {self.infra_failure_rate}")
+        for k, most in (("rollout_gpus", 100_000), ("train_gpus", 100_000), ("tp", 64)):
+            if getattr(self, k) > most:
+                problems.append(f"{k} must be <= {most}, got {getattr(self, k)}")
+        if self.prompts_per_batch * self.group_size > 1_000_000:
+            problems.append(
+                f"prompts_per_batch x group_size must be <= 1,000,000 trajectories a batch, got "
+                f"{self.prompts_per_batch * self.group_size}"
+            )
+        if self.template_tokens < 0 or not 0 <= self.sandbox_shared_fraction <= 1:
+            problems.append("template_tokens must be >= 0 and sandbox_shared_fraction in [0, 1]")
         if min(self.success_beta) <= 0:
             problems.append(f"success_beta must be two positive numbers, got {self.success_beta}")
         if problems:
@@ -369,7 +425,7 @@ SCENARIOS: dict[str, Workload] = {
 
 
 def parse_dist(value: Any, where: str) -> Dist:
-    if isinstance(value, int | float):
+    if isinstance(value, int | float) and not isinstance(value, bool):
         return Constant(float(value))
     if not isinstance(value, dict) or len(value) != 1:
         raise ValueError(f"{where}: a distribution is {{lognormal: ...}}, {{constant: x}} or "
@@ -416,7 +472,9 @@ def load_workload(path: str | Path) -> Workload:
             raise ValueError(f"{where}: unknown field; fields: {', '.join(sorted(fields))}")
         try:
             changes[key] = _field(key, value, getattr(base, key), where)
-        except (TypeError, KeyError, IndexError) as e:
+        except (TypeError, KeyError, IndexError, ValueError, OverflowError) as e:
+            if str(e).startswith(where):
+                raise
             raise ValueError(f"{where}: {value!r} is not a valid value ({e})") from None
     try:
         return dataclasses.replace(base, **changes)
@@ -443,5 +501,19 @@ def _field(key: str, value: Any, current: Any, where: str) -> Any:
             raise ValueError(f"{where}: needs two numbers [a, b], got {value!r}")
         return (float(value[0]), float(value[1]))
     if isinstance(current, dict):
-        return {str(k): str(v) for k, v in dict(value).items()}
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: needs a mapping, got {value!r}")
+        return {str(k): str(v) for k, v in value.items()}
+    # As YAML wrote it: 'false' is not a boolean, 1.7 is not a count.
+    if isinstance(current, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(current, int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(current, float):
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        ok = ok and math.isfinite(value)
+    else:
+        ok = isinstance(value, type(current))
+    if not ok:
+        raise ValueError(f"{where}: needs a {type(current).__name__}, got {value!r}")
     return type(current)(value)
