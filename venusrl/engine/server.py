@@ -542,14 +542,15 @@ def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
         )
     # Drop the union members pydantic names in a location ('str', 'list[int]', ...).
     fields = [p for p in loc if isinstance(p, int) or not _is_type_tag(str(p))]
-    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in fields).lstrip(".")
     same_field = [e for e in errors if [p for p in e["loc"] if p != "body"][:1] == loc[:1]]
-    name = next((str(p) for p in reversed(fields) if isinstance(p, str)), "")
-    if name in FORMS and len(same_field) > 1:
-        message = f"{where}: must be {FORMS[name]}"
-    else:
-        message = f"{where}: {first['msg']}"
-    others = len(errors) - (len(same_field) if name in FORMS else 1)
+    named = max((i for i, p in enumerate(fields) if isinstance(p, str)), default=-1)
+    name = str(fields[named]) if named >= 0 else ""
+    union = name in FORMS and len(same_field) > 1
+    if union:  # every form failed: name the field, not a position inside one of its forms
+        fields = fields[: named + 1]
+    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in fields).lstrip(".")
+    message = f"{where}: must be {FORMS[name]}" if union else f"{where}: {first['msg']}"
+    others = len(errors) - (len(same_field) if union else 1)
     if others > 0:
         message += f" (and {others} more problems)"
     return message, where
