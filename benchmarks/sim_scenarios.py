@@ -121,12 +121,22 @@ def main() -> None:
             open(args.json_out, "a").close()
         except OSError as e:
             p.error(f"--json-out: cannot write {args.json_out}: {e.strerror}")
-    seeds = [int(s) for s in args.seeds.split(",")]
-    workloads = (
-        [load_workload(args.workload)]
-        if args.workload
-        else [SCENARIOS[name] for name in args.scenarios.split(",")]
-    )
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+        p.error(f"--seeds: comma-separated integers, got {args.seeds!r}")
+    if len(set(seeds)) < len(seeds):
+        p.error(f"--seeds: a seed listed twice in {args.seeds!r} would count its run twice")
+    if args.steps < 2:
+        p.error("--steps must be >= 2 (the first step only fills the pipeline)")
+    try:
+        workloads = (
+            [load_workload(args.workload)]
+            if args.workload
+            else [SCENARIOS[name] for name in args.scenarios.split(",")]
+        )
+    except (ValueError, OSError) as e:
+        p.error(f"--workload: {e}")
     results = {w.name: run_scenario(w, seeds, policies, args.steps) for w in workloads}
     if args.json_out:
         with open(args.json_out, "w") as f:

@@ -122,6 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, OSError) as e:
         print(f"venusrl {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # What ran has cleaned up on its way out (sandboxes, engines, the run's files); a
+        # traceback of where the signal landed would only hide that.
+        hint = " (--resume continues from the last checkpoint)" if args.command == "train" else ""
+        print(f"venusrl {args.command}: interrupted{hint}", file=sys.stderr)
+        return 130
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -163,11 +169,12 @@ def _train(args: argparse.Namespace) -> int:
         nonlocal previous_wall_s
         reward = "-" if m["reward_mean"] is None else f"{m['reward_mean']:.3f}"
         # Model tokens trained per second of the run: the step's tokens over the step's time.
-        rate = m["tokens"] / max(m["wall_s"] - previous_wall_s, 1e-9)
+        elapsed = m["wall_s"] - previous_wall_s
+        rate = f"{m['tokens'] / elapsed:.0f}" if m["tokens"] and elapsed > 0 else "-"
         previous_wall_s = m["wall_s"]
         console.print(
             f"step {m['step']:4d}  reward {reward}  tool calls {m['tool_calls_mean']:.2f}  "
-            f"staleness {m['staleness_mean']:.2f}  tokens/s {rate:.0f}  "
+            f"staleness {m['staleness_mean']:.2f}  tokens/s {rate}  "
             f"sandboxes {m['sandboxes_running']}  infra {m['infra_failures']}  "
             f"{m['wall_s']:.0f} s"
         )

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 SMALL = """\
@@ -61,3 +64,19 @@ def test_sim_names_a_bad_policy_scenario_or_job_count() -> None:
     assert proc.returncode == 2 and "venus@two" in proc.stderr and "staleness bound" in proc.stderr
     proc = sim("--scenario", "swe-long", "--jobs", "0")
     assert proc.returncode == 2 and "--jobs must be >= 1, got 0" in proc.stderr
+
+
+def test_ctrl_c_ends_a_simulation_with_one_line_and_no_traceback() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "venusrl.cli", "sim", "--scenario", "swe-long", "--steps", "50"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal's Ctrl-C reaches
+    )
+    time.sleep(4)  # the policies' worker processes are running by now
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert err.strip().splitlines()[-1] == "venusrl sim: interrupted"
+    assert "Traceback" not in err

@@ -13,6 +13,7 @@ from venusrl.sim.executor import (
     POLICIES,
     SimConfig,
     Simulation,
+    sim_policies,
     sim_policy,
     simulate,
 )
@@ -110,6 +111,20 @@ def test_a_train_bound_above_the_start_bound_lets_batches_overtake_stragglers() 
 def test_a_bad_policy_name_says_what_is_wrong(name: str, error: str) -> None:
     with pytest.raises(ValueError, match=re.escape(error)):
         sim_policy(name)
+
+
+def test_a_policy_listed_twice_is_refused() -> None:
+    with pytest.raises(ValueError, match="async listed more than once"):
+        sim_policies("sync,async, async")
+
+
+def test_a_trajectory_longer_than_the_engines_kv_is_a_workload_error() -> None:
+    small_kv = CostModel.preset("qwen3-4b", "h200", reserved_bytes=115e9)
+    long = dataclasses.replace(SMALL, name="long", prompt_tokens=LogNormal(100_000, 0.1))
+    capacity = small_kv.kv_capacity_tokens
+    assert capacity < 90_000  # so no prompt of this workload fits
+    with pytest.raises(ValueError, match=r"workload 'long': a trajectory reached .* tokens"):
+        Simulation(long, sim_policy("venus"), 0, SimConfig(steps=2), small_kv).run()
 
 
 def test_under_kv_pressure_keeping_tool_waiting_kv_avoids_reprefill() -> None:

@@ -22,6 +22,8 @@ from __future__ import annotations
 import heapq
 import itertools
 import multiprocessing
+import os
+import signal
 import statistics
 from collections import deque
 from collections.abc import Callable
@@ -127,6 +129,9 @@ def sim_policies(names: str) -> list[SimPolicy]:
     listed = [n.strip() for n in names.split(",") if n.strip()]
     if not listed:
         raise ValueError(f"no policy given; known: {', '.join(POLICIES)}, or NAME@BOUND")
+    repeated = sorted({n for n in listed if listed.count(n) > 1})
+    if repeated:  # it would simulate the same thing twice and compare it with itself
+        raise ValueError(f"{', '.join(repeated)} listed more than once")
     return [sim_policy(n) for n in listed]
 
 
@@ -315,6 +320,7 @@ class Simulation:
         self._schedule_control()
         self.clock.run(until=lambda: len(self.step_ends) >= self.config.steps)
         if len(self.step_ends) < self.config.steps:
+            self._refuse_oversized()
             waiting = sum(len(e.waiting) for e in self.engines)
             raise RuntimeError(
                 f"{self.policy.name}: the simulation stalled at t={self.clock.now:.0f} s after"
@@ -322,6 +328,20 @@ class Simulation:
                 " scheduled (a policy that never admits them)"
             )
         return self.result()
+
+    def _refuse_oversized(self) -> None:
+        """A turn whose context is larger than an engine's whole device KV can never run: say so
+        as the workload's error, not as a stalled policy."""
+        for engine in self.engines:
+            largest = max((r.traj.context + r.decode_left for r in engine.waiting), default=0)
+            capacity = engine.capacity * engine.page_size
+            if largest > capacity:
+                raise ValueError(
+                    f"workload {self.workload.name!r}: a trajectory reached {largest:,} tokens of"
+                    f" context, more than one engine's KV holds ({capacity:,} tokens for"
+                    f" {self.cost.model.name} on tp={self.cost.tp} x {self.cost.gpu.name}):"
+                    " lower context_cap (or prompt, action and observation sizes) or raise tp"
+                )
 
     def _launch(self) -> None:
         started = self.groups_started - self.groups_dropped  # a dropped group frees its slot
@@ -586,7 +606,8 @@ def simulate(
     depend on it."""
     jobs = min(len(policies), jobs or len(policies))
     if jobs > 1:
-        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+        fork = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(jobs, mp_context=fork, initializer=_quiet_on_interrupt) as pool:
             futures = [pool.submit(_run, workload, p, seed, config) for p in policies]
             results = [f.result() for f in futures]
     else:
@@ -596,6 +617,12 @@ def simulate(
             if other is not r and r["mean_step_s"] and other["mean_step_s"]:
                 r[f"speedup_vs_{other['policy']}"] = other["mean_step_s"] / r["mean_step_s"]
     return results
+
+
+def _quiet_on_interrupt() -> None:
+    """In a worker: Ctrl-C (sent to the whole process group) ends it without a traceback of its
+    own; the parent reports the interruption once."""
+    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
 
 
 def _run(
