@@ -74,7 +74,10 @@ def save_checkpoint(
     tmp.rename(final)
     _fsync_dir(root)
     for old in sorted(root.glob("step-*"))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        # A resumed run's `model_dir` is the checkpoint it resumed from, and every checkpoint it
+        # writes copies its config and tokenizer from there: removed, the next ones lack them.
+        if old.resolve() != model_dir.resolve():
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -99,6 +102,8 @@ def check_checkpoint(checkpoint: Path) -> RunState:
     """Its state, after checking that every file of it reads back; ValueError naming the file
     that does not."""
     state = load_run_state(checkpoint)
+    if not (checkpoint / "config.json").is_file():  # the model cannot be built without it
+        raise ValueError(f"{checkpoint / 'config.json'}: missing")
     weights = checkpoint / "model.safetensors"
     try:
         with safe_open(str(weights), framework="pt") as f:
