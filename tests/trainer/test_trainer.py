@@ -148,3 +148,21 @@ def test_after_a_step_a_no_grad_forward_reads_the_new_weights(model_dir: Path) -
     with torch.no_grad():
         inference = model.forward_dense(ids)
     assert torch.allclose(inference, model.forward_dense(ids).detach(), atol=1e-5)
+
+
+def test_tokens_sampled_below_temperature_one_are_on_policy_for_a_trainer_told_the_temperature(
+    model_dir: Path,
+) -> None:
+    engine = Engine.from_model_dir(model_dir, EngineConfig(threads=1, page_size=4))
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.5, seed=3))
+    rows = [record(p, o.token_ids, o.logprobs) for p, o in zip(prompts, outs, strict=True)]
+    # The engine's logprobs are those of softmax(logits / 0.5); read at temperature 1, on-policy
+    # tokens have ratios off 1 and some are clipped before the policy has moved at all.
+    untold = GRPOTrainer(load_model(model_dir), TrainerConfig(lr=1e-9)).step(rows, [1.0, -1.0])
+    assert untold.clip_fraction > 0
+    told = GRPOTrainer(load_model(model_dir), TrainerConfig(lr=1e-9, temperature=0.5))
+    stats = told.step(rows, [1.0, -1.0])
+    assert stats.mean_ratio == pytest.approx(1.0, abs=1e-4) and stats.clip_fraction == 0
+    with pytest.raises(ValueError, match="temperature"):
+        TrainerConfig(temperature=0)

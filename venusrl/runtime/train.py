@@ -434,6 +434,7 @@ async def train(
             demos = await play_demonstrations(cfg, mix, pool, fmt, limits)
         # Playing the demonstrations, and on a fresh run writing the model and its tokenizer.
         prepare_s = time.monotonic() - prepare_started
+        sampling = SamplingParams(temperature=r.temperature, seed=None)
         trainer = GRPOTrainer(
             load_model(model_dir, cfg.trainer.device),
             TrainerConfig(
@@ -445,6 +446,8 @@ async def train(
                 micro_batch_tokens=cfg.trainer.micro_batch_tokens,
                 updates_per_batch=cfg.trainer.updates_per_batch,
                 loss_aggregation=cfg.trainer.loss_aggregation,
+                # The engine records greedy tokens' logprobs under the raw logits.
+                temperature=1.0 if sampling.greedy else sampling.temperature,
             ),
             version=state.weight_version,
         )
@@ -452,7 +455,6 @@ async def train(
             trainer.optimizer.load_state_dict(
                 torch.load(model_dir / "optimizer.pt", map_location=cfg.trainer.device)
             )
-        sampling = SamplingParams(temperature=r.temperature, seed=None)
         engine: RolloutEngine
         rollouts: Rollouts
         window = None

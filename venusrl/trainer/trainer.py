@@ -31,10 +31,16 @@ class TrainerConfig:
     micro_batch_tokens: int = 8192
     updates_per_batch: int = 1  # PPO epochs: gradient steps on each batch
     loss_aggregation: LossAggregation = "token_mean"
+    # What the engine sampled at (1 for greedy): its behaviour logprobs are those of
+    # softmax(logits / temperature), so the trainer's must be too, or the importance ratio is off
+    # 1 on-policy and the clip silences tokens that never moved.
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
             raise ValueError(f"trainer.lr must be > 0, got {self.lr}")
+        if not self.temperature > 0:
+            raise ValueError(f"the trainer's temperature must be > 0, got {self.temperature}")
         if not 0 < self.clip_eps < 1:
             raise ValueError(f"trainer.clip_eps must be in (0, 1), got {self.clip_eps}")
         if self.updates_per_batch < 1:
@@ -153,9 +159,10 @@ class GRPOTrainer:
             reference_logprobs = None
             if reference is not None:
                 with torch.no_grad():
-                    ref = torch.log_softmax(reference.forward_dense(ids[:, :-1]), dim=-1)
+                    ref_logits = reference.forward_dense(ids[:, :-1]) / self.config.temperature
+                    ref = torch.log_softmax(ref_logits, dim=-1)
                     reference_logprobs = ref.gather(-1, ids[:, 1:, None]).reshape(-1)
-            logits = self.model.forward_dense(ids[:, :-1])
+            logits = self.model.forward_dense(ids[:, :-1]) / self.config.temperature
             loss, stats = policy_loss(
                 logits.reshape(-1, logits.shape[-1]),
                 ids[:, 1:].reshape(-1),
