@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -207,6 +208,25 @@ def test_failing_template_setup_is_a_clear_error() -> None:
                 await pool.create("ok", setup="undefined_name")
             sb = await pool.create("ok")  # the pool goes on
             assert (await sb.exec("echo fine")).stdout == b"fine\n"
+
+    asyncio.run(main())
+
+
+def test_a_template_refused_for_its_files_can_be_prepared_again_once_they_are_fixed() -> None:
+    async def main() -> None:
+        async with SandboxPool(memory_budget_bytes=2 << 30) as pool:
+            refused: list[tuple[dict[str, Any], str]] = [
+                ({"a.txt": "text"}, "must be bytes"),
+                ({"../a.txt": b"x"}, "inside the workspace"),
+                ({"a": b"x", "a/b": b"y"}, "'a/b': cannot be written"),
+            ]
+            for files, problem in refused:
+                with pytest.raises(SandboxError, match=problem):
+                    await pool.prepare_template(TemplateSpec(name="t", files=files))
+            await pool.prepare_template(TemplateSpec(name="t", files={"a.txt": b"fixed"}))
+            sb = await pool.create("t")
+            assert await sb.read_file("a.txt") == b"fixed"
+            await sb.close()
 
     asyncio.run(main())
 

@@ -749,14 +749,22 @@ class SandboxPool:
         copy-up keeps them writable inside."""
         if not files:
             return None
-        where.mkdir(parents=True)
+        # Checked before anything is written: a directory left half-written by a refused file
+        # made every later prepare_template of that name fail with FileExistsError instead.
         for path, data in files.items():
-            rel = Path(check_path(path))
+            check_path(path)
             if not isinstance(data, bytes):
                 raise SandboxError(f"file {path!r}: content must be bytes")
-            target = where / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(data)
+        where.mkdir(parents=True)
+        for path, data in files.items():
+            target = where / path
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(data)
+            except OSError as e:  # "a" and "a/b": one path is a file, the other needs a directory
+                shutil.rmtree(where, ignore_errors=True)
+                problem = f"cannot be written beside the others ({e.strerror})"
+                raise SandboxError(f"file {path!r}: {problem}") from None
         for root, dirs, names in os.walk(where):
             for name in dirs + names + [""]:
                 os.lchown(os.path.join(root, name), self.sandbox_uid, self.sandbox_uid)
