@@ -76,3 +76,23 @@ def test_the_kl_penalty_is_zero_at_the_reference_and_pulls_back_towards_it() -> 
     assert away.kl > 0
     assert logits.grad is not None
     assert all(float(logits.grad[i, tokens[i]]) < 0 for i in range(4))  # descent raises them
+
+
+def test_far_off_logprobs_at_tokens_without_weight_leave_the_loss_finite() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(4, 10, requires_grad=True)
+    tokens = torch.randint(0, 10, (4,))
+    current = torch.log_softmax(logits.detach(), -1).gather(-1, tokens[:, None]).squeeze(-1)
+    weights = torch.tensor([0.0, 0.5, 0.5, 0.0])  # a prompt token first, padding last
+    # A prompt token the reference finds far likelier than the policy does, and a behaviour
+    # logprob far below the current one where nothing was sampled: exp() of either overflows.
+    reference, behaviour = current.clone(), current.clone()
+    reference[0] += 200.0
+    behaviour[3] -= 200.0
+    loss, stats = policy_loss(
+        logits, tokens, behaviour, torch.ones(4), weights, 0.2, 0.0, reference, 0.1
+    )
+    loss.backward()
+    assert torch.isfinite(loss) and stats.kl == pytest.approx(0.0, abs=1e-6)
+    assert logits.grad is not None and torch.all(torch.isfinite(logits.grad))
+    assert torch.all(logits.grad[[0, 3]] == 0) and torch.any(logits.grad[1:3] != 0)

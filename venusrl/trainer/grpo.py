@@ -86,18 +86,21 @@ def policy_loss(
     statistics are plain means over the tokens with a weight."""
     logp_all = torch.log_softmax(logits.float(), dim=-1)
     logp = logp_all.gather(-1, tokens[:, None]).squeeze(-1)
-    ratio = torch.exp(logp - behaviour_logprobs)
+    # Log ratios are taken as 0 where a token has no weight (prompt, observation, padding):
+    # exp() of a large one there would be inf, and inf x 0 a NaN loss and NaN gradients.
+    trained = weights > 0
+    ratio = torch.exp(torch.where(trained, logp - behaviour_logprobs, 0.0))
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
     objective = torch.minimum(ratio * advantages, clipped * advantages)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     per_token = objective + entropy_coef * entropy
     kl = torch.zeros_like(logp)
     if reference_logprobs is not None:
-        log_ratio = reference_logprobs - logp
+        log_ratio = torch.where(trained, reference_logprobs - logp, 0.0)
         kl = torch.exp(log_ratio) - log_ratio - 1
         per_token = per_token - kl_coef * kl
     loss = -(per_token * weights).sum()
-    m = (weights > 0).float()
+    m = trained.float()
     n = m.sum().clamp(min=1)
     with torch.no_grad():
         stats = LossStats(

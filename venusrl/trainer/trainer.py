@@ -3,8 +3,11 @@
 The model is the engine's own architecture (`CausalLM.forward_dense`, the autograd path), so the
 logprobs the trainer computes for a token are those the engine recorded when it sampled it, up to
 float error (tested): on-policy, the importance ratio is 1. Rows are right-padded, grouped into
-micro-batches under a token budget, and the loss is the mean over all model tokens of the step
-(token-level, so long trajectories are not down-weighted), whatever the micro-batching.
+micro-batches under a token budget, and the loss is the mean over the model tokens of the step's
+trajectories with a non-zero advantage (token-level, so long trajectories are not down-weighted;
+`seq_mean` weighs trajectories alike instead), whatever the micro-batching. A trajectory whose
+advantage is 0 (its group scored alike) is left out, KL penalty included: it carries no policy
+gradient, and the entropy or KL terms alone would move its tokens.
 """
 
 from __future__ import annotations
