@@ -28,7 +28,9 @@ last batch has trained), group completion time (p50, p90 and max over the groups
 staleness (mean and max, in versions, of the model tokens trained), the groups started and still
 running at the end (a straggler not yet trained), the engine's counters (`Engine.counters`: busy
 time, tokens computed and re-prefilled by cause, device and host hits, bytes offloaded), the mean
-wait of a tool's answer for the next turn's first token, and the ratios `speedup_vs_fifo` and
+wait of a tool's answer for the next turn's first token, the share of the groups' longest members'
+time spent at the engine (`critical_generation_share`: what no engine policy can beat, the rest
+being tool calls), and the ratios `speedup_vs_fifo` and
 `speedup_vs_overlap` of venus. Targets (issue 5): >= 2.0 and >= 1.3 on a 2-core machine.
 
     python benchmarks/e2e_scheduler.py [--batches 4] [--groups-per-batch 2] [--seed 0]
@@ -52,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 
 from venusrl.engine.engine import tool_return_wait_mean_s  # noqa: E402
 from venusrl.envs.builtin.agent_workload import AgentWorkload  # noqa: E402
+from venusrl.runtime.record import read_records  # noqa: E402
 from venusrl.sim.executor import quantile  # noqa: E402
 
 POLICIES: dict[str, list[str]] = {
@@ -115,9 +118,27 @@ def run_policy(
         # back from its tool call waited for its first token, and what the cache did.
         "engine_busy_share": round(engine["busy_s"] / steps[-1]["wall_s"], 3),
         "tool_return_wait_mean_s": tool_return_wait_mean_s(engine),
+        "critical_generation_share": critical_generation_share(run_dir),
         "engine": {k: round(v, 3) for k, v in engine.items()},
         "knobs": knobs,
     }
+
+
+def critical_generation_share(run_dir: Path) -> float:
+    """Of the time each trained group's longest member took, the share its turns spent at the
+    engine (from a request to its last token: queueing, prefill and decode); the rest is tool
+    calls and the agent loop. A group is done when that member is, so this share bounds what any
+    engine policy can take off group times: an engine that answered at once would make them
+    1 / (1 - share) times shorter, and priorities, which only reorder the engine's work, less."""
+    longest: dict[str, tuple[float, float]] = {}
+    for record in read_records(run_dir):
+        turns = record["turns"]
+        span = turns[-1]["acted"] - turns[0]["requested"]
+        at_engine = sum(t["generated"] - t["requested"] for t in turns)
+        if span > longest.get(record["group_id"], (-1.0, 0.0))[0]:
+            longest[record["group_id"]] = (span, at_engine)
+    spans = sum(span for span, _ in longest.values())
+    return round(sum(e for _, e in longest.values()) / spans, 3) if spans else 0.0
 
 
 def knobs(policy: str, train_staleness: int) -> list[str]:

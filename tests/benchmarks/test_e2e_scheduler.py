@@ -32,6 +32,7 @@ def test_it_runs_each_policy_to_the_same_number_of_batches_and_reports_ratios(
         assert 0 <= res["staleness_mean"] <= res["staleness_max"] <= 4
         assert 0 < res["engine_busy_share"] < 1 and res["engine"]["generated_tokens"] > 0
         assert res["tool_return_wait_mean_s"] > 0
+        assert 0 < res["critical_generation_share"] < 1
     assert out["overlap"]["engine"]["offloaded_bytes"] == 0  # LRU drops, never offloads
     assert out["fifo"]["staleness_max"] == 0  # synchronous: on-policy
     assert "rollout.max_train_staleness=4" in out["venus"]["knobs"]
@@ -46,3 +47,25 @@ def test_unknown_policies_and_bad_bounds_are_refused_by_name() -> None:
     assert proc.returncode != 0 and "lifo" in proc.stderr
     proc = run_benchmark("e2e_scheduler.py", "--train-staleness", "0")
     assert proc.returncode != 0 and "--train-staleness must be >= 1" in proc.stderr
+
+
+def test_the_engine_share_is_taken_of_each_groups_longest_member(tmp_path: Path) -> None:
+    from benchmarks.e2e_scheduler import critical_generation_share
+
+    def record(group: str, *turns: tuple[float, float, float]) -> str:
+        keys = ("requested", "generated", "acted")
+        return json.dumps(
+            {
+                "step": 0,
+                "group_id": group,
+                "turns": [dict(zip(keys, t, strict=True)) for t in turns],
+            }
+        )
+
+    lines = [
+        record("a", (0, 1, 2), (2, 3, 10)),  # a's longest: 10 s, 2 of them at the engine
+        record("a", (0, 4, 5)),  # shorter, though mostly at the engine: not a's critical path
+        record("b", (1, 4, 11)),  # b's only member: 10 s, 3 at the engine
+    ]
+    (tmp_path / "trajectories.jsonl").write_text("\n".join(lines) + "\n")
+    assert critical_generation_share(tmp_path) == pytest.approx((2 + 3) / (10 + 10))
