@@ -137,6 +137,10 @@ def test_a_resume_keeps_its_overrides_and_gets_past_a_torn_line_and_a_damaged_ch
     # ... and says so when there is nothing left to train.
     with pytest.raises(ValueError, match="nothing to train"):
         asyncio.run(train(saved, tmp_path, resume=True))
+    # The checkpoints are of the run's model: another shape is a new run, not a resume.
+    other = load_config(tmp_path / "config.yaml", ["run.steps=9", "run.preset=tiny"])
+    with pytest.raises(ValueError, match=r"run\.preset cannot change on resume"):
+        asyncio.run(train(other, tmp_path, resume=True))
 
 
 def test_killed_sandboxes_and_failed_engine_calls_are_replaced_or_masked(tmp_path: Path) -> None:

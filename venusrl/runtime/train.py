@@ -175,6 +175,7 @@ def _prepare_run_dir(
                 f"after run.checkpoint_every={cfg.run.checkpoint_every} steps): start again with "
                 "another --run-dir, or remove this one"
             )
+        _refuse_changes_to_the_model(cfg, run_dir)
         state = load_run_state(checkpoint)
         if state.step + 1 >= cfg.run.steps:
             raise ValueError(
@@ -198,6 +199,26 @@ def _prepare_run_dir(
     run_dir.mkdir(parents=True, exist_ok=True)
     _write_config(cfg, run_dir)
     return (Path(cfg.model) if cfg.model else run_dir / "initial-model"), None, 0.0
+
+
+# Keys whose value the checkpoint has already fixed (its weights are of that model): a resume
+# that changes them would silently go on with the old one.
+FIXED_ON_RESUME = ("model", "run.preset")
+
+
+def _refuse_changes_to_the_model(cfg: Config, run_dir: Path) -> None:
+    ran = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    now = cfg.model_dump()
+    for key in FIXED_ON_RESUME:
+        *sections, name = key.split(".")
+        before, after = ran, now
+        for section in sections:
+            before, after = before.get(section) or {}, after[section]
+        if before.get(name) != after[name]:
+            raise ValueError(
+                f"--resume: {key} cannot change on resume (the run's checkpoints are of"
+                f" {key}={before.get(name)!r}); start a new run to train {after[name]!r}"
+            )
 
 
 def _write_config(cfg: Config, run_dir: Path) -> None:
@@ -369,6 +390,11 @@ async def train(
     torch.set_num_threads(cfg.engine.threads or 1)
     say = on_message or (lambda message: log.warning("%s", message))
     model_dir, state, wall_s = _prepare_run_dir(cfg, run_dir, resume, say)
+    if cfg.rollout.temperature == 0:
+        say(
+            "rollout.temperature=0 samples greedily: the members of a group act alike wherever"
+            " their environment does, and GRPO learns only from groups whose rewards differ"
+        )
     fresh = state is None
     state = state or RunState(step=-1, weight_version=0)
     consumed = set(state.consumed_tasks)
