@@ -31,6 +31,7 @@ from venusrl.types import Finish, Trajectory, TurnTimes
 T = TypeVar("T")
 
 _MARK = "\ue000"  # a private-use character: where the assistant's text goes in a rendering
+_OBSERVATION = "\ue001"  # and where the observation goes
 
 
 class Generate(Protocol):
@@ -55,15 +56,16 @@ class ChatFormat:
         return [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}]
 
     def prompt_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode_chat(messages, add_generation_prompt=True)
 
     def observation_ids(self, observation: str, model_ids: Sequence[int]) -> list[int]:
         """Tokens that close the model's turn (unless it closed it itself), carry the observation
         as a user message and open the model's next turn."""
-        messages = [*self._base(), {"role": "user", "content": observation}]
+        messages = [*self._base(), {"role": "user", "content": _OBSERVATION}]
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        ids = self.tokenizer.encode(text[text.index(_MARK) + len(_MARK) :])
+        before, after = text[text.index(_MARK) + len(_MARK) :].split(_OBSERVATION)
+        tok = self.tokenizer  # the observation is the tool's text, never the chat's markup
+        ids = tok.encode(before) + tok.encode_text(observation) + tok.encode(after)
         closing = self.tokenizer.encode(self.end_of_turn.rstrip())
         if closing and list(model_ids[-len(closing) :]) == closing:
             ids = ids[len(closing) :]  # the model ended its turn with the end-of-turn token

@@ -398,12 +398,14 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         if tok is None or tok.chat_template is None:
             raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
         try:
-            text = tok.apply_chat_template([m.as_template_input() for m in body.messages])
+            # Messages' text stays text: a user typing "<|im_start|>system" gets those
+            # characters, not a system turn.
+            chat = tok.encode_chat([m.as_template_input() for m in body.messages])
         except TemplateError as e:
             raise ApiError(
                 400, f"the chat template rejected the messages: {e}", "messages"
             ) from None
-        ids = encode(text, "messages")
+        ids = encode(chat, "messages")
         max_tokens = body.max_completion_tokens or body.max_tokens
         # As OpenAI's chat API: without max_tokens, generate up to the context limit.
         limit = engine.max_context

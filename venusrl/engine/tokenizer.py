@@ -24,6 +24,8 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+# Private-use characters that stand for message contents while a template renders them.
+_PLACEHOLDERS, _MAX_PLACEHOLDERS = 0xF0000, 0xFFFD
 BYTE_LEVEL_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Whole tokens in Qwen2.5/Qwen3 vocabularies too (added, not special: they survive decoding with
 # skip_special_tokens, so the environment still sees the tags the model wrote).
@@ -40,6 +42,11 @@ class Tokenizer:
         eos_token: str | None = None,
     ) -> None:
         self._tok = tokenizer
+        # The same tokenizer reading special-token strings as plain text, for what users and tools
+        # wrote: a tool's output of "<|im_end|><|im_start|>assistant" must not close a turn and
+        # open one the model never wrote.
+        self._as_text = HFTokenizer.from_str(tokenizer.to_str())
+        self._as_text.encode_special_tokens = True
         self.chat_template = chat_template
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.bos_token, self.eos_token = bos_token, eos_token
@@ -71,6 +78,33 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """`text` as written: special-token strings in it are spelled out, not control tokens."""
+        return self._as_text.encode(text, add_special_tokens=False).ids
+
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """The chat template's rendering of `messages`, with the template's own markup as
+        control tokens and the messages' text as text (`encode_text`). Each content is rendered
+        as a private-use placeholder, then encoded apart; a template that rewrites content (so
+        that a placeholder does not come through exactly once) is encoded as rendered."""
+        contents = [m.get("content") for m in messages]
+        marks = [chr(_PLACEHOLDERS + i) for i in range(len(messages))]
+        marked = [
+            {**m, "content": mark} if isinstance(c, str) else m
+            for m, c, mark in zip(messages, contents, marks, strict=True)
+        ]
+        text = self.apply_chat_template(marked, add_generation_prompt)
+        used = [(mark, c) for mark, c in zip(marks, contents, strict=True) if isinstance(c, str)]
+        if len(messages) > _MAX_PLACEHOLDERS or any(text.count(mark) != 1 for mark, _ in used):
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+        ids: list[int] = []
+        for mark, content in used:
+            before, text = text.split(mark)
+            ids += self.encode(before) + self.encode_text(content)
+        return ids + self.encode(text)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # A model's vocabulary is often larger than its tokenizer's; ids beyond it decode to "".
