@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -141,6 +142,11 @@ def test_a_resume_keeps_its_overrides_and_gets_past_a_torn_line_and_a_damaged_ch
     other = load_config(tmp_path / "config.yaml", ["run.steps=9", "run.preset=tiny"])
     with pytest.raises(ValueError, match=r"run\.preset cannot change on resume"):
         asyncio.run(train(other, tmp_path, resume=True))
+    # Without the warm-started policy, the KL penalty would hold it to the initial model.
+    shutil.rmtree(tmp_path / "start-model")
+    longer = load_config(tmp_path / "config.yaml", ["run.steps=9"])
+    with pytest.raises(ValueError, match="start-model is missing, and the run warm-started"):
+        asyncio.run(train(longer, tmp_path, resume=True))
 
 
 def test_killed_sandboxes_and_failed_engine_calls_are_replaced_or_masked(tmp_path: Path) -> None:

@@ -176,6 +176,11 @@ def _prepare_run_dir(
                 "another --run-dir, or remove this one"
             )
         _refuse_changes_to_the_model(cfg, run_dir)
+        if (run_dir / "warm_start.json").exists() and not _has_weights(run_dir / "start-model"):
+            raise ValueError(
+                f"--resume: {run_dir / 'start-model'} is missing, and the run warm-started: the"
+                " policy written there is its KL reference (the initial model would not be)"
+            )
         state = load_run_state(checkpoint)
         if state.step + 1 >= cfg.run.steps:
             raise ValueError(
@@ -327,9 +332,13 @@ def start_policy(cfg: Config, run_dir: Path) -> Path:
     a fresh run wrote (`start-model/`), else the model the run was given. The KL penalty's
     reference and the learning benchmark's baseline."""
     warm = run_dir / "start-model"
-    if (warm / "model.safetensors").exists():
+    if _has_weights(warm):
         return warm
     return Path(cfg.model) if cfg.model else run_dir / "initial-model"
+
+
+def _has_weights(model_dir: Path) -> bool:
+    return (model_dir / "model.safetensors").exists()
 
 
 def write_start_policy(run_dir: Path, trainer: GRPOTrainer, model_dir: Path) -> None:
