@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import write_hf_model
+from venusrl import cli
 from venusrl.config import EngineConfig
 from venusrl.engine.engine import Engine
 from venusrl.engine.model import ModelConfigError
@@ -32,6 +33,19 @@ def test_sharded_checkpoint_loads_like_a_single_file(tmp_path: Path) -> None:
     b = Engine.from_model_dir(tmp_path / "sharded", EngineConfig(page_size=4, device_kv_pages=200))
     prompt = list(range(10, 30))
     assert a.generate([prompt], GREEDY)[0].token_ids == b.generate([prompt], GREEDY)[0].token_ids
+
+
+def model_init(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """`venusrl model init ARGS` in this process: its exit status and what it wrote to stderr.
+    (A process of its own costs seconds of importing torch; the end-to-end run as a user types it
+    is `test_model_init_writes_a_directory_transformers_can_load`.) An exception the command does
+    not turn into a message propagates and fails the test, as a traceback would."""
+    capsys.readouterr()
+    try:
+        code = cli.main(["model", "init", *args])
+    except SystemExit as e:  # argparse's own usage errors
+        code = e.code if isinstance(e.code, int) else 2
+    return code, capsys.readouterr().err
 
 
 def test_model_init_writes_a_directory_transformers_can_load(tmp_path: Path) -> None:
@@ -72,23 +86,12 @@ def test_model_init_writes_a_directory_transformers_can_load(tmp_path: Path) -> 
     assert out_ids.token_ids == [int(ref.argmax())]
 
 
-def test_model_init_rejects_unknown_presets_with_the_list(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "venusrl.cli",
-            "model",
-            "init",
-            str(tmp_path / "m"),
-            "--preset",
-            "huge",
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 2
-    assert "unknown preset 'huge'" in proc.stderr and "tiny" in proc.stderr
+def test_model_init_rejects_unknown_presets_with_the_list(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, stderr = model_init(capsys, str(tmp_path / "m"), "--preset", "huge")
+    assert code == 2
+    assert "unknown preset 'huge'" in stderr and "tiny" in stderr
 
 
 def test_missing_or_misshaped_weights_are_named_and_leave_the_model_unchanged(
@@ -119,21 +122,19 @@ def test_unsupported_architectures_are_clear_errors(tmp_path: Path) -> None:
         load_model(tmp_path / "nowhere")
 
 
-def model_init(*args: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "venusrl.cli", "model", "init", *args]
-    return subprocess.run(command, capture_output=True, text=True)
-
-
-def test_model_init_never_overwrites_a_directory_unless_forced(tmp_path: Path) -> None:
+def test_model_init_never_overwrites_a_directory_unless_forced(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Pointed at a trained checkpoint by mistake, it must not replace its weights."""
     out = tmp_path / "m"
-    assert model_init(str(out), "--preset", "micro").returncode == 0
+    assert model_init(capsys, str(out), "--preset", "micro")[0] == 0
     weights = (out / "model.safetensors").read_bytes()
-    proc = model_init(str(out), "--preset", "micro", "--seed", "5")
-    assert proc.returncode == 2 and "not empty" in proc.stderr
+    code, stderr = model_init(capsys, str(out), "--preset", "micro", "--seed", "5")
+    assert code == 2 and "not empty" in stderr
     assert (out / "model.safetensors").read_bytes() == weights
     (out / "model-00001-of-00002.safetensors").write_bytes(b"left over")
-    assert model_init(str(out), "--preset", "micro", "--seed", "5", "--force").returncode == 0
+    forced = model_init(capsys, str(out), "--preset", "micro", "--seed", "5", "--force")
+    assert forced[0] == 0
     assert (out / "model.safetensors").read_bytes() != weights
     assert not (out / "model-00001-of-00002.safetensors").exists()
     load_model(out)
@@ -152,15 +153,17 @@ def test_model_init_never_overwrites_a_directory_unless_forced(tmp_path: Path) -
     ],
 )
 def test_model_init_names_the_field_a_bad_value_is_in(
-    tmp_path: Path, args: list[str], words: str
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], words: str
 ) -> None:
-    proc = model_init(str(tmp_path / "m"), "--preset", "micro", *args)
-    assert proc.returncode == 2 and words in proc.stderr, proc.stderr
-    assert "Traceback" not in proc.stderr
+    code, stderr = model_init(capsys, str(tmp_path / "m"), "--preset", "micro", *args)
+    assert code == 2 and words in stderr, stderr
+    assert "Traceback" not in stderr
 
 
-def test_model_init_config_file_must_hold_an_object(tmp_path: Path) -> None:
+def test_model_init_config_file_must_hold_an_object(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     fields = tmp_path / "fields.json"
     fields.write_text("[1, 2]")
-    proc = model_init(str(tmp_path / "m"), "--config", str(fields))
-    assert proc.returncode == 2 and "must hold a JSON object" in proc.stderr
+    code, stderr = model_init(capsys, str(tmp_path / "m"), "--config", str(fields))
+    assert code == 2 and "must hold a JSON object" in stderr
