@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.benchmarks import run_benchmark
+from tests.benchmarks import refused, run_benchmark
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0, reason="sandboxes need root for namespaces and cgroups"
@@ -43,10 +43,10 @@ def test_it_runs_each_policy_to_the_same_number_of_batches_and_reports_ratios(
 
 
 def test_unknown_policies_and_bad_bounds_are_refused_by_name() -> None:
-    proc = run_benchmark("e2e_scheduler.py", "--policies", "venus,lifo")
-    assert proc.returncode != 0 and "lifo" in proc.stderr
-    proc = run_benchmark("e2e_scheduler.py", "--train-staleness", "0")
-    assert proc.returncode != 0 and "--train-staleness must be >= 1" in proc.stderr
+    code, stderr = refused("e2e_scheduler.py", "--policies", "venus,lifo")
+    assert code != 0 and "lifo" in stderr
+    code, stderr = refused("e2e_scheduler.py", "--train-staleness", "0")
+    assert code != 0 and "--train-staleness must be >= 1" in stderr
 
 
 def test_the_engine_share_is_taken_of_each_groups_longest_member(tmp_path: Path) -> None:

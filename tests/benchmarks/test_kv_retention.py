@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.benchmarks import run_benchmark
+from tests.benchmarks import refused, run_benchmark
 
 
 def test_trajectory_retention_reprefills_less_than_lru_with_identical_outputs(
@@ -35,9 +35,9 @@ def test_trajectory_retention_reprefills_less_than_lru_with_identical_outputs(
 
 
 def test_bad_arguments_are_refused_with_the_flag_named() -> None:
-    proc = run_benchmark("kv_retention.py", "--capacity", "2")
-    assert proc.returncode != 0 and "--capacity" in proc.stderr
-    proc = run_benchmark("kv_retention.py", "--layer-residency", "1")
-    assert proc.returncode != 0 and "--layer-residency" in proc.stderr
-    proc = run_benchmark("kv_retention.py", "--preset", "huge", "--model-dir", "/nonexistent/m")
-    assert proc.returncode != 0 and "--preset" in proc.stderr and "Traceback" not in proc.stderr
+    code, stderr = refused("kv_retention.py", "--capacity", "2")
+    assert code != 0 and "--capacity" in stderr
+    code, stderr = refused("kv_retention.py", "--layer-residency", "1")
+    assert code != 0 and "--layer-residency" in stderr
+    code, stderr = refused("kv_retention.py", "--preset", "huge", "--model-dir", "/nonexistent/m")
+    assert code != 0 and "--preset" in stderr and "Traceback" not in stderr

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from tests.benchmarks import run_benchmark
+from tests.benchmarks import refused, run_benchmark
 
 
 def test_banded_decode_streams_layers_from_host_with_identical_outputs() -> None:
@@ -26,7 +26,7 @@ def test_banded_decode_streams_layers_from_host_with_identical_outputs() -> None
 
 
 def test_bad_arguments_are_refused_with_the_flag_named() -> None:
-    proc = run_benchmark("kv_transfer.py", "--threshold", "1.5")
-    assert proc.returncode != 0 and "--threshold" in proc.stderr
-    proc = run_benchmark("kv_transfer.py", "--device", "nonsense")
-    assert proc.returncode != 0 and "--device" in proc.stderr and "Traceback" not in proc.stderr
+    code, stderr = refused("kv_transfer.py", "--threshold", "1.5")
+    assert code != 0 and "--threshold" in stderr
+    code, stderr = refused("kv_transfer.py", "--device", "nonsense")
+    assert code != 0 and "--device" in stderr and "Traceback" not in stderr
