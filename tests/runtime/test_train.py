@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from tests.runtime import SMALL
+from venusrl import cli
 from venusrl.config import load_config
 from venusrl.coordinator.coordinator import EpisodesFailing
 from venusrl.engine.model_dir import init_model_dir
@@ -71,7 +72,9 @@ def test_train_writes_one_metrics_line_per_step_within_the_staleness_bound(
     assert all(p.stat().st_size > 1000 for p in plots)
 
 
-def test_kill_9_mid_run_then_resume_completes_with_every_step_once(tmp_path: Path) -> None:
+def test_kill_9_mid_run_then_resume_completes_with_every_step_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     run = tmp_path / "run"
     cmd = [
         sys.executable, "-m", "venusrl.cli", "train", "--run-dir", str(run),
@@ -106,9 +109,10 @@ def test_kill_9_mid_run_then_resume_completes_with_every_step_once(tmp_path: Pat
     assert (run / "plots" / "reward.png").exists()
     final = sorted((run / "checkpoints").glob("step-*"))[-1]
     assert final.name == "step-000007" and (final / "model.safetensors").exists()
-    # A second plain start refuses to clobber the run.
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    assert again.returncode == 2 and "--resume" in again.stderr
+    # A second plain start refuses to clobber the run. (`venusrl train` in this process: one
+    # of its own would spend seconds importing torch to be refused.)
+    capsys.readouterr()
+    assert cli.main(cmd[3:]) == 2 and "--resume" in capsys.readouterr().err
 
 
 def test_a_resume_keeps_its_overrides_and_gets_past_a_torn_line_and_a_damaged_checkpoint(
