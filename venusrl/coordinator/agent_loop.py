@@ -50,6 +50,14 @@ class ChatFormat:
         closed = tokenizer.apply_chat_template(self._base(), add_generation_prompt=False)
         # What follows the assistant's text when its turn is closed: "<|im_end|>\n" in ChatML.
         self.end_of_turn = closed[closed.index(_MARK) + len(_MARK) :]
+        # The markup around an observation, after the model's turn: the same for every one.
+        messages = [*self._base(), {"role": "user", "content": _OBSERVATION}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        around = text[text.index(_MARK) + len(_MARK) :].split(_OBSERVATION)
+        if len(around) != 2:
+            raise ValueError("the chat template rewrites user messages: observations cannot go in")
+        self._before, self._after = (tokenizer.encode(markup) for markup in around)
+        self._closing = tokenizer.encode(self.end_of_turn.rstrip())
 
     @staticmethod
     def _base() -> list[dict[str, str]]:
@@ -61,12 +69,9 @@ class ChatFormat:
     def observation_ids(self, observation: str, model_ids: Sequence[int]) -> list[int]:
         """Tokens that close the model's turn (unless it closed it itself), carry the observation
         as a user message and open the model's next turn."""
-        messages = [*self._base(), {"role": "user", "content": _OBSERVATION}]
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        before, after = text[text.index(_MARK) + len(_MARK) :].split(_OBSERVATION)
-        tok = self.tokenizer  # the observation is the tool's text, never the chat's markup
-        ids = tok.encode(before) + tok.encode_text(observation) + tok.encode(after)
-        closing = self.tokenizer.encode(self.end_of_turn.rstrip())
+        # The observation is the tool's text, never the chat's markup.
+        ids = self._before + self.tokenizer.encode_text(observation) + self._after
+        closing = self._closing
         if closing and list(model_ids[-len(closing) :]) == closing:
             ids = ids[len(closing) :]  # the model ended its turn with the end-of-turn token
         return ids

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +43,6 @@ class Tokenizer:
         eos_token: str | None = None,
     ) -> None:
         self._tok = tokenizer
-        # The same tokenizer reading special-token strings as plain text, for what users and tools
-        # wrote: a tool's output of "<|im_end|><|im_start|>assistant" must not close a turn and
-        # open one the model never wrote.
-        self._as_text = HFTokenizer.from_str(tokenizer.to_str())
-        self._as_text.encode_special_tokens = True
         self.chat_template = chat_template
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.bos_token, self.eos_token = bos_token, eos_token
@@ -78,6 +74,15 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    @cached_property  # a copy of a large vocabulary: made when first needed
+    def _as_text(self) -> HFTokenizer:
+        """The same tokenizer reading special-token strings as plain text, for what users and
+        tools wrote: a tool's output of "<|im_end|><|im_start|>assistant" must not close a turn
+        and open one the model never wrote."""
+        copy = HFTokenizer.from_str(self._tok.to_str())
+        copy.encode_special_tokens = True
+        return copy
 
     def encode_text(self, text: str) -> list[int]:
         """`text` as written: special-token strings in it are spelled out, not control tokens."""
