@@ -74,7 +74,12 @@ def test_ctrl_c_ends_a_simulation_with_one_line_and_no_traceback() -> None:
         text=True,
         start_new_session=True,  # its own process group, as a terminal's Ctrl-C reaches
     )
-    time.sleep(4)  # the policies' worker processes are running by now
+    # Once the policies' worker processes run, the command is past its imports and simulating.
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+    deadline = time.monotonic() + 60
+    while not children.read_text().split() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130

@@ -56,7 +56,7 @@ class ChatFormat:
         around = text[text.index(_MARK) + len(_MARK) :].split(_OBSERVATION)
         if len(around) != 2:
             raise ValueError("the chat template rewrites user messages: observations cannot go in")
-        self._before, self._after = (tokenizer.encode(markup) for markup in around)
+        self._before, self._after = around
         self._closing = tokenizer.encode(self.end_of_turn.rstrip())
 
     @staticmethod
@@ -69,8 +69,11 @@ class ChatFormat:
     def observation_ids(self, observation: str, model_ids: Sequence[int]) -> list[int]:
         """Tokens that close the model's turn (unless it closed it itself), carry the observation
         as a user message and open the model's next turn."""
-        # The observation is the tool's text, never the chat's markup.
-        ids = self._before + self.tokenizer.encode_text(observation) + self._after
+        tok = self.tokenizer
+        if tok.spells_markup(observation):  # the tool's text, never the chat's markup
+            ids = tok.encode(self._before) + tok.encode_text(observation) + tok.encode(self._after)
+        else:  # encoded whole, seams included, as the warm start's records are (`retokenize`)
+            ids = tok.encode(self._before + observation + self._after)
         closing = self._closing
         if closing and list(model_ids[-len(closing) :]) == closing:
             ids = ids[len(closing) :]  # the model ended its turn with the end-of-turn token

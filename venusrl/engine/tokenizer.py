@@ -88,14 +88,28 @@ class Tokenizer:
         """`text` as written: special-token strings in it are spelled out, not control tokens."""
         return self._as_text.encode(text, add_special_tokens=False).ids
 
+    @cached_property
+    def _special_strings(self) -> tuple[str, ...]:
+        added = self._tok.get_added_tokens_decoder().values()
+        return tuple(t.content for t in added if t.special)
+
+    def spells_markup(self, text: str) -> bool:
+        """Whether `text` holds a special token's string ("<|im_start|>"...)."""
+        return any(s in text for s in self._special_strings)
+
     def encode_chat(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
     ) -> list[int]:
-        """The chat template's rendering of `messages`, with the template's own markup as
-        control tokens and the messages' text as text (`encode_text`). Each content is rendered
-        as a private-use placeholder, then encoded apart; a template that rewrites content (so
-        that a placeholder does not come through exactly once) is encoded as rendered."""
+        """The chat template's rendering of `messages` in ids, with the template's own markup as
+        control tokens and the messages' text as text: where a content spells a special token,
+        the contents are rendered as private-use placeholders and encoded apart
+        (`encode_text`). Otherwise the rendering is encoded whole, as it always was: a
+        tokenizer without a pre-tokenizing regex merges across the seams, and the warm start's
+        records were encoded that way. A template that rewrites content (so that a placeholder
+        does not come through exactly once) is encoded as rendered."""
         contents = [m.get("content") for m in messages]
+        if not any(isinstance(c, str) and self.spells_markup(c) for c in contents):
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt))
         marks = [chr(_PLACEHOLDERS + i) for i in range(len(messages))]
         marked = [
             {**m, "content": mark} if isinstance(c, str) else m
