@@ -73,6 +73,9 @@ def test_ctrl_c_ends_a_simulation_with_one_line_and_no_traceback() -> None:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # its own process group, as a terminal's Ctrl-C reaches
+        # As from a terminal: a shell running the tests in the background ignores SIGINT, and a
+        # process inherits that.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     # Once the policies' worker processes run, the command is past its imports and simulating.
     children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
