@@ -108,8 +108,21 @@ class Tokenizer:
         records were encoded that way. A template that rewrites content (so that a placeholder
         does not come through exactly once) is encoded as rendered."""
         contents = [m.get("content") for m in messages]
-        if not any(isinstance(c, str) and self.spells_markup(c) for c in contents):
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+        if any(isinstance(c, str) and self.spells_markup(c) for c in contents):
+            apart = self._encode_contents_apart(messages, contents, add_generation_prompt)
+            if apart is not None:
+                return apart
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+
+    def _encode_contents_apart(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        contents: Sequence[object],
+        add_generation_prompt: bool,
+    ) -> list[int] | None:
+        """None where the template does not render each placeholder exactly once."""
+        if len(messages) > _MAX_PLACEHOLDERS:
+            return None
         marks = [chr(_PLACEHOLDERS + i) for i in range(len(messages))]
         marked = [
             {**m, "content": mark} if isinstance(c, str) else m
@@ -117,8 +130,8 @@ class Tokenizer:
         ]
         text = self.apply_chat_template(marked, add_generation_prompt)
         used = [(mark, c) for mark, c in zip(marks, contents, strict=True) if isinstance(c, str)]
-        if len(messages) > _MAX_PLACEHOLDERS or any(text.count(mark) != 1 for mark, _ in used):
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+        if any(text.count(mark) != 1 for mark, _ in used):
+            return None
         ids: list[int] = []
         for mark, content in used:
             before, text = text.split(mark)
