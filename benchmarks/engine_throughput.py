@@ -54,7 +54,7 @@ def make_workload(seed: int, groups: int, group_size: int, vocab: int) -> list[d
 
 def run_venusrl(model_dir: Path, threads: int) -> Callable[[list[dict[str, Any]]], dict[str, Any]]:
     """Load our engine once; each call runs the workload from a cold prefix cache."""
-    from venusrl.config import EngineConfig
+    from venusrl.engine.config import EngineConfig
     from venusrl.engine.engine import Engine, EngineStats
     from venusrl.engine.request import SamplingParams
 

@@ -51,7 +51,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from venusrl.config import EngineConfig  # noqa: E402
+from venusrl.engine.config import EngineConfig  # noqa: E402
 from venusrl.engine.engine import REPREFILL_CAUSES, Engine, tool_return_wait_mean_s  # noqa: E402
 from venusrl.engine.model_dir import (  # noqa: E402
     ModelConfigError,

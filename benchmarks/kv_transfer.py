@@ -38,7 +38,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from venusrl.config import EngineConfig  # noqa: E402
+from venusrl.engine.config import EngineConfig  # noqa: E402
 from venusrl.engine.engine import DTYPES, Engine  # noqa: E402
 from venusrl.engine.kv_cache import KVCache  # noqa: E402
 from venusrl.engine.model_dir import (  # noqa: E402

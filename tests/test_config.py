@@ -48,7 +48,10 @@ def test_yaml_and_dotted_overrides_compose(tmp_path: Path) -> None:
         (["rollout.admission=aimd", "run.engine_url=http://x"], "in-process engine"),
         (["rollout.admission_period_s=0"], "rollout.admission_period_s"),
         (["rollout.admission_initial_window=0"], "rollout.admission_initial_window"),
-        (["rollout.max_train_staleness=0"], "max_train_staleness (0) must be >= max_staleness"),
+        (
+            ["rollout.max_train_staleness=0"],
+            "max_train_staleness must be >= max_staleness (1), got 0",
+        ),
     ],
 )
 def test_bad_keys_and_values_name_the_key_and_the_reason(overrides: list[str], words: str) -> None:

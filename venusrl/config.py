@@ -2,304 +2,44 @@
 
     cfg = load_config("run.yaml", ["engine.page_size=32", "server.port=9000"])
 
-Unknown keys and invalid values raise `ConfigError` naming the dotted key and the reason
-(DESIGN.md contract 5). Every section forbids extra keys, so a typo never silently falls back
-to a default.
+Each role owns its section (`engine/config.py`, `coordinator/config.py`, `trainer/config.py`,
+`envs/config.py`, `runtime/config.py`); this module composes them, with the rules that span
+sections. Unknown keys and invalid values raise `ConfigError` naming the dotted key and the
+reason (DESIGN.md contract 5).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import yaml
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, Field, ValidationError, model_validator
+
+from venusrl.coordinator.config import RolloutConfig
+from venusrl.engine.config import EngineConfig, ServerConfig
+from venusrl.envs.config import SandboxConfig
+from venusrl.envs.loading import canonical_reference
+from venusrl.runtime.config import FaultsConfig, RunConfig, RuntimeConfig
+from venusrl.sections import Section
+from venusrl.trainer.config import TrainerConfig
 
 
 class ConfigError(ValueError):
     """A config key or value that cannot be used; the message names the key."""
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
-
-
-def _torch_device(value: str) -> str:
-    """A device string torch can parse ("cpu", "cuda", "cuda:1"); whether the device exists is
-    known only where the run starts."""
-    import torch  # only when a device is checked
-
-    try:
-        torch.device(value)
-    except RuntimeError:
-        raise ValueError(f"{value!r} is not a torch device (cpu, cuda, cuda:N, ...)") from None
-    return value
-
-
-class EngineConfig(_Section):
-    """The rollout engine: paged KV cache, radix prefix cache, continuous batching."""
-
-    device: str = Field("cpu", description="torch device of the model and the device KV tier")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="model and KV dtype; fp32 on CPU (bf16 decode is ~2x slower there)"
-    )
-    page_size: int = Field(
-        8, ge=1, le=1024, description="tokens per KV page (only whole pages are shared)"
-    )
-    device_kv_pages: int = Field(
-        4096, ge=2, description="pages in the device tier (page 0 is reserved as padding)"
-    )
-    host_kv_pages: int = Field(
-        0, ge=0, description="pages in the host tier, where evicted KV is offloaded"
-    )
-    retention: Literal["lru", "trajectory"] = Field(
-        "trajectory",
-        description="which idle KV leaves the device first and whether it is offloaded or"
-        " dropped (policy.kv_retention): lru drops the least recently used; trajectory keeps"
-        " the KV of trajectories waiting on a tool and offloads it rather than drop it",
-    )
-    layer_residency: float | None = Field(
-        None,
-        gt=0,
-        lt=1,
-        description="pressure (KV pages high-priority requests need / device pages) at which"
-        " their completed pages keep only a band of their layers on device (half, a quarter"
-        " further up, ...) and read the rest from the host tier layer by layer"
-        " (policy.layer_residency; needs host_kv_pages); None: off",
-    )
-    max_running: int = Field(256, ge=1, description="most requests decoded in one batch")
-    token_budget: int = Field(
-        2048, ge=1, description="most tokens (decode + prefill chunks) in one forward pass"
-    )
-    max_context: int | None = Field(
-        None, ge=1, description="context limit; defaults to the model's max_position_embeddings"
-    )
-    prefix_cache: bool = Field(True, description="reuse KV of shared prefixes (radix tree)")
-    salt_cache_by_version: bool = Field(
-        True,
-        description="key cached KV by the weight version its trajectory started under: a new"
-        " trajectory never reads KV that older weights computed, one in flight keeps its own",
-    )
-    threads: int | None = Field(None, ge=1, description="torch CPU threads; None leaves torch's")
-    seed: int = Field(0, ge=0, description="seed of requests that give none")
-
-    _device = field_validator("device")(_torch_device)
-
-
-class ServerConfig(_Section):
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    api_key: str | None = Field(
-        None,
-        min_length=1,  # an empty key (an unset variable) must not silently turn auth off
-        description="if set, requests need 'Authorization: Bearer'",
-    )
-    model_name: str | None = Field(None, description="name served at /v1/models; default: dir name")
-
-
-def _environment(reference: str) -> str:
-    """A built-in environment's name or a reference to the user's own class
-    (`venusrl.envs.loading`); the class is loaded here, so that a wrong one stops the run
-    before anything starts."""
-    from venusrl.envs.loading import canonical_reference, environment_class
-
-    environment_class(reference)
-    return canonical_reference(reference)
-
-
-EnvName = Annotated[str, AfterValidator(_environment)]
-
-
-class MixEntry(_Section):
-    """One environment of a mixed run (`rollout.mix`)."""
-
-    env: EnvName
-    weight: float = Field(1.0, gt=0, description="share of the groups, relative to the others")
-    group_size: int | None = Field(None, ge=2, description="K; default rollout.group_size")
-    max_turns: int | None = Field(None, ge=1, description="turn cap; default the environment's")
-
-
-class RolloutConfig(_Section):
-    """Groups, batches and the agent loop (`venusrl train`)."""
-
-    env: EnvName = Field(
-        "treasure_hunt",
-        description="the environment when `mix` is empty: a built-in name (agent_workload is a"
-        " scheduler benchmark), 'package.module:Class' or 'path/to/file.py:Class'",
-    )
-    mix: list[MixEntry] = Field(
-        default_factory=list,
-        description="several environments in one run, each group drawing one by weight",
-    )
-    group_size: int = Field(8, ge=2, description="K trajectories per task (GRPO group)")
-    batch_groups: int = Field(4, ge=1, description="B complete groups per trainer step")
-    max_staleness: int = Field(1, ge=0, description="0 = synchronous on-policy")
-    max_train_staleness: int | None = Field(
-        None,
-        ge=0,
-        description="how many versions after it started a group may still be trained; default"
-        " max_staleness. Larger lets batches take later groups in a straggler's place"
-        " (policy.staleness)",
-    )
-    max_infra_retries: int = Field(2, ge=0, description="replacement members per group")
-    priorities: Literal["critical", "fifo"] = "critical"
-    temperature: float = Field(1.0, ge=0)
-    max_tokens_per_turn: int = Field(24, ge=1)
-    max_context: int = Field(1024, ge=16)
-    group_timeout_s: float = Field(900.0, gt=0)
-    tool_wait_pin_s: float = Field(
-        5.0,
-        ge=0,
-        description="how long the engine keeps a trajectory's KV for it while it waits on a tool"
-        " (engine.retention=trajectory)",
-    )
-    admission: Literal["none", "aimd"] = Field(
-        "none",
-        description="none: every member of every open group runs at once; aimd: episodes run"
-        " only while fewer run than a window that grows while the engine's KV cache is healthy"
-        " and halves when it thrashes (policy.agent_admission; local engine only)",
-    )
-    admission_period_s: float = Field(
-        5.0, gt=0, description="control period of rollout.admission=aimd (about one turn)"
-    )
-    admission_initial_window: int = Field(
-        8, ge=1, le=4096, description="episodes rollout.admission=aimd lets run at first"
-    )
-
-    @model_validator(mode="after")
-    def _train_staleness_covers_start(self) -> RolloutConfig:
-        lag = self.max_train_staleness
-        if lag is not None and lag < self.max_staleness:
-            raise ValueError(
-                f"max_train_staleness ({lag}) must be >= max_staleness ({self.max_staleness}):"
-                " a group may start that many versions ahead, so it is at least that stale"
-                " when trained"
-            )
-        return self
-
-    @field_validator("mix")
-    @classmethod
-    def _distinct_envs(cls, mix: list[MixEntry]) -> list[MixEntry]:
-        from venusrl.envs.loading import environment_class
-        from venusrl.envs.types import TemplateSpec
-
-        envs = [environment_class(entry.env) for entry in mix]
-        names = [env.name for env in envs]
-        if len(set(names)) != len(names):
-            raise ValueError(f"each environment may appear once in the mix, got {names}")
-        templates: dict[str, TemplateSpec] = {}
-        for env in envs:  # the pool keeps one template per name
-            if templates.setdefault(env.template.name, env.template) != env.template:
-                raise ValueError(
-                    f"two environments of the mix have different templates named"
-                    f" {env.template.name!r}: give each its own name"
-                )
-        return mix
-
-
-class TrainerSection(_Section):
-    device: str = Field(
-        "cpu", description="torch device of the trained model (fp32 weights and AdamW state)"
-    )
-    lr: float = Field(5e-4, gt=0)
-    clip_eps: float = Field(0.2, gt=0, lt=1)
-    entropy_coef: float = Field(0.0, ge=0)
-    kl_coef: float = Field(
-        0.1,
-        ge=0,
-        description="k3 KL penalty to the policy RL starts from: it keeps the tool-call format"
-        " where the start policy had it while the advantages move the decisions (without it the"
-        " CPU example's losers, taking the format down with them, make the reward dip early)",
-    )
-    max_grad_norm: float = Field(1.0, gt=0)
-    micro_batch_tokens: int = Field(8192, ge=2)
-    updates_per_batch: int = Field(1, ge=1, description="PPO epochs: gradient steps per batch")
-    loss_aggregation: Literal["token_mean", "seq_mean"] = Field(
-        "token_mean", description="weigh every model token alike, or every trajectory alike"
-    )
-
-    _device = field_validator("device")(_torch_device)
-
-
-class SandboxSection(_Section):
-    memory_budget_gib: float = Field(4.0, gt=0)
-    admission: Literal["footprint", "quota"] = "footprint"
-    share_pages: bool = True
-
-
-class RunConfig(_Section):
-    steps: int = Field(150, ge=1, description="trainer steps")
-    seed: int = Field(0, ge=0)
-    preset: str = Field("micro", description="model preset when `model` is not given")
-    checkpoint_every: int = Field(25, ge=1, description="trainer steps between checkpoints")
-    warm_start_episodes: int = Field(
-        256, ge=0, description="scripted demonstrations imitated before RL (0 = no warm start)"
-    )
-    warm_start_epochs: int = Field(15, ge=1)
-    warm_start_batch: int = Field(8, ge=1, description="demonstrations per imitation step")
-    warm_start_lr: float = Field(2e-3, gt=0, description="learning rate of the imitation steps")
-    engine_url: str | None = Field(
-        None, description="train against `venusrl serve` at this URL instead of in-process"
-    )
-
-    @field_validator("preset")
-    @classmethod
-    def _known_preset(cls, preset: str) -> str:
-        from venusrl.engine.model_dir import PRESETS  # torch: only when a preset is checked
-
-        if preset not in PRESETS:
-            raise ValueError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
-        return preset
-
-
-class FaultsSection(_Section):
-    """Fault injection, to show the run survives the platform failing under it."""
-
-    kill_sandboxes: float = Field(0.0, ge=0, le=1, description="fraction of sandboxes killed")
-    preempt_sandboxes: float = Field(
-        0.0, ge=0, le=1, description="fraction of sandboxes preempted by their pool"
-    )
-    fault_within_s: float = Field(
-        1.0, gt=0, description="a sandbox killed or preempted goes at a uniform time within this"
-    )
-    engine_errors: float = Field(0.0, ge=0, le=1, description="fraction of engine calls failed")
-
-
-class RuntimeSection(_Section):
-    """Where the roles run: all in this process, or as actors of a Ray cluster."""
-
-    kind: Literal["local", "ray"] = "local"
-    address: str | None = Field(
-        None, description="Ray cluster to join ('auto', 'ray://host:10001'); None starts one here"
-    )
-    namespace: str = Field("venusrl", min_length=1, description="Ray namespace of the actors")
-    engines: int = Field(
-        1, ge=1, description="rollout engines (one rollout worker actor each, with its sandboxes)"
-    )
-    engine_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves for each engine")
-    engine_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves for each engine")
-    actor_restarts: int = Field(3, ge=0, description="times Ray restarts a worker that died")
-
-
-class Config(_Section):
+class Config(Section):
     model: str | None = Field(None, description="Hugging Face-format model directory")
     engine: EngineConfig = Field(default_factory=EngineConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     run: RunConfig = Field(default_factory=RunConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    trainer: TrainerSection = Field(default_factory=TrainerSection)
-    sandbox: SandboxSection = Field(default_factory=SandboxSection)
-    faults: FaultsSection = Field(default_factory=FaultsSection)
-    runtime: RuntimeSection = Field(default_factory=RuntimeSection)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    faults: FaultsConfig = Field(default_factory=FaultsConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
 
     @model_validator(mode="after")
     def _runtime_fits(self) -> Config:
@@ -350,8 +90,6 @@ def _anchor_environment_files(data: dict[str, Any], directory: Path) -> None:
     """An environment file named in a YAML file is read from the YAML file's directory, so that
     a config and the environment beside it move together (on the command line: the current
     directory)."""
-    from venusrl.envs.loading import canonical_reference
-
     rollout = data.get("rollout")
     if not isinstance(rollout, dict):
         return

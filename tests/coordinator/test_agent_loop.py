@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 import torch
 
-from venusrl.config import EngineConfig
-from venusrl.coordinator.agent_loop import ChatFormat, LoopLimits, run_episode
+from venusrl.coordinator.agent_loop import ChatFormat, run_episode
+from venusrl.coordinator.config import RolloutConfig
 from venusrl.coordinator.rollouts import LocalRollouts
 from venusrl.engine.async_engine import AsyncEngine
+from venusrl.engine.config import EngineConfig
 from venusrl.engine.engine import Engine
 from venusrl.engine.model_dir import init_model_dir
 from venusrl.engine.request import GenerationOutput, SamplingParams
@@ -90,7 +91,7 @@ def test_expert_episode_is_one_token_record_that_was_never_retokenised(
             await pool.prepare_template(GuessNumber.template)
             sb = await pool.create(GuessNumber.template.name, setup=task.setup)
             env = GuessNumber(task, sb)
-            limits = LoopLimits(max_context=8192)
+            limits = RolloutConfig(max_context=8192, max_tokens_per_turn=256)
             return await run_episode(
                 env, policy, fmt, SamplingParams(), limits, "t0", "g0", "p0",
                 on_turn=lambda t: progress.append((len(t.turn_starts), t.model_tokens)),
@@ -137,7 +138,7 @@ def test_real_engine_turns_carry_their_logprobs_and_weight_version(
                     engine.generate,
                     ChatFormat(tokenizer),
                     SamplingParams(temperature=1.0, seed=0),
-                    LoopLimits(max_context=4096, max_tokens_per_turn=24),
+                    RolloutConfig(max_context=4096, max_tokens_per_turn=24),
                     "t0",
                     "g0",
                     "p0",
@@ -168,7 +169,7 @@ def test_context_cap_and_infrastructure_failure_end_the_episode_with_named_outco
                 ScriptedPolicy(tokenizer),
                 ChatFormat(tokenizer),
                 SamplingParams(),
-                LoopLimits(max_context=prompt_len + 120),
+                RolloutConfig(max_context=prompt_len + 120, max_tokens_per_turn=256),
                 "t1",
                 "g0",
                 "p0",
@@ -179,7 +180,7 @@ def test_context_cap_and_infrastructure_failure_end_the_episode_with_named_outco
                 ScriptedPolicy(tokenizer),
                 ChatFormat(tokenizer),
                 SamplingParams(),
-                LoopLimits(max_context=8192),
+                RolloutConfig(max_context=8192, max_tokens_per_turn=256),
                 "t2",
                 "g0",
                 "p0",
@@ -195,7 +196,7 @@ def test_context_cap_and_infrastructure_failure_end_the_episode_with_named_outco
 def test_an_episode_whose_sandbox_died_goes_on_from_its_record_in_a_new_sandbox(
     tokenizer: Tokenizer,
 ) -> None:
-    fmt, limits = ChatFormat(tokenizer), LoopLimits(max_context=8192)
+    fmt, limits = ChatFormat(tokenizer), RolloutConfig(max_context=8192, max_tokens_per_turn=256)
     task = next(GuessNumber.tasks(seed=1))
 
     async def main() -> tuple[Any, Any, Any, Any]:
@@ -245,7 +246,7 @@ def test_an_episode_whose_sandbox_died_goes_on_from_its_record_in_a_new_sandbox(
 def test_an_episode_whose_sandbox_the_pool_preempts_goes_on_in_a_fresh_sandbox(
     tokenizer: Tokenizer,
 ) -> None:
-    fmt, limits = ChatFormat(tokenizer), LoopLimits(max_context=8192)
+    fmt, limits = ChatFormat(tokenizer), RolloutConfig(max_context=8192, max_tokens_per_turn=256)
     task = next(GuessNumber.tasks(seed=1))
     ended: list[str] = []
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from venusrl.coordinator.agent_loop import ChatFormat, LoopLimits, run_episode
+from venusrl.coordinator.agent_loop import ChatFormat, run_episode
+from venusrl.coordinator.config import RolloutConfig
 from venusrl.coordinator.demonstrations import ScriptedGenerate, retokenize
 from venusrl.engine.request import SamplingParams
 from venusrl.engine.tokenizer import (
@@ -44,7 +45,7 @@ def play(tokenizer: Tokenizer, seeds: range) -> list[Trajectory]:
                         scripted,
                         fmt,
                         SamplingParams(),
-                        LoopLimits(max_context=8192),
+                        RolloutConfig(max_context=8192, max_tokens_per_turn=256),
                         task.id,
                         task.id,
                         task.id,

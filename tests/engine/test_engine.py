@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import write_hf_model
-from venusrl.config import EngineConfig
+from venusrl.engine.config import EngineConfig
 from venusrl.engine.engine import Engine, RequestError
 from venusrl.engine.kv_cache import KVCache
 from venusrl.engine.model_dir import iter_safetensors

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from tests.conftest import write_hf_model
 from tests.engine.test_engine import drain, engine_for, play_turns
-from venusrl.config import EngineConfig
 from venusrl.engine import engine as engine_module
+from venusrl.engine.config import EngineConfig
 from venusrl.engine.engine import Engine
 from venusrl.engine.kv_cache import KVCache
 from venusrl.engine.request import SamplingParams

@@ -12,7 +12,7 @@ import torch
 
 from tests.conftest import write_hf_model
 from venusrl import cli
-from venusrl.config import EngineConfig
+from venusrl.engine.config import EngineConfig
 from venusrl.engine.engine import Engine
 from venusrl.engine.model import ModelConfigError
 from venusrl.engine.model_dir import iter_safetensors, load_model

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tests.conftest import write_hf_model
-from venusrl.config import EngineConfig
 from venusrl.engine import engine as engine_module
+from venusrl.engine.config import EngineConfig
 from venusrl.engine.engine import Engine
 from venusrl.engine.request import GenerationOutput, SamplingParams
 

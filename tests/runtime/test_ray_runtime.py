@@ -18,7 +18,6 @@ from ray.cluster_utils import Cluster
 
 from tests.runtime import SMALL
 from venusrl.config import load_config
-from venusrl.coordinator.agent_loop import LoopLimits
 from venusrl.engine.model_dir import init_model_dir, load_model
 from venusrl.engine.request import SamplingParams
 from venusrl.envs.builtin.treasure_hunt import TreasureHunt
@@ -26,7 +25,7 @@ from venusrl.runtime.cluster.ray_cluster import RayCluster, check_reachable
 from venusrl.runtime.cluster.workers import RemoteGroup, RolloutFleet
 from venusrl.runtime.record import read_records
 from venusrl.runtime.train import train
-from venusrl.trainer.trainer import GRPOTrainer, TrainerConfig
+from venusrl.trainer.trainer import GRPOTrainer
 from venusrl.types import Finish, Trajectory
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
@@ -222,10 +221,10 @@ def test_a_restarted_worker_gets_the_templates_the_model_and_the_current_weights
 ) -> None:
     # The fleet on its own, so that the test waits for Ray's restart however long it takes
     # on a loaded machine, instead of hoping a run of N steps outlasts it.
-    cfg = load_config(None, RAY_RUN)
+    cfg = load_config(None, [*RAY_RUN, "rollout.max_context=4096", "rollout.max_tokens_per_turn=8"])
     model_dir = tmp_path / "model"
     init_model_dir(model_dir, preset=cfg.run.preset, seed=0)
-    trainer = GRPOTrainer(load_model(model_dir, "cpu"), TrainerConfig(), version=3)
+    trainer = GRPOTrainer(load_model(model_dir, "cpu"), cfg.trainer, version=3)
     tasks = TreasureHunt.tasks(0)
     before = sandbox_processes()
     model_copies = set(Path(tempfile.gettempdir()).glob("venusrl-engine-*"))
@@ -233,12 +232,7 @@ def test_a_restarted_worker_gets_the_templates_the_model_and_the_current_weights
     async def scenario() -> None:
         async with RolloutFleet(cfg, RayCluster(cfg.runtime)) as fleet:
             await fleet.prepare_template(TreasureHunt.template)
-            await fleet.start_engines(
-                model_dir,
-                0,
-                SamplingParams(temperature=1.0),
-                LoopLimits(max_context=4096, max_tokens_per_turn=8),
-            )
+            await fleet.start_engines(model_dir, 0, SamplingParams(temperature=1.0))
             await fleet.publish(trainer, tmp_path, model_dir)
 
             async def open_group(gid: str) -> RemoteGroup:

@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from venusrl.config import EngineConfig
+from venusrl.engine.config import EngineConfig
 from venusrl.engine.engine import Engine
 from venusrl.engine.request import SamplingParams
 from venusrl.policy.engine_schedule import (

@@ -7,11 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from venusrl.config import EngineConfig
+from venusrl.engine.config import EngineConfig
 from venusrl.engine.engine import Engine
 from venusrl.engine.model_dir import init_model_dir, load_model
 from venusrl.engine.request import SamplingParams
-from venusrl.trainer.trainer import GRPOTrainer, TrainerConfig
+from venusrl.trainer.config import TrainerConfig
+from venusrl.trainer.trainer import GRPOTrainer
 from venusrl.types import Trajectory
 
 torch.set_num_threads(1)
@@ -48,7 +49,7 @@ def test_trainer_logprobs_equal_the_engine_sampling_logprobs(model_dir: Path) ->
 
 def test_a_grpo_step_raises_the_rewarded_continuation_and_lowers_the_other(model_dir: Path) -> None:
     model = load_model(model_dir)
-    trainer = GRPOTrainer(model, TrainerConfig(lr=1e-3, micro_batch_tokens=16))
+    trainer = GRPOTrainer(model, TrainerConfig(lr=1e-3, micro_batch_tokens=16, kl_coef=0.0))
     prompt = [5, 6, 7]
     good, bad = record(prompt, [20, 21, 22, 23], [0.0] * 4), record(prompt, [30, 31], [0.0] * 2)
     for t in (good, bad):  # behaviour = the current policy: on-policy
@@ -68,7 +69,7 @@ def test_groups_without_signal_leave_the_weights_alone_even_with_an_entropy_bonu
     model_dir: Path,
 ) -> None:
     model = load_model(model_dir)
-    trainer = GRPOTrainer(model, TrainerConfig(lr=1e-2, entropy_coef=0.1))
+    trainer = GRPOTrainer(model, TrainerConfig(lr=1e-2, entropy_coef=0.1, kl_coef=0.0))
     t = record([5, 6, 7], [20, 21], [0.0, 0.0])
     before = {k: v.clone() for k, v in model.hf_state_dict().items()}
     stats = trainer.step([t, t], [0.0, 0.0])
@@ -81,7 +82,7 @@ def test_several_updates_per_batch_move_the_policy_further_and_publish_one_versi
 ) -> None:
     def moved(updates: int) -> float:
         model = load_model(model_dir)
-        trainer = GRPOTrainer(model, TrainerConfig(lr=1e-3, updates_per_batch=updates))
+        trainer = GRPOTrainer(model, TrainerConfig(lr=1e-3, updates_per_batch=updates, kl_coef=0.0))
         good = record([5, 6, 7], [20, 21, 22], [0.0] * 3)
         good.logprobs[3:] = dense_logprobs(model, good)
         bad = record([5, 6, 7], [30, 31], [0.0] * 2)
@@ -126,7 +127,7 @@ def test_the_warm_start_leaves_the_rl_optimizer_state_empty(model_dir: Path) -> 
     # Adam's second moments from imitation (large gradients) would shrink every RL update for
     # hundreds of steps; RL starts with moments of its own.
     model = load_model(model_dir)
-    trainer = GRPOTrainer(model, TrainerConfig(lr=1e-4))
+    trainer = GRPOTrainer(model, TrainerConfig(lr=1e-4, kl_coef=0.0))
     demo = record([5, 6, 7], [20, 21, 22], [0.0] * 3)
     before = dense_logprobs(model, demo)
     for _ in range(3):
@@ -140,7 +141,7 @@ def test_after_a_step_a_no_grad_forward_reads_the_new_weights(model_dir: Path) -
     """The inference path's prepacked weight copies must not outlive an optimizer step (they
     once did: a no-grad forward of the trained model read the weights it was loaded with)."""
     model = load_model(model_dir)
-    trainer = GRPOTrainer(model, TrainerConfig(lr=1e-2))
+    trainer = GRPOTrainer(model, TrainerConfig(lr=1e-2, kl_coef=0.0))
     t = record([5, 6, 7], [20, 21, 22], [0.0] * 3)
     t.logprobs[3:] = dense_logprobs(model, t)
     trainer.step([t, record([5, 6, 7], [30], [0.0])], [1.0, -1.0])
@@ -159,10 +160,12 @@ def test_tokens_sampled_below_temperature_one_are_on_policy_for_a_trainer_told_t
     rows = [record(p, o.token_ids, o.logprobs) for p, o in zip(prompts, outs, strict=True)]
     # The engine's logprobs are those of softmax(logits / 0.5); read at temperature 1, on-policy
     # tokens have ratios off 1 and some are clipped before the policy has moved at all.
-    untold = GRPOTrainer(load_model(model_dir), TrainerConfig(lr=1e-9)).step(rows, [1.0, -1.0])
+    untold = GRPOTrainer(load_model(model_dir), TrainerConfig(lr=1e-9, kl_coef=0.0)).step(
+        rows, [1.0, -1.0]
+    )
     assert untold.clip_fraction > 0
-    told = GRPOTrainer(load_model(model_dir), TrainerConfig(lr=1e-9, temperature=0.5))
+    told = GRPOTrainer(load_model(model_dir), TrainerConfig(lr=1e-9, kl_coef=0.0), temperature=0.5)
     stats = told.step(rows, [1.0, -1.0])
     assert stats.mean_ratio == pytest.approx(1.0, abs=1e-4) and stats.clip_fraction == 0
     with pytest.raises(ValueError, match="temperature"):
-        TrainerConfig(temperature=0)
+        GRPOTrainer(load_model(model_dir), temperature=0)

@@ -22,6 +22,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
+from venusrl.coordinator.config import RolloutConfig
 from venusrl.engine.request import GenerationOutput, SamplingParams
 from venusrl.engine.tokenizer import Tokenizer
 from venusrl.envs.environment import Environment
@@ -83,15 +84,6 @@ class ChatFormat:
         return self.tokenizer.decode(model_ids, skip_special_tokens=True)
 
 
-@dataclasses.dataclass(frozen=True)
-class LoopLimits:
-    max_context: int  # tokens of the whole record
-    max_tokens_per_turn: int = 256
-    reward_timeout_s: float = 120.0
-    step_timeout_s: float = 300.0  # one environment step (its tool calls bound themselves)
-    expected_tool_s: float | None = None  # sent with each turn: the engine's KV retention pin
-
-
 class ReplayDiverged(InfraFailure):
     """Acting again on a record's turns in a new sandbox did not give its observations back."""
 
@@ -116,7 +108,7 @@ async def run_episode(
     generate: Generate,
     fmt: ChatFormat,
     sampling: SamplingParams,
-    limits: LoopLimits,
+    rollout: RolloutConfig,
     trajectory_id: str,
     group_id: str,
     prompt_id: str,
@@ -136,12 +128,12 @@ async def run_episode(
     messages = await _environment(env, "reset", env.reset())
     traj = Trajectory.start(trajectory_id, group_id, prompt_id, fmt.prompt_ids(messages))
     try:
-        finish = await _replay(env, fmt, limits, replay, traj) if replay else None
+        finish = await _replay(env, fmt, rollout, replay, traj) if replay else None
         traj.finish = finish or await _turns(
-            env, generate, fmt, sampling, limits, traj, priority, on_turn
+            env, generate, fmt, sampling, rollout, traj, priority, on_turn
         )
         reward = _environment(env, "reward", env.reward())
-        traj.reward = _checked_reward(env, await asyncio.wait_for(reward, limits.reward_timeout_s))
+        traj.reward = _checked_reward(env, await asyncio.wait_for(reward, rollout.reward_timeout_s))
     except (InfraFailure, TimeoutError) as e:
         traj.finish, traj.failure, traj.reward = Finish.INFRA, f"{type(e).__name__}: {e}", None
     return traj
@@ -157,7 +149,7 @@ def _checked_reward(env: Environment, reward: object) -> float:
 
 
 async def _replay(
-    env: Environment, fmt: ChatFormat, limits: LoopLimits, record: Trajectory, traj: Trajectory
+    env: Environment, fmt: ChatFormat, rollout: RolloutConfig, record: Trajectory, traj: Trajectory
 ) -> Finish | None:
     """Act again on each model turn of `record`; a finish if the episode ended there."""
     turns = [*record.turn_starts, len(record.token_ids)]
@@ -168,7 +160,7 @@ async def _replay(
             raise ReplayDiverged(f"turn {len(traj.turn_starts)}: the observation came out changed")
         traj.add_model_turn(model_ids, record.logprobs[start:end], record.versions[start:end])
         acted = time.monotonic()
-        finish = await _act(env, fmt, limits, traj, model_ids)
+        finish = await _act(env, fmt, rollout, traj, model_ids)
         traj.turn_times.append(TurnTimes(acted, acted, time.monotonic()))
         if finish is not None:
             return finish
@@ -179,17 +171,21 @@ async def _replay(
 
 
 async def _act(
-    env: Environment, fmt: ChatFormat, limits: LoopLimits, traj: Trajectory, model_ids: list[int]
+    env: Environment,
+    fmt: ChatFormat,
+    rollout: RolloutConfig,
+    traj: Trajectory,
+    model_ids: list[int],
 ) -> Finish | None:
     """The environment acts on a model turn; the observation joins the record, unless the
     episode ends (its finish)."""
     step = _environment(env, "step", env.step(fmt.text(model_ids)))
-    result = await asyncio.wait_for(step, limits.step_timeout_s)
+    result = await asyncio.wait_for(step, rollout.step_timeout_s)
     traj.tool_calls += int(result.info.get("tool_calls", 0))
     if result.done:
         return Finish.TURN_CAP if result.info.get("truncated") else Finish.DONE
     obs = fmt.observation_ids(result.observation or "", model_ids)
-    if len(traj.token_ids) + len(obs) >= limits.max_context:
+    if len(traj.token_ids) + len(obs) >= rollout.max_context:
         return Finish.CONTEXT_CAP
     traj.add_observation(obs)
     return None
@@ -200,17 +196,16 @@ async def _turns(
     generate: Generate,
     fmt: ChatFormat,
     sampling: SamplingParams,
-    limits: LoopLimits,
+    rollout: RolloutConfig,
     traj: Trajectory,
     priority: Callable[[], int],
     on_turn: Callable[[Trajectory], None],
 ) -> Finish:
     while True:
-        room = limits.max_context - len(traj.token_ids)
+        room = rollout.max_context - len(traj.token_ids)
         if room < 1:
             return Finish.CONTEXT_CAP
-        params = dataclasses.replace(sampling, max_tokens=min(limits.max_tokens_per_turn, room))
-        hint = {} if limits.expected_tool_s is None else {"expected_wait_s": limits.expected_tool_s}
+        params = dataclasses.replace(sampling, max_tokens=min(rollout.max_tokens_per_turn, room))
         requested = time.monotonic()
         out = await generate(
             list(traj.token_ids),
@@ -218,12 +213,12 @@ async def _turns(
             priority=priority(),
             trajectory_id=traj.trajectory_id,
             group_id=traj.group_id,
-            **hint,
+            expected_wait_s=rollout.tool_wait_pin_s,
         )
         traj.add_model_turn(out.token_ids, out.logprobs, out.weight_versions)
         on_turn(traj)
         generated = time.monotonic()
-        finish = await _act(env, fmt, limits, traj, out.token_ids)
+        finish = await _act(env, fmt, rollout, traj, out.token_ids)
         traj.turn_times.append(TurnTimes(requested, generated, time.monotonic()))
         if finish is not None:
             return finish

@@ -27,8 +27,8 @@ import itertools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Literal
 
+from venusrl.coordinator.config import RolloutConfig
 from venusrl.coordinator.mixing import GroupTask
 from venusrl.coordinator.rollouts import GroupEpisodes, Rollouts, environment_failed
 from venusrl.envs.environment import Environment, Task
@@ -45,21 +45,6 @@ from venusrl.policy.critical_groups import (
 from venusrl.policy.staleness import StalenessBound
 from venusrl.trainer.grpo import group_advantages
 from venusrl.types import Finish, Trajectory
-
-
-@dataclass(frozen=True)
-class CoordinatorConfig:
-    batch_groups: int = 4
-    max_staleness: int = 1
-    max_train_staleness: int | None = None  # None: max_staleness (policy.staleness)
-    max_infra_retries: int = 2
-    group_timeout_s: float = 900.0
-    batch_timeout_s: float = 1800.0
-    priorities: Literal["critical", "fifo"] = "critical"
-    # The run stops once this many groups in a row are dropped with none completing between
-    # them: every episode fails (an environment's bug, a task setup that raises), and waiting
-    # out `batch_timeout_s` would only hide it.
-    max_dropped_in_a_row: int = 64
 
 
 class EpisodesFailing(ValueError):
@@ -113,7 +98,7 @@ class Coordinator:
         self,
         tasks: Iterator[GroupTask],
         rollouts: Rollouts,
-        config: CoordinatorConfig,
+        config: RolloutConfig,
         weight_version: Callable[[], int],
     ) -> None:
         """`tasks`: what each new group plays (`mixing.mixed_tasks`); `rollouts`: where the

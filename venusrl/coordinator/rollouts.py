@@ -22,9 +22,9 @@ from venusrl.coordinator.agent_loop import (
     ChatFormat,
     EnvironmentFailed,
     Generate,
-    LoopLimits,
     run_episode,
 )
+from venusrl.coordinator.config import RolloutConfig
 from venusrl.engine.request import SamplingParams
 from venusrl.envs.environment import Environment, Task
 from venusrl.envs.service import GroupHandle, SandboxService
@@ -98,7 +98,7 @@ class LocalRollouts:
         generate: Generate,
         fmt: ChatFormat,
         sampling: SamplingParams,
-        limits: LoopLimits,
+        rollout: RolloutConfig,
         end_trajectory: Callable[[str], Awaitable[None]] | None = None,
         admission: AdmissionWindow | None = None,
         resume_preempted: bool = True,
@@ -109,7 +109,7 @@ class LocalRollouts:
         preempted goes on here in a fresh one (False: it ends `Finish.INFRA`, for a caller
         that moves it elsewhere, as the Ray fleet does)."""
         self.pool, self.generate, self.fmt = pool, generate, fmt
-        self.sampling, self.limits = sampling, limits
+        self.sampling, self.rollout = sampling, rollout
         self.end_trajectory, self.admission = end_trajectory, admission
         self.resume_preempted = resume_preempted
         self.priority: Mapping[str, int] = {}
@@ -184,7 +184,7 @@ class LocalGroup:
                     r.generate,
                     r.fmt,
                     r.sampling,
-                    r.limits,
+                    r.rollout,
                     trajectory_id,
                     gid,
                     self.task.id,

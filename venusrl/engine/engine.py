@@ -44,7 +44,6 @@ from pathlib import Path
 
 import torch
 
-from venusrl.config import EngineConfig
 from venusrl.engine.attention import (
     BandedPages,
     DecodeBatch,
@@ -54,6 +53,7 @@ from venusrl.engine.attention import (
     causal_mask,
     needs_prefill_mask,
 )
+from venusrl.engine.config import EngineConfig
 from venusrl.engine.host_malloc import keep_freed_memory_in_heap
 from venusrl.engine.kv_cache import KVCache
 from venusrl.engine.layer_bands import BandStats, LayerBands

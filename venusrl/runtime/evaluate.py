@@ -13,7 +13,7 @@ import itertools
 from pathlib import Path
 
 from venusrl.config import Config
-from venusrl.coordinator.agent_loop import ChatFormat, LoopLimits, run_episode
+from venusrl.coordinator.agent_loop import ChatFormat, run_episode
 from venusrl.engine.request import SamplingParams
 from venusrl.engine.tokenizer import Tokenizer
 from venusrl.envs.environment import Environment, Task
@@ -43,7 +43,6 @@ async def play_policy(
     if tokenizer is None or tokenizer.chat_template is None:
         raise ValueError(f"{model_dir} needs a tokenizer with a chat template to play episodes")
     fmt = ChatFormat(tokenizer)
-    limits = LoopLimits(cfg.rollout.max_context, cfg.rollout.max_tokens_per_turn)
     slots = asyncio.Semaphore(concurrency)  # sandboxes at a time
     async with SandboxPool(4 * GiB) as pool:
         await pool.prepare_template(env.template)
@@ -55,7 +54,8 @@ async def play_policy(
                 try:
                     return await run_episode(
                         env(task, sandbox), engine.generate, fmt,
-                        SamplingParams(temperature=temperature), limits, f"e{i}", f"g{i}", task.id,
+                        SamplingParams(temperature=temperature), cfg.rollout,
+                        f"e{i}", f"g{i}", task.id,
                     )  # fmt: skip
                 finally:
                     await sandbox.close()

@@ -13,11 +13,11 @@ import asyncio
 import random
 from typing import Any
 
-from venusrl.config import FaultsSection
 from venusrl.coordinator.agent_loop import Generate
 from venusrl.engine.request import GenerationOutput, SamplingParams
 from venusrl.envs.pool import SandboxPool
 from venusrl.envs.sandbox import Sandbox
+from venusrl.runtime.config import FaultsConfig
 
 
 class InjectedEngineError(RuntimeError):
@@ -38,14 +38,14 @@ class FailingGenerate:
         return await self._generate(prompt_ids, params, **metadata)
 
 
-def engine_faults(generate: Generate, faults: FaultsSection, seed: int) -> Generate:
+def engine_faults(generate: Generate, faults: FaultsConfig, seed: int) -> Generate:
     """`generate`, failing `faults.engine_errors` of its calls (as it is when that is 0)."""
     return (
         FailingGenerate(generate, faults.engine_errors, seed) if faults.engine_errors else generate
     )
 
 
-def sandbox_faults(pool: SandboxPool, faults: FaultsSection, seed: int) -> list[asyncio.Task[None]]:
+def sandbox_faults(pool: SandboxPool, faults: FaultsConfig, seed: int) -> list[asyncio.Task[None]]:
     """The sandbox faults `faults` asks for, injected into `pool` until the tasks are
     cancelled."""
     within_s = faults.fault_within_s

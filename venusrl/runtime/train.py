@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import json
 import logging
@@ -28,15 +27,17 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import torch
 import yaml
 
-from venusrl.config import Config, MixEntry
+from venusrl.config import Config
 from venusrl.coordinator.admission import AdmissionWindow
-from venusrl.coordinator.agent_loop import ChatFormat, LoopLimits, run_episode
-from venusrl.coordinator.coordinator import Coordinator, CoordinatorConfig, GroupResult
+from venusrl.coordinator.agent_loop import ChatFormat, run_episode
+from venusrl.coordinator.config import MixEntry, RolloutConfig
+from venusrl.coordinator.coordinator import Coordinator, GroupResult
 from venusrl.coordinator.demonstrations import ScriptedGenerate, retokenize
 from venusrl.coordinator.mixing import EnvShare, mixed_tasks, task_key, task_stream
 from venusrl.coordinator.rollouts import LocalRollouts, Rollouts
 from venusrl.engine.model import CausalLM
-from venusrl.engine.model_dir import PRESETS, init_model_dir, load_model
+from venusrl.engine.model_dir import init_model_dir, load_model
+from venusrl.engine.presets import PRESETS
 from venusrl.engine.request import SamplingParams
 from venusrl.engine.tokenizer import CHATML_TEMPLATE, Tokenizer, build_byte_level_tokenizer
 from venusrl.envs.environment import Environment, Task
@@ -55,7 +56,7 @@ from venusrl.trainer.checkpoint import (
     save_checkpoint,
     write_model_dir,
 )
-from venusrl.trainer.trainer import GRPOTrainer, TrainerConfig
+from venusrl.trainer.trainer import GRPOTrainer
 from venusrl.types import Finish, Trajectory
 
 if TYPE_CHECKING:  # ray is imported for Ray runs only
@@ -244,7 +245,7 @@ def environment_mix(cfg: Config) -> list[EnvShare]:
 
 
 async def play_demonstrations(
-    cfg: Config, mix: list[EnvShare], pool: SandboxSource, fmt: ChatFormat, limits: LoopLimits
+    cfg: Config, mix: list[EnvShare], pool: SandboxSource, fmt: ChatFormat, rollout: RolloutConfig
 ) -> list[Trajectory]:
     """Scripted demonstrations played in real sandboxes through the agent loop. The environments
     of the mix that have a demonstrator share `run.warm_start_episodes` by their weights; the
@@ -275,7 +276,7 @@ async def play_demonstrations(
             sandbox = await pool.create(env.template.name, setup=task.setup, files=task.files)
             try:
                 return await run_episode(
-                    env(task, sandbox), scripted, fmt, SamplingParams(), limits,
+                    env(task, sandbox), scripted, fmt, SamplingParams(), rollout,
                     f"demo-{i}", f"demo-{i}", task.id,
                 )  # fmt: skip
             finally:
@@ -409,11 +410,6 @@ async def train(
     consumed = set(state.consumed_tasks)
     mix = environment_mix(cfg)
     r = cfg.rollout
-    limits = LoopLimits(
-        max_context=r.max_context,
-        max_tokens_per_turn=r.max_tokens_per_turn,
-        expected_tool_s=r.tool_wait_pin_s,
-    )
     metrics: list[dict[str, Any]] = []
     metrics_file = run_dir / "metrics.jsonl"
     # Trainer work runs on one thread of its own, beside the engine's: asyncio's default pool
@@ -452,10 +448,11 @@ async def train(
             )
             if cfg.run.warm_start_episodes:
                 # One token per byte takes several times the context the trained tokenizer will.
-                roomy = dataclasses.replace(
-                    limits,
-                    max_context=8 * limits.max_context,
-                    max_tokens_per_turn=8 * limits.max_tokens_per_turn,
+                roomy = r.model_copy(
+                    update={
+                        "max_context": 8 * r.max_context,
+                        "max_tokens_per_turn": 8 * r.max_tokens_per_turn,
+                    }
                 )
                 demos = await play_demonstrations(cfg, mix, pool, ChatFormat(byte_level), roomy)
             demos = await asyncio.to_thread(_new_model, cfg, model_dir, demos, byte_level)
@@ -466,25 +463,16 @@ async def train(
             )
         fmt = ChatFormat(tokenizer)
         if fresh and cfg.run.warm_start_episodes and not demos:
-            demos = await play_demonstrations(cfg, mix, pool, fmt, limits)
+            demos = await play_demonstrations(cfg, mix, pool, fmt, r)
         # Playing the demonstrations, and on a fresh run writing the model and its tokenizer.
         prepare_s = time.monotonic() - prepare_started
         sampling = SamplingParams(temperature=r.temperature, seed=None)
         trainer = GRPOTrainer(
             load_model(model_dir, cfg.trainer.device),
-            TrainerConfig(
-                lr=cfg.trainer.lr,
-                clip_eps=cfg.trainer.clip_eps,
-                entropy_coef=cfg.trainer.entropy_coef,
-                kl_coef=cfg.trainer.kl_coef,
-                max_grad_norm=cfg.trainer.max_grad_norm,
-                micro_batch_tokens=cfg.trainer.micro_batch_tokens,
-                updates_per_batch=cfg.trainer.updates_per_batch,
-                loss_aggregation=cfg.trainer.loss_aggregation,
-                # The engine records greedy tokens' logprobs under the raw logits.
-                temperature=1.0 if sampling.greedy else sampling.temperature,
-            ),
+            cfg.trainer,
             version=state.weight_version,
+            # The engine records greedy tokens' logprobs under the raw logits.
+            temperature=1.0 if sampling.greedy else sampling.temperature,
         )
         if resume:
             trainer.optimizer.load_state_dict(
@@ -494,9 +482,7 @@ async def train(
         rollouts: Rollouts
         window = None
         if fleet is not None:
-            engine = rollouts = await fleet.start_engines(
-                model_dir, state.weight_version, sampling, limits
-            )
+            engine = rollouts = await fleet.start_engines(model_dir, state.weight_version, sampling)
         else:
             assert local_pool is not None
             local = (
@@ -508,7 +494,7 @@ async def train(
             generate = engine_faults(local.generate, cfg.faults, cfg.run.seed)
             engine = local
             rollouts = LocalRollouts(
-                local_pool, generate, fmt, sampling, limits, local.end_trajectory, window
+                local_pool, generate, fmt, sampling, r, local.end_trajectory, window
             )
         try:
             if demos:
@@ -531,14 +517,7 @@ async def train(
             coordinator = Coordinator(
                 mixed_tasks(mix, cfg.run.seed, consumed),
                 rollouts,
-                CoordinatorConfig(
-                    batch_groups=r.batch_groups,
-                    max_staleness=r.max_staleness,
-                    max_train_staleness=r.max_train_staleness,
-                    max_infra_retries=r.max_infra_retries,
-                    group_timeout_s=r.group_timeout_s,
-                    priorities=r.priorities,
-                ),
+                r,
                 weight_version=lambda: trainer.version,
             )
             coordinator.start()

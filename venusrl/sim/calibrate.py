@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from venusrl.config import EngineConfig
+from venusrl.engine.config import EngineConfig
 from venusrl.engine.engine import Engine
 from venusrl.engine.model_dir import read_model_config
 from venusrl.engine.request import SamplingParams

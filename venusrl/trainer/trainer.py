@@ -19,49 +19,9 @@ import torch
 
 from venusrl.engine.model import CausalLM
 from venusrl.engine.model_dir import build_model
-from venusrl.trainer.grpo import LossAggregation, policy_loss, row_weights
+from venusrl.trainer.config import TrainerConfig
+from venusrl.trainer.grpo import policy_loss, row_weights
 from venusrl.types import Trajectory
-
-
-@dataclass(frozen=True)
-class TrainerConfig:
-    lr: float = 5e-4
-    weight_decay: float = 0.0
-    clip_eps: float = 0.2
-    entropy_coef: float = 0.0
-    kl_coef: float = 0.0  # penalty to the reference policy (`GRPOTrainer.reference`)
-    max_grad_norm: float = 1.0
-    micro_batch_tokens: int = 8192
-    updates_per_batch: int = 1  # PPO epochs: gradient steps on each batch
-    loss_aggregation: LossAggregation = "token_mean"
-    # What the engine sampled at (1 for greedy): its behaviour logprobs are those of
-    # softmax(logits / temperature), so the trainer's must be too, or the importance ratio is off
-    # 1 on-policy and the clip silences tokens that never moved.
-    temperature: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"trainer.lr must be > 0, got {self.lr}")
-        if not self.temperature > 0:
-            raise ValueError(f"the trainer's temperature must be > 0, got {self.temperature}")
-        if not 0 < self.clip_eps < 1:
-            raise ValueError(f"trainer.clip_eps must be in (0, 1), got {self.clip_eps}")
-        if self.updates_per_batch < 1:
-            raise ValueError(
-                f"trainer.updates_per_batch must be >= 1, got {self.updates_per_batch}"
-            )
-        if self.loss_aggregation not in ("token_mean", "seq_mean"):
-            raise ValueError(
-                "trainer.loss_aggregation must be token_mean or seq_mean,"
-                f" got {self.loss_aggregation!r}"
-            )
-        if self.kl_coef < 0:
-            raise ValueError(f"trainer.kl_coef must be >= 0, got {self.kl_coef}")
-        if self.micro_batch_tokens < 2:
-            raise ValueError(
-                f"trainer.micro_batch_tokens must be >= 2, got {self.micro_batch_tokens}"
-            )
-
 
 _Row = tuple[Trajectory, float, float]  # trajectory, advantage, weight of each of its model tokens
 
@@ -86,13 +46,20 @@ class GRPOTrainer:
         config: TrainerConfig | None = None,
         version: int = 0,
         reference: CausalLM | None = None,
+        temperature: float = 1.0,
     ):
         """`reference`: the frozen policy of the KL penalty, needed when `kl_coef > 0`
-        (`freeze_reference` makes one of the current weights)."""
+        (`freeze_reference` makes one of the current weights). `temperature`: what the engine
+        sampled at (1 for greedy): its behaviour logprobs are those of softmax(logits /
+        temperature), so the trainer's must be too, or the importance ratio is off 1 on-policy
+        and the clip silences tokens that never moved."""
+        if not temperature > 0:
+            raise ValueError(f"the trainer's temperature must be > 0, got {temperature}")
         self.model = model
         self.device = next(model.parameters()).device  # the batch goes where the model is
         self.config = config or TrainerConfig()
         self.version = version
+        self.temperature = temperature
         self.reference = reference
         if reference is not None:
             reference.requires_grad_(False).eval()
@@ -162,10 +129,10 @@ class GRPOTrainer:
             reference_logprobs = None
             if reference is not None:
                 with torch.no_grad():
-                    ref_logits = reference.forward_dense(ids[:, :-1]) / self.config.temperature
+                    ref_logits = reference.forward_dense(ids[:, :-1]) / self.temperature
                     ref = torch.log_softmax(ref_logits, dim=-1)
                     reference_logprobs = ref.gather(-1, ids[:, 1:, None]).reshape(-1)
-            logits = self.model.forward_dense(ids[:, :-1]) / self.config.temperature
+            logits = self.model.forward_dense(ids[:, :-1]) / self.temperature
             loss, stats = policy_loss(
                 logits.reshape(-1, logits.shape[-1]),
                 ids[:, 1:].reshape(-1),

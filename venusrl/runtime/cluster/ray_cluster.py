@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from venusrl.config import RuntimeSection
+from venusrl.runtime.config import RuntimeConfig
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ class RayCluster:
     """The cluster a run places its actors on. Joins `address`, or starts a one-node cluster
     here; a Ray session the caller already opened is used as it is (and left open)."""
 
-    def __init__(self, cfg: RuntimeSection) -> None:
+    def __init__(self, cfg: RuntimeConfig) -> None:
         self.cfg = cfg
         self._calls_at_start = CALLS.copy()
         self._owned = not ray.is_initialized()

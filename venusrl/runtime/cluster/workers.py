@@ -44,7 +44,7 @@ import ray
 import torch
 
 from venusrl.config import Config
-from venusrl.coordinator.agent_loop import ChatFormat, LoopLimits
+from venusrl.coordinator.agent_loop import ChatFormat
 from venusrl.coordinator.rollouts import LocalGroup, LocalRollouts, OnTurn, failed, preempted
 from venusrl.engine.request import GenerationOutput, SamplingParams
 from venusrl.engine.tokenizer import Tokenizer
@@ -133,7 +133,6 @@ class RolloutWorker:
         model_files: dict[str, bytes],
         version: int,
         sampling: SamplingParams,
-        limits: LoopLimits,
     ) -> None:
         # The engine and the tokenizer read the files once: the directory goes right after, so a
         # worker that is killed leaves nothing behind in /tmp.
@@ -148,7 +147,7 @@ class RolloutWorker:
         seed = self.cfg.run.seed + self.index
         generate = engine_faults(self._generate, self.cfg.faults, seed)
         self.rollouts = LocalRollouts(
-            self._pool(), generate, ChatFormat(tokenizer), sampling, limits,
+            self._pool(), generate, ChatFormat(tokenizer), sampling, self.cfg.rollout,
             end_trajectory=self.engine.end_trajectory,
             resume_preempted=False,  # the fleet moves it to another worker
         )  # fmt: skip
@@ -414,7 +413,7 @@ class RolloutFleet:
         self._pushed: list[dict[str, int]] = [{} for _ in range(n)]
         self._to_push: dict[int, dict[str, int]] = {}
         self._pushers: dict[int, asyncio.Task[None]] = {}
-        self._engine: tuple[Any, int, SamplingParams, LoopLimits] | None = None
+        self._engine: tuple[Any, int, SamplingParams] | None = None
         self._weights: tuple[Any, int] | None = None  # the latest published (object ref, version)
         # Each worker's latest engine counters and the epoch they came from; an engine that
         # restarted counts from zero, so its predecessor's last reading is carried.
@@ -462,13 +461,13 @@ class RolloutFleet:
         )
 
     async def start_engines(
-        self, model_dir: Path, version: int, sampling: SamplingParams, limits: LoopLimits
+        self, model_dir: Path, version: int, sampling: SamplingParams
     ) -> RolloutFleet:
         """Load the model into every worker's engine (through the object store, so nodes share
         no filesystem)."""
         files = {p.name: p.read_bytes() for p in sorted(model_dir.iterdir()) if p.is_file()}
         # Held for the fleet's life: a restarted worker loads the model from it again.
-        self._engine = (ray.put(files), version, sampling, limits)
+        self._engine = (ray.put(files), version, sampling)
         await asyncio.gather(
             *(
                 self.call(i, self.replicas.restarts[i], "start_engine", *self._engine)

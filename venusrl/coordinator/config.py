@@ -1,0 +1,123 @@
+"""The coordinator's config section (`rollout.*`): groups, batches and the agent loop."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, Field, field_validator, model_validator
+
+from venusrl.envs.loading import canonical_reference, environment_class
+from venusrl.envs.types import TemplateSpec
+from venusrl.policy.staleness import StalenessBound
+from venusrl.sections import Section
+
+
+def _environment(reference: str) -> str:
+    """A built-in environment's name or a reference to the user's own class
+    (`venusrl.envs.loading`); the class is loaded here, so that a wrong one stops the run
+    before anything starts."""
+    environment_class(reference)
+    return canonical_reference(reference)
+
+
+EnvName = Annotated[str, AfterValidator(_environment)]
+
+
+class MixEntry(Section):
+    """One environment of a mixed run (`rollout.mix`)."""
+
+    env: EnvName
+    weight: float = Field(1.0, gt=0, description="share of the groups, relative to the others")
+    group_size: int | None = Field(None, ge=2, description="K; default rollout.group_size")
+    max_turns: int | None = Field(None, ge=1, description="turn cap; default the environment's")
+
+
+class RolloutConfig(Section):
+    """Groups, batches and the agent loop (`venusrl train`)."""
+
+    env: EnvName = Field(
+        "treasure_hunt",
+        description="the environment when `mix` is empty: a built-in name (agent_workload is a"
+        " scheduler benchmark), 'package.module:Class' or 'path/to/file.py:Class'",
+    )
+    mix: list[MixEntry] = Field(
+        default_factory=list,
+        description="several environments in one run, each group drawing one by weight",
+    )
+    group_size: int = Field(8, ge=2, description="K trajectories per task (GRPO group)")
+    batch_groups: int = Field(4, ge=1, description="B complete groups per trainer step")
+    max_staleness: int = Field(1, ge=0, description="0 = synchronous on-policy")
+    max_train_staleness: int | None = Field(
+        None,
+        ge=0,
+        description="how many versions after it started a group may still be trained; default"
+        " max_staleness. Larger lets batches take later groups in a straggler's place"
+        " (policy.staleness)",
+    )
+    max_infra_retries: int = Field(2, ge=0, description="replacement members per group")
+    priorities: Literal["critical", "fifo"] = "critical"
+    temperature: float = Field(1.0, ge=0)
+    max_tokens_per_turn: int = Field(24, ge=1)
+    max_context: int = Field(1024, ge=16)
+    group_timeout_s: float = Field(
+        900.0, gt=0, description="a group not complete this long after it opened is dropped"
+    )
+    batch_timeout_s: float = Field(
+        1800.0, gt=0, description="the trainer's longest wait for its next batch"
+    )
+    max_dropped_in_a_row: int = Field(
+        64,
+        ge=1,
+        description="the run stops once this many groups in a row are dropped with none"
+        " completing between them: every episode fails (an environment's bug, a task setup that"
+        " raises), and waiting out batch_timeout_s would only hide it",
+    )
+    step_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="the longest one environment step may take (its tool calls bound"
+        " themselves; this catches a tool that ignores its timeout): past it the episode ends as"
+        " an infrastructure failure",
+    )
+    reward_timeout_s: float = Field(
+        120.0, gt=0, description="the longest an environment may take to score an episode"
+    )
+    tool_wait_pin_s: float = Field(
+        5.0,
+        ge=0,
+        description="how long the engine keeps a trajectory's KV for it while it waits on a tool"
+        " (engine.retention=trajectory)",
+    )
+    admission: Literal["none", "aimd"] = Field(
+        "none",
+        description="none: every member of every open group runs at once; aimd: episodes run"
+        " only while fewer run than a window that grows while the engine's KV cache is healthy"
+        " and halves when it thrashes (policy.agent_admission; local engine only)",
+    )
+    admission_period_s: float = Field(
+        5.0, gt=0, description="control period of rollout.admission=aimd (about one turn)"
+    )
+    admission_initial_window: int = Field(
+        8, ge=1, le=4096, description="episodes rollout.admission=aimd lets run at first"
+    )
+
+    @model_validator(mode="after")
+    def _staleness_bound(self) -> RolloutConfig:
+        StalenessBound(self.batch_groups, self.max_staleness, self.max_train_staleness)
+        return self
+
+    @field_validator("mix")
+    @classmethod
+    def _distinct_envs(cls, mix: list[MixEntry]) -> list[MixEntry]:
+        envs = [environment_class(entry.env) for entry in mix]
+        names = [env.name for env in envs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"each environment may appear once in the mix, got {names}")
+        templates: dict[str, TemplateSpec] = {}
+        for env in envs:  # the pool keeps one template per name
+            if templates.setdefault(env.template.name, env.template) != env.template:
+                raise ValueError(
+                    f"two environments of the mix have different templates named"
+                    f" {env.template.name!r}: give each its own name"
+                )
+        return mix

@@ -1,0 +1,70 @@
+"""The rollout engine's config section (`engine.*`) and its HTTP server's (`server.*`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from venusrl.sections import Section, torch_device
+
+
+class EngineConfig(Section):
+    """The rollout engine: paged KV cache, radix prefix cache, continuous batching."""
+
+    device: str = Field("cpu", description="torch device of the model and the device KV tier")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="model and KV dtype; fp32 on CPU (bf16 decode is ~2x slower there)"
+    )
+    page_size: int = Field(
+        8, ge=1, le=1024, description="tokens per KV page (only whole pages are shared)"
+    )
+    device_kv_pages: int = Field(
+        4096, ge=2, description="pages in the device tier (page 0 is reserved as padding)"
+    )
+    host_kv_pages: int = Field(
+        0, ge=0, description="pages in the host tier, where evicted KV is offloaded"
+    )
+    retention: Literal["lru", "trajectory"] = Field(
+        "trajectory",
+        description="which idle KV leaves the device first and whether it is offloaded or"
+        " dropped (policy.kv_retention): lru drops the least recently used; trajectory keeps"
+        " the KV of trajectories waiting on a tool and offloads it rather than drop it",
+    )
+    layer_residency: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="pressure (KV pages high-priority requests need / device pages) at which"
+        " their completed pages keep only a band of their layers on device (half, a quarter"
+        " further up, ...) and read the rest from the host tier layer by layer"
+        " (policy.layer_residency; needs host_kv_pages); None: off",
+    )
+    max_running: int = Field(256, ge=1, description="most requests decoded in one batch")
+    token_budget: int = Field(
+        2048, ge=1, description="most tokens (decode + prefill chunks) in one forward pass"
+    )
+    max_context: int | None = Field(
+        None, ge=1, description="context limit; defaults to the model's max_position_embeddings"
+    )
+    prefix_cache: bool = Field(True, description="reuse KV of shared prefixes (radix tree)")
+    salt_cache_by_version: bool = Field(
+        True,
+        description="key cached KV by the weight version its trajectory started under: a new"
+        " trajectory never reads KV that older weights computed, one in flight keeps its own",
+    )
+    threads: int | None = Field(None, ge=1, description="torch CPU threads; None leaves torch's")
+    seed: int = Field(0, ge=0, description="seed of requests that give none")
+
+    _device = field_validator("device")(torch_device)
+
+
+class ServerConfig(Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_key: str | None = Field(
+        None,
+        min_length=1,  # an empty key (an unset variable) must not silently turn auth off
+        description="if set, requests need 'Authorization: Bearer'",
+    )
+    model_name: str | None = Field(None, description="name served at /v1/models; default: dir name")

@@ -1,0 +1,63 @@
+"""The training run's config sections: the run itself (`run.*`), fault injection (`faults.*`)
+and where the roles run (`runtime.*`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from venusrl.engine.presets import PRESETS
+from venusrl.sections import Section
+
+
+class RunConfig(Section):
+    steps: int = Field(150, ge=1, description="trainer steps")
+    seed: int = Field(0, ge=0)
+    preset: str = Field("micro", description="model preset when `model` is not given")
+    checkpoint_every: int = Field(25, ge=1, description="trainer steps between checkpoints")
+    warm_start_episodes: int = Field(
+        256, ge=0, description="scripted demonstrations imitated before RL (0 = no warm start)"
+    )
+    warm_start_epochs: int = Field(15, ge=1)
+    warm_start_batch: int = Field(8, ge=1, description="demonstrations per imitation step")
+    warm_start_lr: float = Field(2e-3, gt=0, description="learning rate of the imitation steps")
+    engine_url: str | None = Field(
+        None, description="train against `venusrl serve` at this URL instead of in-process"
+    )
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, preset: str) -> str:
+        if preset not in PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
+        return preset
+
+
+class FaultsConfig(Section):
+    """Fault injection, to show the run survives the platform failing under it."""
+
+    kill_sandboxes: float = Field(0.0, ge=0, le=1, description="fraction of sandboxes killed")
+    preempt_sandboxes: float = Field(
+        0.0, ge=0, le=1, description="fraction of sandboxes preempted by their pool"
+    )
+    fault_within_s: float = Field(
+        1.0, gt=0, description="a sandbox killed or preempted goes at a uniform time within this"
+    )
+    engine_errors: float = Field(0.0, ge=0, le=1, description="fraction of engine calls failed")
+
+
+class RuntimeConfig(Section):
+    """Where the roles run: all in this process, or as actors of a Ray cluster."""
+
+    kind: Literal["local", "ray"] = "local"
+    address: str | None = Field(
+        None, description="Ray cluster to join ('auto', 'ray://host:10001'); None starts one here"
+    )
+    namespace: str = Field("venusrl", min_length=1, description="Ray namespace of the actors")
+    engines: int = Field(
+        1, ge=1, description="rollout engines (one rollout worker actor each, with its sandboxes)"
+    )
+    engine_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves for each engine")
+    engine_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves for each engine")
+    actor_restarts: int = Field(3, ge=0, description="times Ray restarts a worker that died")

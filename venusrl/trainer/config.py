@@ -1,0 +1,33 @@
+"""The trainer's config section (`trainer.*`): the GRPO step's knobs, checked once, here."""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+
+from venusrl.sections import Section, torch_device
+from venusrl.trainer.grpo import LossAggregation
+
+
+class TrainerConfig(Section):
+    device: str = Field(
+        "cpu", description="torch device of the trained model (fp32 weights and AdamW state)"
+    )
+    lr: float = Field(5e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay")
+    clip_eps: float = Field(0.2, gt=0, lt=1)
+    entropy_coef: float = Field(0.0, ge=0)
+    kl_coef: float = Field(
+        0.1,
+        ge=0,
+        description="k3 KL penalty to the policy RL starts from: it keeps the tool-call format"
+        " where the start policy had it while the advantages move the decisions (without it the"
+        " CPU example's losers, taking the format down with them, make the reward dip early)",
+    )
+    max_grad_norm: float = Field(1.0, gt=0)
+    micro_batch_tokens: int = Field(8192, ge=2)
+    updates_per_batch: int = Field(1, ge=1, description="PPO epochs: gradient steps per batch")
+    loss_aggregation: LossAggregation = Field(
+        "token_mean", description="weigh every model token alike, or every trajectory alike"
+    )
+
+    _device = field_validator("device")(torch_device)
