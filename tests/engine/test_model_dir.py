@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from venusrl import cli
 from venusrl.engine.config import EngineConfig
 from venusrl.engine.engine import Engine
 from venusrl.engine.model import ModelConfigError
-from venusrl.engine.model_dir import iter_safetensors, load_model
+from venusrl.engine.model_dir import iter_safetensors, load_model, read_model_config
 from venusrl.engine.request import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -120,6 +121,106 @@ def test_unsupported_architectures_are_clear_errors(tmp_path: Path) -> None:
         load_model(tmp_path)
     with pytest.raises(ModelConfigError, match="does not exist"):
         load_model(tmp_path / "nowhere")
+
+
+def write_config(path: Path, model_type: str, **rope: Any) -> Path:
+    """A config.json written by hand, with `rope` the only RoPE fields in it."""
+    path.mkdir(parents=True, exist_ok=True)
+    fields = dict(
+        model_type=model_type,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        **rope,
+    )
+    (path / "config.json").write_text(json.dumps(fields))
+    return path
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen2", "llama"])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        pytest.param(
+            dict(rope_parameters={"rope_theta": 500000.0, "rope_type": "default"}),
+            id="transformers-5",
+        ),
+        pytest.param(dict(rope_theta=500000.0, rope_scaling=None), id="transformers-4"),
+        pytest.param(
+            dict(rope_theta=500000.0, rope_scaling={"type": "default"}),
+            id="transformers-4-default-scaling",
+        ),
+        # A stale top-level value beside the nested one is ignored, as transformers ignores it.
+        pytest.param(
+            dict(rope_theta=10000.0, rope_parameters={"rope_theta": 500000.0}),
+            id="nested-wins-over-top-level",
+        ),
+    ],
+)
+def test_rope_theta_is_read_from_both_config_forms_transformers_writes(
+    tmp_path: Path, model_type: str, rope: dict[str, Any]
+) -> None:
+    assert read_model_config(write_config(tmp_path, model_type, **rope)).rope_theta == 500000.0
+
+
+@pytest.mark.parametrize(
+    ("rope", "words"),
+    [
+        (
+            dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}),
+            "rope_parameters.rope_type 'yarn'",
+        ),
+        (
+            dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
+            "rope_scaling.rope_type 'llama3'",
+        ),
+        (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling.type 'linear'"),
+        (dict(rope_scaling={"type": "dynamic", "factor": 2.0}), "rope_scaling.type 'dynamic'"),
+        (dict(rope_parameters={"rope_type": "longrope"}), "rope_parameters.rope_type 'longrope'"),
+    ],
+)
+def test_unsupported_rope_types_are_refused_naming_file_key_value_and_what_is_supported(
+    tmp_path: Path, rope: dict[str, Any], words: str
+) -> None:
+    path = write_config(tmp_path, "llama", **rope)
+    with pytest.raises(ModelConfigError) as refused:
+        load_model(path)
+    message = str(refused.value)
+    assert str(path / "config.json") in message and words in message
+    assert "supported: default" in message
+
+
+def test_rope_per_layer_type_is_refused(tmp_path: Path) -> None:
+    rope = {"full_attention": {"rope_type": "default", "rope_theta": 1e6}}
+    with pytest.raises(ModelConfigError, match="rope_parameters must be one object"):
+        read_model_config(write_config(tmp_path, "qwen3", rope_parameters=rope))
+
+
+def test_scaled_rope_saved_by_transformers_is_refused(tmp_path: Path) -> None:
+    import transformers
+
+    llama31 = dict(
+        rope_type="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    )
+    # `rope_scaling` is what transformers 4.x takes; 5.x takes it too and writes `rope_parameters`.
+    transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling=llama31,
+    ).save_pretrained(tmp_path)
+    with pytest.raises(ModelConfigError, match="'llama3' is not supported"):
+        read_model_config(tmp_path)
 
 
 def test_model_init_never_overwrites_a_directory_unless_forced(

@@ -1,5 +1,8 @@
 """Greedy generation matches Hugging Face `transformers` token for token, for several shapes,
-with and without prefix-cache hits and preemption; log-probabilities agree to 1e-4."""
+with and without prefix-cache hits and preemption; log-probabilities agree to 1e-4.
+
+Every shape has a RoPE base other than 10,000, saved by the installed `transformers` in whichever
+form it writes (5.x nests it in `rope_parameters`), so a loader that misses it fails here."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     # GQA ratio 1, head_dim (32) != hidden / heads (16), tied embeddings, 2 layers
     "qwen3-mha-tied": dict(
         model_type="qwen3",
+        rope_theta=1000000.0,
         num_attention_heads=4,
         num_key_value_heads=4,
         head_dim=32,
@@ -29,20 +33,30 @@ SHAPES: dict[str, dict[str, Any]] = {
         num_hidden_layers=2,
     ),
     # GQA ratio 2, untied, 3 layers
-    "qwen3-gqa2": dict(model_type="qwen3", num_key_value_heads=2, head_dim=16, num_hidden_layers=3),
+    "qwen3-gqa2": dict(
+        model_type="qwen3",
+        rope_theta=500000.0,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_hidden_layers=3,
+    ),
     # GQA ratio 4, head_dim 24, 6 layers
     "qwen3-gqa4-deep": dict(
         model_type="qwen3",
+        rope_theta=1000000.0,
         num_attention_heads=8,
         num_key_value_heads=2,
         head_dim=24,
         num_hidden_layers=6,
     ),
     # q/k/v bias, no QK norm
-    "qwen2-bias": dict(model_type="qwen2", num_key_value_heads=2, num_hidden_layers=2),
+    "qwen2-bias": dict(
+        model_type="qwen2", rope_theta=1000000.0, num_key_value_heads=2, num_hidden_layers=2
+    ),
     # neither bias nor QK norm, GQA ratio 4
     "llama-gqa4": dict(
         model_type="llama",
+        rope_theta=500000.0,
         num_attention_heads=8,
         num_key_value_heads=2,
         head_dim=8,

@@ -23,6 +23,7 @@ from venusrl.engine.attention import StepBatch, paged_attention
 from venusrl.engine.kv_cache import KVCache
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
+SUPPORTED_ROPE_TYPES = ("default",)
 
 
 class ModelConfigError(ValueError):
@@ -58,7 +59,7 @@ class ModelConfig:
 
         def need(key: str) -> Any:
             if key not in hf:
-                raise ModelConfigError(f"config.json lacks {key!r} (model_type {model_type})")
+                raise ModelConfigError(f"{key!r} is missing (model_type {model_type})")
             return hf[key]
 
         def count(key: str, default: int | None = None, least: int = 1) -> int:
@@ -67,15 +68,6 @@ class ModelConfig:
                 raise ModelConfigError(f"{key} must be an integer >= {least}, got {value!r}")
             return value
 
-        def number(key: str, default: float) -> float:
-            value = hf.get(key, default)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise ModelConfigError(f"{key} must be a number > 0, got {value!r}")
-            return float(value)
-
-        scaling = hf.get("rope_scaling")
-        if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-            raise ModelConfigError(f"rope_scaling {scaling!r} is not supported yet")
         num_heads = count("num_attention_heads")
         hidden = count("hidden_size")
         num_kv_heads = count("num_key_value_heads", num_heads)
@@ -100,8 +92,8 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=count("head_dim", max(hidden // num_heads, 1)),
-            rms_norm_eps=number("rms_norm_eps", 1e-6),
-            rope_theta=number("rope_theta", 10000.0),
+            rms_norm_eps=_positive("rms_norm_eps", hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=_rope_theta(hf),
             # A context of one token could never generate: the prompt needs one.
             max_position_embeddings=count("max_position_embeddings", 4096, least=2),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -116,6 +108,36 @@ class ModelConfig:
         mlp = 3 * self.hidden_size * self.intermediate_size
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * (attn + mlp) + embed
+
+
+def _positive(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ModelConfigError(f"{key} must be a number > 0, got {value!r}")
+    return float(value)
+
+
+def _rope_theta(hf: Mapping[str, Any]) -> float:
+    """The RoPE base, from either form `transformers` writes: 5.x nests it in `rope_parameters:
+    {rope_type, rope_theta}`; 4.x has a top-level `rope_theta` beside an optional `rope_scaling:
+    {rope_type or type, ...}`. Read as transformers reads them: the nested value wins, then the
+    top-level one, then 10,000. Only plain RoPE is implemented; any other type (yarn, llama3,
+    linear, dynamic, longrope, ...) is refused, since run as plain RoPE it would generate
+    silently wrong tokens."""
+    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    params = hf.get(key) or {}
+    # A dict of dicts is RoPE per layer type (`full_attention`, `sliding_attention`, ...).
+    if not isinstance(params, Mapping) or any(isinstance(v, Mapping) for v in params.values()):
+        raise ModelConfigError(f"{key} must be one object of RoPE parameters, got {params!r}")
+    type_key = "type" if "type" in params and "rope_type" not in params else "rope_type"
+    rope_type = params.get(type_key, "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelConfigError(
+            f"{key}.{type_key} {rope_type!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)} (plain RoPE with rope_theta)"
+        )
+    if "rope_theta" in params:
+        return _positive(f"{key}.rope_theta", params["rope_theta"])
+    return _positive("rope_theta", hf.get("rope_theta", 10000.0))
 
 
 class RMSNorm(nn.Module):

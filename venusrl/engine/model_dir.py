@@ -52,7 +52,11 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
 
 
 def read_model_config(model_dir: str | Path) -> ModelConfig:
-    return ModelConfig.from_hf(read_hf_config(model_dir))
+    hf = read_hf_config(model_dir)
+    try:
+        return ModelConfig.from_hf(hf)
+    except ModelConfigError as e:  # name the file: a run may load several model directories
+        raise ModelConfigError(f"{Path(model_dir) / 'config.json'}: {e}") from None
 
 
 def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
