@@ -23,6 +23,29 @@ class TurnTimes:
     acted: float
 
 
+class FailureKind(StrEnum):
+    """What failed an episode that ended `Finish.INFRA`: never the policy, so the episode is
+    replaced or masked, not scored. What the coordinator does next depends on it (a preempted
+    episode goes on from its record; an environment's own bug is counted apart)."""
+
+    SANDBOX = "sandbox"  # it could not start, crashed, expired or stopped answering
+    PREEMPTED = "preempted"  # its pool took it back (memory ran high); the record so far is sound
+    REPLAY_DIVERGED = "replay_diverged"  # acting again on the record gave other observations
+    ENGINE = "engine"  # a generation call failed
+    ENVIRONMENT = "environment"  # the environment's own code raised: its author's bug
+    TIMEOUT = "timeout"  # an environment step or the reward took longer than its limit
+    WORKER = "worker"  # the rollout worker that held it failed or died
+
+
+@dataclass(frozen=True)
+class Failure:
+    kind: FailureKind
+    message: str  # what went wrong, for people
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.message}"
+
+
 class Finish(StrEnum):
     DONE = "done"  # the episode ended (the model answered or the task is solved)
     TURN_CAP = "turn_cap"  # the environment's turn limit
@@ -45,7 +68,7 @@ class Trajectory:
     tool_calls: int = 0
     reward: float | None = None
     finish: Finish | None = None
-    failure: str | None = None  # what went wrong, for INFRA (and for the record otherwise)
+    failure: Failure | None = None  # what went wrong, for INFRA
     turn_times: list[TurnTimes] = field(default_factory=list)  # one per turn the environment ran
 
     @classmethod
@@ -56,6 +79,14 @@ class Trajectory:
         return cls(
             trajectory_id, group_id, prompt_id, list(prompt_ids), [0] * n, [0.0] * n, [-1] * n
         )
+
+    def fail(self, kind: FailureKind, message: str) -> None:
+        """End it as an infrastructure failure: no reward, for the coordinator to replace or
+        mask."""
+        self.finish, self.failure, self.reward = Finish.INFRA, Failure(kind, message), None
+
+    def failed_with(self, kind: FailureKind) -> bool:
+        return self.failure is not None and self.failure.kind is kind
 
     @property
     def prompt_len(self) -> int:

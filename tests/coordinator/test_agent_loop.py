@@ -24,7 +24,7 @@ from venusrl.engine.tokenizer import Tokenizer
 from venusrl.envs import SandboxPool
 from venusrl.envs.builtin.guess_number import BinarySearchExpert, GuessNumber
 from venusrl.policy.critical_groups import HIGH
-from venusrl.types import Finish, Trajectory
+from venusrl.types import FailureKind, Finish, Trajectory
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
 torch.set_num_threads(1)
@@ -240,7 +240,7 @@ def test_an_episode_whose_sandbox_died_goes_on_from_its_record_in_a_new_sandbox(
     assert len(resumed.turn_times) == len(resumed.turn_starts)
     # A tool that does not answer as recorded cannot be replayed: the platform's failure.
     assert diverged.finish is Finish.INFRA and diverged.reward is None
-    assert (diverged.failure or "").startswith("ReplayDiverged")
+    assert diverged.failed_with(FailureKind.REPLAY_DIVERGED)
 
 
 def test_an_episode_whose_sandbox_the_pool_preempts_goes_on_in_a_fresh_sandbox(
@@ -295,7 +295,7 @@ def test_an_episode_whose_sandbox_the_pool_preempts_goes_on_in_a_fresh_sandbox(
     # The two turns taken before the preemption were kept, not sampled again.
     assert model_calls == len(whole.turn_starts)
     assert (local.resumed, local.resumed_episodes) == (["t1"], 1)
-    assert moved.finish is Finish.INFRA and (moved.failure or "").startswith("SandboxPreempted")
+    assert moved.finish is Finish.INFRA and moved.failed_with(FailureKind.PREEMPTED)
     assert len(moved.turn_starts) == 2 and worker.resumed_episodes == 0
     # The engine hears that an episode is over once, after its last attempt.
     assert ended == ["t0", "t1", "t2"]

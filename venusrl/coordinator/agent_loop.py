@@ -26,8 +26,8 @@ from venusrl.coordinator.config import RolloutConfig
 from venusrl.engine.request import GenerationOutput, SamplingParams
 from venusrl.engine.tokenizer import Tokenizer
 from venusrl.envs.environment import Environment
-from venusrl.envs.types import InfraFailure
-from venusrl.types import Finish, Trajectory, TurnTimes
+from venusrl.envs.types import InfraFailure, SandboxPreempted
+from venusrl.types import FailureKind, Finish, Trajectory, TurnTimes
 
 T = TypeVar("T")
 
@@ -135,8 +135,24 @@ async def run_episode(
         reward = _environment(env, "reward", env.reward())
         traj.reward = _checked_reward(env, await asyncio.wait_for(reward, rollout.reward_timeout_s))
     except (InfraFailure, TimeoutError) as e:
-        traj.finish, traj.failure, traj.reward = Finish.INFRA, f"{type(e).__name__}: {e}", None
+        traj.fail(failure_kind(e), f"{type(e).__name__}: {e}")
     return traj
+
+
+def failure_kind(error: Exception) -> FailureKind:
+    """What an exception that ended an episode says about who failed it; an exception of no
+    known kind came from a generation call (the loop calls nothing else that may fail)."""
+    if isinstance(error, SandboxPreempted):
+        return FailureKind.PREEMPTED
+    if isinstance(error, ReplayDiverged):
+        return FailureKind.REPLAY_DIVERGED
+    if isinstance(error, InfraFailure):
+        return FailureKind.SANDBOX
+    if isinstance(error, TimeoutError):
+        return FailureKind.TIMEOUT
+    if isinstance(error, EnvironmentFailed):
+        return FailureKind.ENVIRONMENT
+    return FailureKind.ENGINE
 
 
 def _checked_reward(env: Environment, reward: object) -> float:

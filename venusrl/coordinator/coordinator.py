@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from venusrl.coordinator.config import RolloutConfig
 from venusrl.coordinator.mixing import GroupTask
-from venusrl.coordinator.rollouts import GroupEpisodes, Rollouts, environment_failed
+from venusrl.coordinator.rollouts import GroupEpisodes, Rollouts
 from venusrl.envs.environment import Environment, Task
 from venusrl.envs.types import InfraFailure
 from venusrl.policy.critical_groups import (
@@ -44,7 +44,7 @@ from venusrl.policy.critical_groups import (
 )
 from venusrl.policy.staleness import StalenessBound
 from venusrl.trainer.grpo import group_advantages
-from venusrl.types import Finish, Trajectory
+from venusrl.types import Failure, FailureKind, Finish, Trajectory
 
 
 class EpisodesFailing(ValueError):
@@ -81,7 +81,7 @@ class _OpenGroup:
     infra_failures: int = 0
     env_failures: int = 0
     results: list[Trajectory | None] = field(default_factory=list)
-    last_failure: str | None = None
+    last_failure: Failure | None = None
 
 
 @dataclass
@@ -230,7 +230,7 @@ class Coordinator:
             scored = k - result.masked
             self.stats.masked += result.masked
             if scored < 2:
-                self._dropped(state.last_failure)
+                self._dropped(str(state.last_failure))
             else:
                 self.stats.groups_completed += 1
                 self._dropped_in_a_row = 0
@@ -265,7 +265,7 @@ class Coordinator:
             if traj.finish is Finish.INFRA:
                 state.last_failure = traj.failure
                 state.infra_failures += 1
-                state.env_failures += environment_failed(traj)
+                state.env_failures += traj.failed_with(FailureKind.ENVIRONMENT)
                 self.stats.infra_failures += 1
                 if state.infra_failures <= self.config.max_infra_retries:
                     continue  # a replacement member runs the same task

@@ -22,15 +22,16 @@ from venusrl.coordinator.agent_loop import (
     ChatFormat,
     EnvironmentFailed,
     Generate,
+    failure_kind,
     run_episode,
 )
 from venusrl.coordinator.config import RolloutConfig
 from venusrl.engine.request import SamplingParams
 from venusrl.envs.environment import Environment, Task
 from venusrl.envs.service import GroupHandle, SandboxService
-from venusrl.envs.types import InfraFailure, SandboxPreempted
+from venusrl.envs.types import InfraFailure
 from venusrl.policy.critical_groups import BEST_EFFORT
-from venusrl.types import Finish, Trajectory
+from venusrl.types import FailureKind, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -68,24 +69,12 @@ class Rollouts(Protocol):
         ...
 
 
-def preempted(traj: Trajectory) -> bool:
-    """Whether the episode ended because its pool preempted its sandbox (memory ran high); the
-    record up to there is sound: the model's turns and the observations they got."""
-    return traj.finish is Finish.INFRA and (traj.failure or "").startswith(
-        f"{SandboxPreempted.__name__}:"
-    )
-
-
-def environment_failed(traj: Trajectory) -> bool:
-    """Whether the episode ended because the environment's own code raised."""
-    return traj.finish is Finish.INFRA and (traj.failure or "").startswith(
-        f"{EnvironmentFailed.__name__}:"
-    )
-
-
-def failed(trajectory_id: str, group_id: str, task: Task, why: str) -> Trajectory:
+def failed(
+    trajectory_id: str, group_id: str, task: Task, kind: FailureKind, message: str
+) -> Trajectory:
+    """The record of an episode that failed before it began."""
     traj = Trajectory.start(trajectory_id, group_id, task.id, [])
-    traj.finish, traj.failure = Finish.INFRA, why
+    traj.fail(kind, message)
     return traj
 
 
@@ -155,7 +144,12 @@ class LocalGroup:
         r = self.rollouts
         try:
             traj = await self._episode(trajectory_id, on_turn, replay)
-            if r.resume_preempted and replay is None and preempted(traj) and traj.turn_starts:
+            if (
+                r.resume_preempted
+                and replay is None
+                and traj.failed_with(FailureKind.PREEMPTED)
+                and traj.turn_starts
+            ):
                 r.resumed.append(trajectory_id)
                 traj = await self._episode(trajectory_id, on_turn, traj)
             return traj
@@ -174,7 +168,9 @@ class LocalGroup:
         try:
             sandbox = await self.handle.add()
         except InfraFailure as e:
-            return failed(trajectory_id, gid, self.task, f"sandbox did not start: {e}")
+            return failed(
+                trajectory_id, gid, self.task, FailureKind.SANDBOX, f"sandbox did not start: {e}"
+            )
         # The sandbox is up while the episode waits for admission, as in the simulator.
         slot = r.admission.slot() if r.admission else contextlib.nullcontext()
         try:
@@ -201,7 +197,9 @@ class LocalGroup:
             if isinstance(e, EnvironmentFailed) and kind not in r.tracebacks_shown:
                 r.tracebacks_shown.add(kind)
                 log.warning("episode %s: %s", trajectory_id, e, exc_info=e)
-            return failed(trajectory_id, gid, self.task, f"{type(e).__name__}: {e}")
+            return failed(
+                trajectory_id, gid, self.task, failure_kind(e), f"{type(e).__name__}: {e}"
+            )
         finally:
             await sandbox.close()
 

@@ -45,7 +45,7 @@ import torch
 
 from venusrl.config import Config
 from venusrl.coordinator.agent_loop import ChatFormat
-from venusrl.coordinator.rollouts import LocalGroup, LocalRollouts, OnTurn, failed, preempted
+from venusrl.coordinator.rollouts import LocalGroup, LocalRollouts, OnTurn, failed
 from venusrl.engine.request import GenerationOutput, SamplingParams
 from venusrl.engine.tokenizer import Tokenizer
 from venusrl.envs.environment import Environment, Task
@@ -65,7 +65,7 @@ from venusrl.runtime.cluster.ray_cluster import (
 from venusrl.runtime.engines import LocalEngine
 from venusrl.runtime.faults import engine_faults, sandbox_faults
 from venusrl.trainer.trainer import GRPOTrainer
-from venusrl.types import Finish, Trajectory, TurnTimes
+from venusrl.types import FailureKind, Finish, Trajectory, TurnTimes
 
 START_TIMEOUT_S = 600.0  # loading a large model onto a GPU takes a while
 RESTART_TIMEOUT_S = 300.0
@@ -317,10 +317,10 @@ class RemoteGroup:
             try:  # the group's worker died: its replacement members play on another one
                 self.worker, self.epoch = await self._open_on(fleet.up())
             except InfraFailure as e:
-                return failed(trajectory_id, self.group_id, self.task, str(e))
+                return failed(trajectory_id, self.group_id, self.task, FailureKind.SANDBOX, str(e))
             fleet.reopened_groups += 1
         traj = await self._play(self.worker, self.epoch, trajectory_id, on_turn, None)
-        if not (preempted(traj) and traj.turn_starts):
+        if not (traj.failed_with(FailureKind.PREEMPTED) and traj.turn_starts):
             return traj
         try:
             elsewhere = [i for i in fleet.up() if i != self.worker] or fleet.up()
@@ -352,7 +352,9 @@ class RemoteGroup:
                 worker, epoch, "play", self.group_id, tid, replay
             )
         except Exception as e:  # the worker died, or the episode failed there
-            return failed(tid, self.group_id, self.task, f"{type(e).__name__}: {e}")
+            return failed(
+                tid, self.group_id, self.task, FailureKind.WORKER, f"{type(e).__name__}: {e}"
+            )
         finally:
             fleet.on_turn.pop(tid, None)
             fleet.active[worker] -= 1
