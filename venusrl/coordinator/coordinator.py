@@ -43,7 +43,6 @@ from venusrl.policy.critical_groups import (
     MemberView,
 )
 from venusrl.policy.staleness import StalenessBound
-from venusrl.trainer.grpo import group_advantages
 from venusrl.types import Failure, FailureKind, Finish, Trajectory
 
 
@@ -66,8 +65,9 @@ class GroupResult:
     def masked(self) -> int:
         return sum(t.reward is None for t in self.trajectories)
 
-    def advantages(self) -> list[float | None]:
-        return group_advantages([t.reward for t in self.trajectories])
+    @property
+    def rewards(self) -> list[float | None]:
+        return [t.reward for t in self.trajectories]
 
 
 @dataclass

@@ -56,6 +56,7 @@ from venusrl.trainer.checkpoint import (
     save_checkpoint,
     write_model_dir,
 )
+from venusrl.trainer.grpo import group_advantages
 from venusrl.trainer.trainer import GRPOTrainer
 from venusrl.types import Finish, Trajectory
 
@@ -530,7 +531,7 @@ async def train(
                     rows: list[tuple[Trajectory, float]] = [
                         (t, a)
                         for g in batch
-                        for t, a in zip(g.trajectories, g.advantages(), strict=True)
+                        for t, a in zip(g.trajectories, group_advantages(g.rewards), strict=True)
                         if a is not None
                     ]
                     stats = await on_trainer(
