@@ -60,7 +60,7 @@ from venusrl.engine.model_dir import (  # noqa: E402
 )
 from venusrl.engine.request import SamplingParams  # noqa: E402
 from venusrl.policy.critical_groups import HIGH  # noqa: E402
-from venusrl.sim.workloads import LogNormal  # noqa: E402
+from venusrl.workloads import LogNormal  # noqa: E402
 
 TOOL_BODY = LogNormal(0.4, 0.8)  # WORKLOADS.md, swe-long: tool latency body, seconds
 P90 = math.exp(1.2816 * TOOL_BODY.sigma)  # 90th percentile over the median of a log-normal

@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from venusrl.sim.executor import SimConfig, SimPolicy, sim_policies, simulate
-from venusrl.sim.workloads import SCENARIOS, Workload, load_workload
+from venusrl.workloads import SCENARIOS, Workload, load_workload
 
 FIGURES = (
     "mean_step_s",

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     what.add_argument(
         "--scenario", default="swe-long", help="a built-in workload (default swe-long)"
     )
-    what.add_argument("--workload", help="a workload YAML file (see venusrl/sim/workloads.py)")
+    what.add_argument("--workload", help="a workload YAML file (see venusrl/workloads.py)")
     sim.add_argument(
         "--policies",
         default="sync,async,venus",
@@ -283,7 +283,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _sim(args: argparse.Namespace) -> int:
     from venusrl.sim.executor import SimConfig, sim_policies, simulate
-    from venusrl.sim.workloads import SCENARIOS, load_workload
+    from venusrl.workloads import SCENARIOS, load_workload
 
     if args.workload:
         workload = load_workload(args.workload)

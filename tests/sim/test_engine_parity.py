@@ -42,7 +42,7 @@ from venusrl.policy.engine_schedule import (
 from venusrl.policy.kv_retention import IdleKV, RetentionPolicy
 from venusrl.sim.cost_model import CostModel, GpuSpec, ModelSpec
 from venusrl.sim.executor import POLICIES, SimConfig, Simulation, Submission
-from venusrl.sim.workloads import LogNormal, ToolLatency, Turns, Workload
+from venusrl.workloads import LogNormal, ToolLatency, Turns, Workload
 
 PAGE = 4
 DEVICE_PAGES = 40  # 160 tokens: about three trajectories at their longest

@@ -17,7 +17,7 @@ from venusrl.sim.executor import (
     sim_policy,
     simulate,
 )
-from venusrl.sim.workloads import SCENARIOS, LogNormal, Turns
+from venusrl.workloads import SCENARIOS, LogNormal, Turns
 
 # swe-short's shape, small enough to simulate in a fraction of a second.
 SMALL = SCENARIOS["swe-short"].scaled_for(

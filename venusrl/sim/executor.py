@@ -53,7 +53,7 @@ from venusrl.policy.placement import least_loaded
 from venusrl.policy.staleness import StalenessBound
 from venusrl.sim.cost_model import CostModel
 from venusrl.sim.engine import SPENT_ON, SimEngine, SimRequest
-from venusrl.sim.workloads import PromptPlan, TrajectoryPlan, Workload, WorkloadSampler
+from venusrl.workloads import PromptPlan, TrajectoryPlan, Workload, WorkloadSampler
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from typing import ClassVar
 from venusrl.envs.environment import Environment, StepResult, Task, Tool
 from venusrl.envs.tool_calls import format_tool_response
 from venusrl.envs.types import MiB, TemplateSpec
-from venusrl.sim.workloads import SWE_LONG, LogNormal
+from venusrl.workloads import SWE_LONG, LogNormal
 
 TIME_SCALE = 0.25
 TOOL_S = SWE_LONG.tool_s.scaled(TIME_SCALE)

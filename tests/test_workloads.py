@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from venusrl.sim.workloads import SCENARIOS, LogNormal, Mixture, WorkloadSampler, load_workload
+from venusrl.workloads import SCENARIOS, LogNormal, Mixture, WorkloadSampler, load_workload
 
 
 def test_the_same_seed_draws_the_same_trajectories_whatever_the_order() -> None:
