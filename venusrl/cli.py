@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import secrets
 import sys
 import time
@@ -143,8 +144,6 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 def _train(args: argparse.Namespace) -> int:
     import asyncio
 
-    from rich.console import Console
-
     from venusrl.runtime.train import train
 
     flags = {"model": args.model, "runtime.kind": args.runtime}
@@ -161,23 +160,8 @@ def _train(args: argparse.Namespace) -> int:
         if not config.exists():
             raise ValueError(f"--resume: {args.run_dir} holds no run (it has no config.yaml)")
     cfg = load_config(config, args.overrides, {k: v for k, v in flags.items() if v is not None})
-    console = Console(stderr=True)
-
-    previous_wall_s = 0.0
-
-    def show(m: dict[str, Any]) -> None:
-        nonlocal previous_wall_s
-        reward = "-" if m["reward_mean"] is None else f"{m['reward_mean']:.3f}"
-        # Model tokens trained per second of the run: the step's tokens over the step's time.
-        elapsed = m["wall_s"] - previous_wall_s
-        rate = f"{m['tokens'] / elapsed:.0f}" if m["tokens"] and elapsed > 0 else "-"
-        previous_wall_s = m["wall_s"]
-        console.print(
-            f"step {m['step']:4d}  reward {reward}  tool calls {m['tool_calls_mean']:.2f}  "
-            f"staleness {m['staleness_mean']:.2f}  tokens/s {rate}  "
-            f"sandboxes {m['sandboxes_running']}  infra {m['infra_failures']}  "
-            f"{m['wall_s']:.0f} s"
-        )
+    console = _console()
+    show = _StepLine(cfg.run.steps, console.print)
 
     run_dir = Path(args.run_dir or time.strftime("runs/train-%Y%m%d-%H%M%S"))
     console.print(f"run directory {run_dir}")
@@ -187,6 +171,52 @@ def _train(args: argparse.Namespace) -> int:
 
     console.print("plots: " + ", ".join(str(p) for p in plot_run(run_dir)))
     return 0
+
+
+def _console(file: Any = None) -> Any:
+    """The run's console on stderr: a log file (stderr redirected) gets whole lines, not lines
+    wrapped at 80 columns."""
+    from rich.console import Console
+
+    return Console(stderr=file is None, file=file, soft_wrap=True)
+
+
+class _StepLine:
+    """A trainer step on the console: where the run is (`step i/N`, and when it will end at the
+    pace of its recent steps), what the batch scored and what failed since the last step."""
+
+    def __init__(self, steps: int, print_line: Any) -> None:
+        self.steps, self.print_line = steps, print_line
+        self.walls: list[float] = []  # wall_s of the steps seen, for the pace
+
+    def __call__(self, m: dict[str, Any]) -> None:
+        reward = "-" if m["reward_mean"] is None else f"{m['reward_mean']:.3f}"
+        # Model tokens trained per second of the run: the step's tokens over the step's time.
+        elapsed = m["wall_s"] - (self.walls[-1] if self.walls else 0.0)
+        rate = f"{m['tokens'] / elapsed:.0f}" if m["tokens"] and elapsed > 0 else "-"
+        self.walls.append(m["wall_s"])
+        failed = m.get("since_last_step", {})
+        dropped = failed.get("groups_dropped", 0)
+        self.print_line(
+            f"step {m['step'] + 1}/{self.steps}  reward {reward}  tool calls"
+            f" {m['tool_calls_mean']:.2f}  staleness {m['staleness_mean']:.2f}  tokens/s {rate}"
+            f"  sandboxes {m['sandboxes_running']}  infra"
+            f" {failed.get('infra_failures', m['infra_failures'])}"
+            + (f"  dropped {dropped}" if dropped else "")
+            + f"  {m['wall_s']:.0f} s  ETA {self._eta(m['step'])}"
+        )
+
+    def _eta(self, step: int) -> str:
+        """The steps left at the mean pace of the last ten (the first steps also fill the
+        pipeline)."""
+        recent = self.walls[-11:]
+        left = self.steps - 1 - step
+        if left <= 0:
+            return "0 s"
+        if len(recent) < 2:
+            return "-"
+        seconds = left * (recent[-1] - recent[0]) / (len(recent) - 1)
+        return f"{math.ceil(seconds / 60)} min" if seconds >= 120 else f"{seconds:.0f} s"
 
 
 def _plot(args: argparse.Namespace) -> int:

@@ -181,6 +181,11 @@ def test_dropped_groups_give_their_place_back_so_a_synchronous_run_completes(
     assert [m["step"] for m in metrics] == [0, 1]
     assert all(m["groups"] == 2 for m in metrics)
     assert metrics[-1]["groups_dropped"] > 0  # the case this is about did happen
+    # Each step says what failed since the last one, the dropped groups' failures included
+    # (the batch's own groups may have none).
+    since = [m["since_last_step"] for m in metrics]
+    assert sum(s["groups_dropped"] for s in since) == metrics[-1]["groups_dropped"]
+    assert sum(s["infra_failures"] for s in since) >= metrics[-1]["groups_dropped"]
 
 
 def test_training_against_venusrl_serve_over_http(tmp_path: Path) -> None:
@@ -207,8 +212,12 @@ def test_training_against_venusrl_serve_over_http(tmp_path: Path) -> None:
             [*SMALL, f"run.engine_url={url}", "run.warm_start_episodes=0"],
             {"model": str(model)},
         )
-        metrics = asyncio.run(train(cfg, tmp_path / "run"))
+        said: list[str] = []
+        metrics = asyncio.run(train(cfg, tmp_path / "run", on_message=said.append))
         assert [m["weight_version"] for m in metrics] == [1, 2, 3]
+        # A random-weight policy never wins: no step trains anything, and the run says why.
+        assert all(m["tokens"] == 0 for m in metrics)
+        assert any("the last 3 steps trained nothing: every group scored alike" in m for m in said)
         assert metrics[-1]["engine"]["generated_tokens"] > 0  # read over `GET /stats`
         reply = httpx.post(f"{url}/generate", json={"input_ids": [5, 6, 7]}).json()
         assert set(reply["weight_versions"]) == {3}  # the server runs the trained weights

@@ -90,6 +90,7 @@ class CoordinatorStats:
     groups_completed: int = 0
     groups_dropped: int = 0
     infra_failures: int = 0
+    env_failures: int = 0  # of the infra failures, those the environment's own code raised
     masked: int = 0
 
 
@@ -265,8 +266,10 @@ class Coordinator:
             if traj.finish is Finish.INFRA:
                 state.last_failure = traj.failure
                 state.infra_failures += 1
-                state.env_failures += traj.failed_with(FailureKind.ENVIRONMENT)
+                env_failed = traj.failed_with(FailureKind.ENVIRONMENT)
+                state.env_failures += env_failed
                 self.stats.infra_failures += 1
+                self.stats.env_failures += env_failed
                 if state.infra_failures <= self.config.max_infra_retries:
                     continue  # a replacement member runs the same task
             else:

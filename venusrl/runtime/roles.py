@@ -1,0 +1,197 @@
+"""The roles of a training run, wired from its config: where sandboxes come from (a pool in this
+process, or a Ray fleet of rollout workers), the engine the agent loops generate with and the
+trainer publishes to, where episodes run, and the trainer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from venusrl.config import Config
+from venusrl.coordinator.admission import AdmissionWindow
+from venusrl.coordinator.agent_loop import ChatFormat
+from venusrl.coordinator.config import MixEntry
+from venusrl.coordinator.mixing import EnvShare
+from venusrl.coordinator.rollouts import LocalRollouts, Rollouts
+from venusrl.engine.model_dir import load_model
+from venusrl.engine.request import SamplingParams
+from venusrl.envs.environment import Environment
+from venusrl.envs.loading import environment_class
+from venusrl.envs.pool import SandboxPool
+from venusrl.envs.service import SandboxSource
+from venusrl.envs.types import GiB
+from venusrl.policy.agent_admission import AimdAdmission
+from venusrl.runtime.engines import LocalEngine, ServedEngine
+from venusrl.runtime.faults import engine_faults, sandbox_faults
+from venusrl.runtime.run_dir import RunStart
+from venusrl.trainer.trainer import GRPOTrainer
+
+if TYPE_CHECKING:  # ray is imported for Ray runs only
+    from venusrl.runtime.cluster.workers import RolloutFleet
+
+
+class RolloutEngine(Protocol):
+    """Where new weights are published and the engine counters read: the in-process engine, a
+    served one, or the engines of a cluster's rollout workers."""
+
+    async def publish(self, trainer: GRPOTrainer, run_dir: Path, model_dir: Path) -> None: ...
+
+    async def counters(self) -> dict[str, float]:
+        """The engines' totals (`Engine.counters`), summed; never lower than before."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def environment_mix(cfg: Config) -> list[EnvShare]:
+    """The run's environments: `rollout.mix`, or `rollout.env` alone."""
+    r = cfg.rollout
+    entries = r.mix or [MixEntry(env=r.env)]
+    return [
+        EnvShare(environment_class(e.env), e.weight, e.group_size or r.group_size, e.max_turns)
+        for e in entries
+    ]
+
+
+@dataclass
+class Sandboxes:
+    """Where a run's sandboxes come from: its own pool, or the pools of a Ray fleet's workers."""
+
+    source: SandboxSource
+    pool: SandboxPool | None = None  # one process
+    fleet: RolloutFleet | None = None  # Ray
+
+
+async def open_sandboxes(
+    cfg: Config, mix: list[EnvShare], stack: contextlib.AsyncExitStack
+) -> Sandboxes:
+    """The pool (or the fleet of rollout workers, each with an engine, a pool and the agent
+    loops of its groups, which also make the warm start's sandboxes), the templates of the
+    run's environments prepared, and their tools checked."""
+    if cfg.runtime.kind == "ray":
+        fleet = await stack.enter_async_context(start_fleet(cfg, stack))
+        sandboxes = Sandboxes(fleet, fleet=fleet)
+    else:
+        pool = SandboxPool(
+            int(cfg.sandbox.memory_budget_gib * GiB),
+            admission=cfg.sandbox.admission,
+            share_pages=cfg.sandbox.share_pages,
+        )
+        sandboxes = Sandboxes(await stack.enter_async_context(pool), pool=pool)
+    # One per name: environments that share one (a subclass of another) share its sandboxes.
+    for template in {share.env.template.name: share.env.template for share in mix}.values():
+        await sandboxes.source.prepare_template(template)
+    for share in mix:
+        await check_tools(share.env, sandboxes.source)
+    return sandboxes
+
+
+def start_fleet(cfg: Config, stack: contextlib.AsyncExitStack) -> RolloutFleet:
+    """The run's rollout workers, on the cluster `runtime.address` names (or one started here,
+    shut down with the run)."""
+    try:
+        from venusrl.runtime.cluster.ray_cluster import RayCluster
+        from venusrl.runtime.cluster.workers import RolloutFleet
+    except ModuleNotFoundError as e:
+        raise ValueError(f"runtime.kind=ray needs Ray ({e}): pip install 'venusrl[ray]'") from None
+    cluster = RayCluster(cfg.runtime)
+    stack.callback(cluster.shutdown)
+    cluster.check_room()
+    return RolloutFleet(cfg, cluster)
+
+
+async def check_tools(env: type[Environment], pool: SandboxSource) -> None:
+    """Refuse, before anything trains, an environment whose template does not define its
+    Python tools (a typo in a name): the model would be trained on error answers only."""
+    sandbox = await pool.create(env.template.name)
+    try:
+        missing = await env.undefined_tools(sandbox)
+    finally:
+        await sandbox.close()
+    if missing:
+        raise ValueError(
+            f"{env.name}: its template's setup defines no function for the tools {missing}"
+        )
+
+
+def new_trainer(cfg: Config, start: RunStart, sampling: SamplingParams) -> GRPOTrainer:
+    """The trainer, on the model the run starts from (its optimizer state too, on a resume)."""
+    trainer = GRPOTrainer(
+        load_model(start.model_dir, cfg.trainer.device),
+        cfg.trainer,
+        version=start.state.weight_version,
+        # The engine records greedy tokens' logprobs under the raw logits.
+        temperature=1.0 if sampling.greedy else sampling.temperature,
+    )
+    if not start.fresh:
+        trainer.optimizer.load_state_dict(
+            torch.load(start.model_dir / "optimizer.pt", map_location=cfg.trainer.device)
+        )
+    return trainer
+
+
+@dataclass
+class RolloutSide:
+    """The engine(s) and where episodes run; with `rollout.admission`, the admission window and
+    its control loop."""
+
+    engine: RolloutEngine
+    rollouts: Rollouts
+    window: AdmissionWindow | None = None
+    background: list[asyncio.Task[None]] = field(default_factory=list)  # cancelled at the end
+
+
+async def start_rollouts(
+    cfg: Config,
+    start: RunStart,
+    sandboxes: Sandboxes,
+    fmt: ChatFormat,
+    sampling: SamplingParams,
+    stack: contextlib.AsyncExitStack,
+) -> RolloutSide:
+    """The engine loaded with the model the run starts from, closed with the run."""
+    version = start.state.weight_version
+    if sandboxes.fleet is not None:
+        fleet = await sandboxes.fleet.start_engines(start.model_dir, version, sampling)
+        stack.push_async_callback(fleet.close)
+        return RolloutSide(fleet, fleet)
+    assert sandboxes.pool is not None
+    local: LocalEngine | ServedEngine = (
+        ServedEngine(cfg.run.engine_url)
+        if cfg.run.engine_url
+        else LocalEngine(start.model_dir, cfg, version)
+    )
+    stack.push_async_callback(local.close)
+    window = admission_window(cfg, local)
+    generate = engine_faults(local.generate, cfg.faults, cfg.run.seed)
+    rollouts = LocalRollouts(
+        sandboxes.pool, generate, fmt, sampling, cfg.rollout, local.end_trajectory, window
+    )
+    return RolloutSide(local, rollouts, window)
+
+
+def admission_window(cfg: Config, engine: LocalEngine | ServedEngine) -> AdmissionWindow | None:
+    """`rollout.admission`: the window over the in-process engine's cache (the config allows it
+    with that engine only)."""
+    r = cfg.rollout
+    if r.admission == "none":
+        return None
+    assert isinstance(engine, LocalEngine)
+    return AdmissionWindow(
+        AimdAdmission(initial_window=r.admission_initial_window, period_s=r.admission_period_s),
+        engine.cache_signal,
+    )
+
+
+def start_background(cfg: Config, sandboxes: Sandboxes, side: RolloutSide) -> None:
+    """Once the warm start is done: injected sandbox faults (on a cluster each worker injects
+    into its own pool) and the admission window's control loop."""
+    if sandboxes.pool is not None:
+        side.background += sandbox_faults(sandboxes.pool, cfg.faults, cfg.run.seed)
+    if side.window is not None:
+        side.background.append(asyncio.create_task(side.window.control()))

@@ -1,0 +1,76 @@
+"""A step's line of `metrics.jsonl`: the batch's rewards, staleness, failures and timings, the
+trainer's figures, and what the engine and the sandbox pool did meanwhile."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from venusrl.coordinator.admission import AdmissionWindow
+from venusrl.coordinator.coordinator import GroupResult
+
+
+def admission_metrics(window: AdmissionWindow | None) -> dict[str, int]:
+    """The window's state when a step ends (nothing without `rollout.admission`)."""
+    if window is None:
+        return {}
+    return {
+        "admission_window": window.window,
+        "episodes_active": window.active,
+        "episodes_held_back": window.waiting,
+    }
+
+
+def step_metrics(
+    step: int,
+    batch: list[GroupResult],
+    version: int,
+    wall_s: float,
+    extra: dict[str, Any],
+    by_env: bool = False,
+) -> dict[str, Any]:
+    """The `metrics.jsonl` line of a step; `by_env` adds each environment's mean reward and group
+    count (a mixed run)."""
+    trajectories = [t for g in batch for t in g.trajectories]
+    scored = [t.reward for t in trajectories if t.reward is not None]
+    wins = [t for t in trajectories if t.reward is not None and t.reward > 0]
+    model_versions = [v for t in trajectories for v, m in zip(t.versions, t.mask, strict=True) if m]
+    durations = sorted(g.duration_s for g in batch)
+    return {
+        "step": step,
+        "reward_mean": sum(scored) / len(scored) if scored else None,
+        "weight_version": version,
+        "staleness_mean": (
+            sum(version - 1 - v for v in model_versions) / len(model_versions)
+            if model_versions
+            else 0.0
+        ),
+        "staleness_max": max((version - 1 - v for v in model_versions), default=0),
+        "groups": len(batch),
+        "group_s": [round(d, 3) for d in durations],  # open to last member's end, sorted
+        "infra_failures": sum(g.infra_failures for g in batch),
+        "env_failures": sum(g.env_failures for g in batch),  # of them, the environment's bugs
+        "masked": sum(g.masked for g in batch),
+        "tool_calls_mean": sum(t.tool_calls for t in trajectories) / max(len(trajectories), 1),
+        "wins": len(wins),
+        "tool_calls_per_win": sum(t.tool_calls for t in wins) / len(wins) if wins else None,
+        "wall_s": wall_s,
+        **extra,
+        **({"by_env": _by_env(batch)} if by_env else {}),
+    }
+
+
+def since(before: dict[str, float], now: dict[str, float]) -> dict[str, float]:
+    """Counters from `before` to `now` (a counter `before` lacks counts from zero)."""
+    return {k: v - before.get(k, 0) for k, v in now.items()}
+
+
+def _by_env(batch: list[GroupResult]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for name in sorted({g.env for g in batch}):
+        groups = [g for g in batch if g.env == name]
+        scored = [t.reward for g in groups for t in g.trajectories if t.reward is not None]
+        out[name] = {
+            "groups": len(groups),
+            "reward_mean": sum(scored) / len(scored) if scored else None,
+        }
+    return out
