@@ -648,9 +648,12 @@ def test_a_client_that_goes_away_stops_its_generation(server: str, path: str) ->
         if path == "/v1/completions"
         else {"input_ids": [300, 301], "sampling_params": {"max_tokens": 400, "ignore_eos": True}}
     )
+    before = engine_counters(server)["generated_tokens"]
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server}{path}", json=body, headers=auth(), timeout=0.5)
     assert _idle_within(server, 5), _load(server)
+    # Stopped, not finished: a few seconds are enough to generate all 400 tokens here.
+    assert engine_counters(server)["generated_tokens"] - before < 400
 
 
 def test_one_failing_prompt_runs_none_of_its_request(server: str) -> None:

@@ -34,7 +34,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from venusrl.engine.async_engine import AsyncEngine, EngineClosed, TokenDelta
 from venusrl.engine.engine import Engine, RequestError
@@ -221,13 +223,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
     app.state.runner = runner
     tok = engine.tokenizer
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next: Callable[..., Any]) -> Any:
-        given = request.headers.get("authorization", "")
-        authorized = hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode())
-        if api_key and request.url.path != "/health" and not authorized:
-            return _error(401, "missing or wrong API key (Authorization: Bearer ...)")
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(_ApiKeyCheck, api_key=api_key)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -513,6 +510,24 @@ FORMS = {
     "stop": "a string or a list of strings",
     "content": "a string or a list of text parts",
 }
+
+
+class _ApiKeyCheck:
+    """Refuses every path but /health without the key. Plain ASGI: a `@app.middleware("http")`
+    (Starlette's BaseHTTPMiddleware) hides the client's disconnect from the endpoint, so a
+    request whose client went away would run to its end."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = Headers(scope=scope).get("authorization", "")
+            if not hmac.compare_digest(given.encode(), self.expected):
+                response = _error(401, "missing or wrong API key (Authorization: Bearer ...)")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def checked(check: Callable[[], None]) -> None:
