@@ -1,7 +1,9 @@
-"""The sampler draws from the distribution it reports, and a seed fixes each row's draws alone."""
+"""The sampler draws from the distribution it reports, and a seed fixes each row's draws alone;
+rows that ask for top logprobs get that distribution's most likely tokens."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from venusrl.engine.request import SamplingParams
@@ -14,7 +16,7 @@ def test_sampled_tokens_follow_the_temperature_scaled_distribution() -> None:
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0]])
     params = SamplingParams(temperature=0.7, max_tokens=1)
     n = 20_000
-    tokens, logprobs = sample(logits.expand(n, -1), [params] * n, [7] * n, list(range(n)))
+    tokens, logprobs, _ = sample(logits.expand(n, -1), [params] * n, [7] * n, list(range(n)))
     expected = torch.softmax(logits[0] / 0.7, -1)
     counts = torch.bincount(torch.tensor(tokens), minlength=5).double() / n
     # 5 standard errors of a binomial share, at most ~0.017 here
@@ -29,7 +31,7 @@ def test_top_k_and_top_p_rows_draw_only_inside_their_cut() -> None:
     k2 = SamplingParams(temperature=1.0, top_k=2, max_tokens=1)
     p = SamplingParams(temperature=1.0, top_p=0.5, max_tokens=1)
     rows = [k2, p] * 1_000
-    tokens, _ = sample(logits, rows, list(range(2_000)), [0] * 2_000)
+    tokens, _, _ = sample(logits, rows, list(range(2_000)), [0] * 2_000)
     assert set(tokens[0::2]) == {0, 1}
     assert set(tokens[1::2]) <= {0, 1} and len(set(tokens[1::2])) == 2
 
@@ -38,9 +40,53 @@ def test_a_rows_draw_depends_only_on_its_seed_and_counter() -> None:
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
     params = [SamplingParams(temperature=1.0, max_tokens=1)] * 6
     seeds, counters = [11, 12, 13, 14, 15, 16], [0, 3, 1, 4, 1, 5]
-    together, _ = sample(logits, params, seeds, counters)
+    together, _, _ = sample(logits, params, seeds, counters)
     alone = [sample(logits[i : i + 1], params[:1], seeds[i : i + 1], counters[i : i + 1])[0][0]
              for i in range(6)]  # fmt: skip
     assert together == alone
     u = uniforms([1, 1, 2], [0, 1, 0])
     assert len(set(u.tolist())) == 3 and ((u > 0) & (u <= 1)).all()
+
+
+def test_top_logprobs_are_the_most_likely_tokens_of_the_distribution_sampled_from() -> None:
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(1)) * 3
+    params = [
+        SamplingParams(temperature=0, top_logprobs=5),  # greedy: raw logits
+        SamplingParams(temperature=0.7, top_k=2, top_logprobs=20),  # before the top-k cut
+        SamplingParams(temperature=1.3, top_logprobs=0),
+        SamplingParams(temperature=0, top_logprobs=1),
+    ]
+    seeds, counters = [None, 3, 4, None], [0, 0, 0, 0]
+    tokens, logprobs, top = sample(logits, params, seeds, counters)
+    temps = torch.tensor([1.0, 0.7, 1.3, 1.0])[:, None]
+    expected = torch.log_softmax(logits / temps, dim=-1)
+    assert top[2] is None
+    for row in (0, 1, 3):
+        alternatives = top[row]
+        assert alternatives is not None
+        values, ids = expected[row].topk(params[row].top_logprobs)
+        assert [t for t, _ in alternatives] == ids.tolist()
+        torch.testing.assert_close(torch.tensor([lp for _, lp in alternatives]), values)
+    assert top[0] is not None and top[0][0] == (tokens[0], logprobs[0])  # greedy takes the best
+    # Asking changes neither the tokens nor their logprobs.
+    plain = [SamplingParams(temperature=p.temperature, top_k=p.top_k) for p in params]
+    assert sample(logits, plain, seeds, counters)[:2] == (tokens, logprobs)
+    # All greedy rows take the path without a softmax; their alternatives agree with it.
+    greedy_tokens, _, greedy_top = sample(logits[[0, 3]], params[0::3], [None] * 2, [0] * 2)
+    assert greedy_tokens == [tokens[0], tokens[3]]
+    for fast, slow in zip(greedy_top, (top[0], top[3]), strict=True):
+        assert fast is not None and slow is not None
+        assert [t for t, _ in fast] == [t for t, _ in slow]
+        assert [lp for _, lp in fast] == pytest.approx([lp for _, lp in slow], abs=1e-5)
+
+
+def test_a_vocabulary_smaller_than_the_count_asked_gives_all_of_it() -> None:
+    logits = torch.tensor([[0.0, 2.0, 1.0]])
+    _, _, top = sample(logits, [SamplingParams(temperature=0, top_logprobs=20)], [None], [0])
+    assert top[0] is not None and [t for t, _ in top[0]] == [1, 2, 0]
+
+
+@pytest.mark.parametrize("count", [-1, 21])
+def test_top_logprobs_outside_0_to_20_is_refused_by_name(count: int) -> None:
+    with pytest.raises(ValueError, match="top_logprobs must be in \\[0, 20\\]"):
+        SamplingParams(top_logprobs=count)

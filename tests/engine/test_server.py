@@ -20,6 +20,7 @@ import torch
 from tests.conftest import write_hf_model
 from tests.engine.test_parity_hf import reference_logprobs, reference_tokens
 from venusrl.engine.remote import RemoteEngine
+from venusrl.engine.request import GenerationOutput, SamplingParams
 from venusrl.engine.tokenizer import Tokenizer, write_byte_level_tokenizer
 
 API_KEY = "test-key"
@@ -213,6 +214,25 @@ def test_native_generate_returns_tokens_logprobs_and_versions(server: str) -> No
     assert len(out["token_ids"]) == len(out["logprobs"]) == len(out["weight_versions"]) == 10
     assert all(v == 0 for v in out["weight_versions"])
     assert all(lp <= 0 for lp in out["logprobs"])
+    assert out["top_logprobs"] == []  # not asked
+
+
+def test_native_generate_and_the_remote_engine_return_top_logprobs_when_asked(
+    server: str,
+) -> None:
+    async def generate() -> GenerationOutput:
+        remote = RemoteEngine(server, API_KEY)
+        try:
+            params = SamplingParams(max_tokens=5, temperature=0, top_logprobs=3)
+            return await remote.generate(list(range(300, 330)), params)
+        finally:
+            await remote.close()
+
+    out = asyncio.run(generate())
+    assert len(out.top_logprobs) == len(out.token_ids) == 5
+    for token, logprob, top in zip(out.token_ids, out.logprobs, out.top_logprobs, strict=True):
+        assert len(top) == 3 and top[0] == (token, pytest.approx(logprob))  # greedy: the best
+        assert [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
 
 
 def engine_counters(server: str) -> dict[str, float]:
@@ -281,7 +301,7 @@ def test_a_trajectory_keeps_its_kv_across_a_tool_wait_and_ends_over_http(server:
         ("/v1/completions", {"prompt": [1], "ignore_eos": 1}, 400, "ignore_eos"),
         ("/v1/completions", {"prompt": [1, "a"]}, 400, "prompt: must be a string, a list"),
         ("/v1/completions", {"prompt": [[1], []]}, 400, "prompt[1] is empty"),
-        ("/v1/completions", {"prompt": [1], "logprobs": 2}, 400, "top alternatives"),
+        ("/v1/completions", {"prompt": [1], "logprobs": 21}, 400, "logprobs: "),
         ("/v1/completions", {"prompt": [1], "logit_bias": {"5": 10}}, 400, "logit_bias"),
         ("/v1/completions", {"prompt": [1], "stop_token_ids": [99999]}, 400, "stop token id"),
         ("/v1/completions", {"prompt": [99999], "stream": True}, 400, "outside the vocabulary"),
@@ -290,7 +310,7 @@ def test_a_trajectory_keeps_its_kv_across_a_tool_wait_and_ends_over_http(server:
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3},
             400,
-            "top alternatives",
+            "top_logprobs needs logprobs: true",
         ),
         (
             "/v1/chat/completions",
@@ -445,6 +465,167 @@ def test_streamed_chunks_carry_logprobs_and_usage_when_asked(client: openai.Open
     assert (usage.prompt_tokens, usage.completion_tokens) == (whole.usage.prompt_tokens, 8)
 
 
+def reference_distributions(
+    hf: Any, prompt: list[int], tokens: list[int], temperature: float = 1.0
+) -> torch.Tensor:
+    """[len(tokens), vocab]: the log-distribution each generated token was drawn from."""
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = hf(ids).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits / temperature, -1)
+
+
+def test_completion_top_logprobs_are_the_k_most_likely_tokens_and_the_sampled_one(
+    client: openai.OpenAI, reference: Any, model_dir: Path
+) -> None:
+    tok = Tokenizer.load(model_dir)
+    assert tok is not None
+    prompt = list(range(300, 330))
+    resp = client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=8,
+        temperature=0.8,
+        seed=3,
+        logprobs=5,
+        extra_body={"ignore_eos": True},
+    )
+    choice = resp.choices[0]
+    tokens = choice.model_extra["token_ids"]
+    logprobs = choice.logprobs
+    assert logprobs is not None and logprobs.top_logprobs is not None
+    assert logprobs.token_logprobs is not None and len(logprobs.top_logprobs) == 8
+    expected = reference_distributions(reference, prompt, tokens, temperature=0.8)
+    sampled = expected.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    assert logprobs.token_logprobs == pytest.approx(sampled.tolist(), abs=1e-4)
+    outside = 0
+    for position, (token, top) in enumerate(zip(tokens, logprobs.top_logprobs, strict=True)):
+        values, ids = expected[position].topk(5)
+        # OpenAI's legacy shape: by text, with the sampled token even when it is not among them.
+        want: dict[str, float] = {}
+        for t, lp in zip(
+            [*ids.tolist(), token], [*values.tolist(), sampled[position]], strict=True
+        ):
+            want.setdefault(tok.decode([t]), float(lp))
+        outside += token not in ids.tolist()
+        assert top == pytest.approx(want, abs=1e-4)
+    assert outside < 8, "every sampled token was outside the top 5: the test shows little"
+
+
+def test_chat_top_logprobs_list_the_k_most_likely_tokens_in_openais_shape(
+    client: openai.OpenAI, reference: Any, model_dir: Path
+) -> None:
+    tok = Tokenizer.load(model_dir)
+    assert tok is not None
+    messages = [{"role": "user", "content": "Name a colour."}]
+    resp = client.chat.completions.create(
+        model="tiny",
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    choice = resp.choices[0]
+    tokens = choice.model_extra["token_ids"]
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    content = choice.logprobs.content
+    expected = reference_distributions(reference, tok.encode_chat(messages), tokens)
+    assert len(content) == len(tokens) == 6
+    for position, entry in enumerate(content):
+        values, ids = expected[position].topk(3)
+        assert [a.token for a in entry.top_logprobs] == [tok.decode([t]) for t in ids.tolist()]
+        assert [a.logprob for a in entry.top_logprobs] == pytest.approx(values.tolist(), abs=1e-4)
+        assert all(a.bytes == list(a.token.encode()) for a in entry.top_logprobs)
+        best = entry.top_logprobs[0]  # greedy: the sampled token is the most likely
+        assert (best.token, best.logprob) == (entry.token, entry.logprob)
+
+
+def test_streamed_chunks_carry_the_same_top_logprobs_as_the_whole_answer(
+    client: openai.OpenAI,
+) -> None:
+    chat: dict[str, Any] = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Hello"}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 4,
+        "extra_body": {"ignore_eos": True},
+    }
+    whole = client.chat.completions.create(**chat).choices[0].logprobs
+    assert whole is not None and whole.content is not None
+    streamed = [
+        entry
+        for c in client.chat.completions.create(**chat, stream=True)
+        if c.choices and c.choices[0].logprobs
+        for entry in c.choices[0].logprobs.content or []
+    ]
+    assert [[a.token for a in e.top_logprobs] for e in streamed] == [
+        [a.token for a in e.top_logprobs] for e in whole.content
+    ]
+    assert [a.logprob for e in streamed for a in e.top_logprobs] == pytest.approx(
+        [a.logprob for e in whole.content for a in e.top_logprobs], abs=1e-4
+    )
+    assert all(len(e.top_logprobs) == 4 for e in streamed) and len(streamed) == 6
+    completion: dict[str, Any] = {
+        "model": "tiny",
+        "prompt": list(range(300, 320)),
+        "max_tokens": 6,
+        "temperature": 0,
+        "logprobs": 2,
+        "extra_body": {"ignore_eos": True},
+    }
+    whole_top = client.completions.create(**completion).choices[0].logprobs
+    assert whole_top is not None and whole_top.top_logprobs is not None
+    streamed_top = [
+        top
+        for c in client.completions.create(**completion, stream=True)
+        if c.choices[0].logprobs is not None
+        for top in c.choices[0].logprobs.top_logprobs or []
+    ]
+    assert len(streamed_top) == 6
+    for got, want in zip(streamed_top, whole_top.top_logprobs, strict=True):
+        assert got == pytest.approx(want, abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/v1/completions", {"prompt": [300], "logprobs": 21}, "logprobs"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+        ),
+        (
+            "/generate",
+            {"input_ids": [300], "sampling_params": {"top_logprobs": 21}},
+            "sampling_params.top_logprobs",
+        ),
+    ],
+)
+def test_more_than_20_alternatives_is_a_400_naming_the_field(
+    server: str, path: str, body: dict[str, Any], field: str
+) -> None:
+    r = httpx.post(f"{server}{path}", json=body, headers=auth(), timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and error["message"].startswith(f"{field}: ")
+    assert "20" in error["message"]
+    ok = httpx.post(f"{server}{path}", json={**body, **_twenty(body)}, headers=auth(), timeout=60)
+    assert ok.status_code == 200, ok.text
+
+
+def _twenty(body: dict[str, Any]) -> dict[str, Any]:
+    """`body` asking for 20 alternatives, the most there are, and one token."""
+    if "sampling_params" in body:
+        return {"sampling_params": {"top_logprobs": 20, "max_tokens": 1}}
+    key = "logprobs" if "prompt" in body else "top_logprobs"
+    return {key: 20, "max_tokens": 1}
+
+
 def _load(server: str) -> tuple[int, int]:
     health = httpx.get(f"{server}/health", timeout=30).json()
     return health["running"], health["waiting"]
@@ -467,9 +648,12 @@ def test_a_client_that_goes_away_stops_its_generation(server: str, path: str) ->
         if path == "/v1/completions"
         else {"input_ids": [300, 301], "sampling_params": {"max_tokens": 400, "ignore_eos": True}}
     )
+    before = engine_counters(server)["generated_tokens"]
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server}{path}", json=body, headers=auth(), timeout=0.5)
     assert _idle_within(server, 5), _load(server)
+    # Stopped, not finished: a few seconds are enough to generate all 400 tokens here.
+    assert engine_counters(server)["generated_tokens"] - before < 400
 
 
 def test_one_failing_prompt_runs_none_of_its_request(server: str) -> None:

@@ -14,11 +14,11 @@ import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from venusrl.engine.engine import Engine
-from venusrl.engine.request import GenerationOutput, Request, SamplingParams
+from venusrl.engine.request import GenerationOutput, Request, SamplingParams, TopLogprobs
 from venusrl.policy.engine_schedule import RETRY_AFTER_S
 
 log = logging.getLogger(__name__)
@@ -27,11 +27,13 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class TokenDelta:
-    """New tokens of a running request; `output` is set on the last delta."""
+    """New tokens of a running request; `output` is set on the last delta. `top_logprobs` has one
+    entry per token when the request asks for them, none otherwise."""
 
     token_ids: list[int]
     logprobs: list[float]
     output: GenerationOutput | None = None
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
 
 
 @dataclass
@@ -185,7 +187,10 @@ class AsyncEngine:
                 output = self.engine.pop_finished(request_id)
                 del self._listeners[request_id]
             delta = TokenDelta(
-                r.output_ids[listener.sent :], r.output_logprobs[listener.sent :], output
+                r.output_ids[listener.sent :],
+                r.output_logprobs[listener.sent :],
+                output,
+                r.output_top_logprobs[listener.sent :],
             )
             listener.sent = len(r.output_ids)
             listener.loop.call_soon_threadsafe(listener.queue.put_nowait, delta)

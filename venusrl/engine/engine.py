@@ -638,15 +638,15 @@ class Engine:
             self.stats.computed_tokens += n
             if r.num_computed == r.num_tokens:
                 sampling.append(r)
-        tokens, logprobs = sample(
+        tokens, logprobs, tops = sample(
             logits,
             [r.params for r in sampling],
             [r.sampling_seed for r in sampling],
             [len(r.output_ids) for r in sampling],
         )
         finished = []
-        for r, token, logprob in zip(sampling, tokens, logprobs, strict=True):
-            r.append_token(token, logprob, self.weight_version)
+        for r, token, logprob, top in zip(sampling, tokens, logprobs, tops, strict=True):
+            r.append_token(token, logprob, self.weight_version, top)
             self.stats.generated_tokens += 1
             if r.after_tool and len(r.output_ids) == 1:  # not again after a preemption
                 self.stats.tool_returns += 1

@@ -59,6 +59,7 @@ class RemoteEngine:
                 [int(v) for v in d["weight_versions"]],
                 str(d["finish_reason"]),
                 int(d.get("cached_tokens", 0)),
+                [[(int(t), float(lp)) for t, lp in top] for top in d.get("top_logprobs", [])],
             )
         except (KeyError, TypeError, ValueError) as e:
             raise RemoteEngineError(f"/generate: malformed reply: {e!r}") from None

@@ -15,6 +15,8 @@ class SamplingParams:
 
     Logprobs are those of the sampled token under softmax(logits / temperature) (raw logits when
     greedy), before top-k/top-p truncation: the behaviour policy a trainer corrects against.
+    `top_logprobs > 0` also returns that many most likely tokens of the same distribution at each
+    position (OpenAI's `logprobs`/`top_logprobs`, at most `MAX_TOP_LOGPROBS`).
     """
 
     max_tokens: int = 16
@@ -25,6 +27,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         problems = _type_problems(self)
@@ -38,6 +41,10 @@ class SamplingParams:
             problems.append(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             problems.append(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            problems.append(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+            )
         if any(not s for s in self.stop):
             problems.append("stop strings must not be empty")
         if self.seed is not None and not 0 <= self.seed < 2**63:
@@ -52,6 +59,10 @@ class SamplingParams:
 
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit; clients ask within it
+
+# A position's most likely tokens as (token id, logprob), most likely first.
+TopLogprobs = list[tuple[int, float]]
 
 
 def _type_problems(p: SamplingParams) -> list[str]:
@@ -59,7 +70,7 @@ def _type_problems(p: SamplingParams) -> list[str]:
         return isinstance(v, int) and not isinstance(v, bool)
 
     problems = []
-    for name in ("max_tokens", "top_k"):
+    for name in ("max_tokens", "top_k", "top_logprobs"):
         if not is_int(getattr(p, name)):
             problems.append(f"{name} must be an integer, got {getattr(p, name)!r}")
     for name in ("temperature", "top_p"):
@@ -116,6 +127,8 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_versions: list[int] = field(default_factory=list)
+    # One per output token when params.top_logprobs > 0; empty otherwise.
+    output_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache on admission
@@ -140,10 +153,14 @@ class Request:
     def __post_init__(self) -> None:
         self.all_ids = self.prompt_ids + self.output_ids
 
-    def append_token(self, token: int, logprob: float, version: int) -> None:
+    def append_token(
+        self, token: int, logprob: float, version: int, top: TopLogprobs | None = None
+    ) -> None:
         self.output_ids.append(token)
         self.output_logprobs.append(logprob)
         self.output_versions.append(version)
+        if top is not None:
+            self.output_top_logprobs.append(top)
         self.all_ids.append(token)
 
     @property
@@ -168,6 +185,8 @@ class GenerationOutput:
     weight_versions: list[int]
     finish_reason: str
     cached_prompt_tokens: int
+    # One per token when params.top_logprobs > 0; empty otherwise.
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
 
     @classmethod
     def of(cls, r: Request) -> GenerationOutput:
@@ -180,4 +199,5 @@ class GenerationOutput:
             list(r.output_versions),
             r.finish_reason,
             r.cached_prompt_tokens,
+            list(r.output_top_logprobs),
         )

@@ -6,7 +6,8 @@ uniform is a counter-based hash of the request's seed and the index of the token
 (SplitMix64), not a draw from a stateful generator, so a seeded request gives the same tokens
 whatever else is in the batch and whenever it runs (preempted and resumed too), and all rows are
 drawn in a few tensor operations. A per-row generator loop took a third of a decode step of
-the CPU example's model at 64 rows.
+the CPU example's model at 64 rows. Rows that ask for top logprobs get the top-k of the same
+log-softmax their sampled token's logprob comes from; a step in which no row asks computes none.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from venusrl.engine.request import SamplingParams
+from venusrl.engine.request import SamplingParams, TopLogprobs
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -45,14 +46,18 @@ def sample(
     params: Sequence[SamplingParams],
     seeds: Sequence[int | None],
     counters: Sequence[int],
-) -> tuple[list[int], list[float]]:
+) -> tuple[list[int], list[float], list[TopLogprobs | None]]:
     """logits: [rows, vocab] fp32; `seeds[i]` is row i's sampling stream (None when greedy),
-    `counters[i]` the index of the token it samples (its tokens so far). Returns the token ids
-    and their logprobs under the temperature-scaled distribution."""
+    `counters[i]` the index of the token it samples (its tokens so far). Returns the token ids,
+    their logprobs under the temperature-scaled distribution, and for each row whose params ask
+    for `top_logprobs` that many most likely tokens of that distribution (None for the others)."""
     if all(p.greedy for p in params):  # the common RL-eval case: no [rows, vocab] softmax
         tokens = logits.argmax(dim=-1)
-        chosen = logits.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
-        return tokens.tolist(), chosen.tolist()
+        norm = torch.logsumexp(logits, dim=-1)
+        chosen = logits.gather(1, tokens[:, None])[:, 0] - norm
+        # log_softmax's top-k is the logits' top-k less the row's normaliser.
+        top = _top_logprobs(logits, params, norm)
+        return tokens.tolist(), chosen.tolist(), top
     temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params])
     logprobs = torch.log_softmax(logits / temps.to(logits.device)[:, None], dim=-1)
     tokens = logits.argmax(dim=-1)
@@ -71,7 +76,26 @@ def sample(
     picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp_(max=cdf.shape[1] - 1)
     tokens[drawn] = picked[:, 0].to(tokens.dtype)
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
-    return tokens.tolist(), chosen.tolist()
+    return tokens.tolist(), chosen.tolist(), _top_logprobs(logprobs, params)
+
+
+def _top_logprobs(
+    scores: torch.Tensor, params: Sequence[SamplingParams], norm: torch.Tensor | None = None
+) -> list[TopLogprobs | None]:
+    """The `top_logprobs` best of each asking row of `scores` ([rows, vocab] logprobs, or logits
+    less `norm`, their rows' logsumexp), before top-k/top-p truncation as the sampled token's."""
+    asking = [row for row, p in enumerate(params) if p.top_logprobs > 0]
+    top: list[TopLogprobs | None] = [None] * len(params)
+    if not asking:
+        return top
+    k = min(max(params[row].top_logprobs for row in asking), scores.shape[1])
+    values, ids = scores[asking].topk(k, dim=-1)  # one top-k for the rows, cut to each's own k
+    if norm is not None:
+        values -= norm[asking][:, None]
+    for row, row_ids, row_values in zip(asking, ids.tolist(), values.tolist(), strict=True):
+        n = params[row].top_logprobs
+        top[row] = list(zip(row_ids[:n], row_values[:n], strict=True))
+    return top
 
 
 def _truncate(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -6,6 +6,7 @@
     POST /v1/completions         prompt as text or token ids; choices carry `token_ids` too
     POST /v1/chat/completions    the tokenizer's chat template
     POST /generate               token ids + trajectory metadata -> tokens, logprobs, versions
+                                 (and `top_logprobs`: [token id, logprob] pairs, when asked)
     POST /end_trajectory         no request of this trajectory follows: its KV may go
     POST /update_weights         load a safetensors directory into the running engine
 
@@ -33,12 +34,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from venusrl.engine.async_engine import AsyncEngine, EngineClosed, TokenDelta
 from venusrl.engine.engine import Engine, RequestError
 from venusrl.engine.model import ModelConfigError
-from venusrl.engine.request import GenerationOutput, SamplingParams
+from venusrl.engine.request import MAX_TOP_LOGPROBS, GenerationOutput, SamplingParams, TopLogprobs
 from venusrl.engine.tokenizer import IncrementalDecoder, Tokenizer, cut_at_stop
 
 log = logging.getLogger(__name__)
@@ -128,7 +131,8 @@ class _Sampling(_OpenAIBody):
 class CompletionBody(_Sampling):
     model: str | None = None
     prompt: str | list[Int] | list[str] | list[list[Int]]
-    logprobs: Int | None = Field(None, ge=0, description="0: the sampled tokens' logprobs")
+    # k: the sampled tokens' logprobs and, when k > 0, each position's k most likely tokens
+    logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: Literal[False] = False
 
 
@@ -153,7 +157,7 @@ class ChatBody(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: Bool = False
-    top_logprobs: Int | None = Field(None, ge=0)
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class _NativeBody(BaseModel):
@@ -170,6 +174,7 @@ class GenerateSampling(_NativeBody):
     stop: str | list[str] = Field(default_factory=list)
     stop_token_ids: list[Int] = Field(default_factory=list)
     ignore_eos: Bool = False
+    top_logprobs: Int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
 
     def params(self) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -218,13 +223,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
     app.state.runner = runner
     tok = engine.tokenizer
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next: Callable[..., Any]) -> Any:
-        given = request.headers.get("authorization", "")
-        authorized = hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode())
-        if api_key and request.url.path != "/health" and not authorized:
-            return _error(401, "missing or wrong API key (Authorization: Bearer ...)")
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(_ApiKeyCheck, api_key=api_key)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -268,7 +268,12 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         return prompt
 
     def sampling(
-        body: _Sampling, prompt_len: int, max_tokens: int | None, index: int, default: int = 16
+        body: _Sampling,
+        prompt_len: int,
+        max_tokens: int | None,
+        index: int,
+        top_logprobs: int,
+        default: int = 16,
     ) -> SamplingParams:
         """Choice `index` of the request: checked here, before any of its choices runs or a
         stream opens."""
@@ -291,6 +296,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
                 stop=tuple(stop),
                 stop_token_ids=tuple(body.stop_token_ids or ()),
                 ignore_eos=body.ignore_eos,
+                top_logprobs=top_logprobs,
             )
         except ValueError as e:
             raise ApiError(400, str(e)) from None
@@ -348,8 +354,6 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
     async def completions(body: CompletionBody, request: Request) -> Any:
         check_model(body.model)
         body.refuse_unsupported()
-        if body.logprobs not in (None, 0):
-            raise ApiError(400, TOP_LOGPROBS_UNSUPPORTED, "logprobs")
         raw = body.prompt
         single = isinstance(raw, str) or (raw and isinstance(raw[0], int))
         prompts: list[Any] = [raw] if single else list(raw)
@@ -357,7 +361,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             raise ApiError(400, "prompt is empty", "prompt")
         encoded = [encode(p, "prompt" if single else f"prompt[{i}]") for i, p in enumerate(prompts)]
         jobs = [
-            (ids, sampling(body, len(ids), body.max_tokens, i * body.n + j))
+            (ids, sampling(body, len(ids), body.max_tokens, i * body.n + j, body.logprobs or 0))
             for i, ids in enumerate(encoded)
             for j in range(body.n)
         ]
@@ -377,7 +381,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             choice["logprobs"] = (
                 None
                 if body.logprobs is None
-                else _completion_logprobs(tok, out.token_ids, out.logprobs)
+                else _completion_logprobs(tok, sp, out.token_ids, out.logprobs, out.top_logprobs)
             )
             choices.append(choice)
         return {
@@ -393,8 +397,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
     async def chat(body: ChatBody, request: Request) -> Any:
         check_model(body.model)
         body.refuse_unsupported()
-        if body.top_logprobs not in (None, 0):
-            raise ApiError(400, TOP_LOGPROBS_UNSUPPORTED, "top_logprobs")
+        if body.top_logprobs and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         if tok is None or tok.chat_template is None:
             raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
         try:
@@ -409,7 +413,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
         max_tokens = body.max_completion_tokens or body.max_tokens
         # As OpenAI's chat API: without max_tokens, generate up to the context limit.
         limit = engine.max_context
-        jobs = [(ids, sampling(body, len(ids), max_tokens, j, limit)) for j in range(body.n)]
+        top = body.top_logprobs or 0
+        jobs = [(ids, sampling(body, len(ids), max_tokens, j, top, limit)) for j in range(body.n)]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
             return _sse(_stream_chat(stream(body, jobs, rid, created, body.logprobs)))
@@ -422,7 +427,9 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
                     "finish_reason": out.finish_reason,
                     "message": {"role": "assistant", "content": text_of(out, sp.stop)},
                     "logprobs": (
-                        _chat_logprobs(tok, out.token_ids, out.logprobs) if body.logprobs else None
+                        _chat_logprobs(tok, out.token_ids, out.logprobs, out.top_logprobs)
+                        if body.logprobs
+                        else None
                     ),
                     "token_ids": out.token_ids,
                 }
@@ -459,6 +466,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
             "token_ids": out.token_ids,
             "logprobs": out.logprobs,
             "weight_versions": out.weight_versions,
+            "top_logprobs": out.top_logprobs,
             "finish_reason": out.finish_reason,
             "prompt_tokens": len(out.prompt_ids),
             "cached_tokens": out.cached_prompt_tokens,
@@ -496,16 +504,30 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> F
 
 Jobs = list[tuple[list[int], SamplingParams]]
 
-TOP_LOGPROBS_UNSUPPORTED = (
-    "top alternatives are not returned: 0 (or none) gives the sampled tokens' logprobs"
-)
-
 # Fields whose value may take several forms: one message for all of them, not one per form.
 FORMS = {
     "prompt": "a string, a list of token ids, a list of strings or a list of token-id lists",
     "stop": "a string or a list of strings",
     "content": "a string or a list of text parts",
 }
+
+
+class _ApiKeyCheck:
+    """Refuses every path but /health without the key. Plain ASGI: a `@app.middleware("http")`
+    (Starlette's BaseHTTPMiddleware) hides the client's disconnect from the endpoint, so a
+    request whose client went away would run to its end."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = Headers(scope=scope).get("authorization", "")
+            if not hmac.compare_digest(given.encode(), self.expected):
+                response = _error(401, "missing or wrong API key (Authorization: Bearer ...)")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def checked(check: Callable[[], None]) -> None:
@@ -604,26 +626,48 @@ def _token_text(tok: Tokenizer | None, token: int) -> str:
 
 
 def _completion_logprobs(
-    tok: Tokenizer | None, tokens: Sequence[int], logprobs: Sequence[float]
+    tok: Tokenizer | None,
+    sp: SamplingParams,
+    tokens: Sequence[int],
+    logprobs: Sequence[float],
+    tops: Sequence[TopLogprobs],
 ) -> dict[str, Any]:
+    """OpenAI's legacy shape: with `logprobs: k > 0`, each position's k most likely tokens by
+    text, and the sampled one too (up to k + 1 entries, as OpenAI documents). Tokens that decode
+    to the same text keep the most likely's logprob."""
+    top_logprobs = None
+    if sp.top_logprobs > 0:
+        top_logprobs = []
+        for token, logprob, top in zip(tokens, logprobs, tops, strict=True):
+            by_text: dict[str, float] = {}
+            for t, lp in [*top, (token, logprob)]:
+                by_text.setdefault(_token_text(tok, t), lp)
+            top_logprobs.append(by_text)
     return {
         "tokens": [_token_text(tok, t) for t in tokens],
         "token_logprobs": list(logprobs),
-        "top_logprobs": None,
+        "top_logprobs": top_logprobs,
         "text_offset": None,
     }
 
 
 def _chat_logprobs(
-    tok: Tokenizer | None, tokens: Sequence[int], logprobs: Sequence[float]
+    tok: Tokenizer | None,
+    tokens: Sequence[int],
+    logprobs: Sequence[float],
+    tops: Sequence[TopLogprobs],
 ) -> dict[str, Any]:
+    """`tops` is empty when no alternatives were asked: each token's `top_logprobs` is then []."""
     content = []
-    for t, lp in zip(tokens, logprobs, strict=True):
-        text = _token_text(tok, t)
-        content.append(
-            {"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
-        )
+    for t, lp, top in zip(tokens, logprobs, tops or [[] for _ in tokens], strict=True):
+        alternatives = [_chat_token(tok, a, alp) for a, alp in top]
+        content.append({**_chat_token(tok, t, lp), "top_logprobs": alternatives})
     return {"content": content}
+
+
+def _chat_token(tok: Tokenizer | None, token: int, logprob: float) -> dict[str, Any]:
+    text = _token_text(tok, token)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
 def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
@@ -719,7 +763,10 @@ async def _stream_completion(s: _Stream) -> AsyncIterator[dict[str, Any]]:
             "finish_reason": _finish_reason(delta),
         }
         if s.logprobs:
-            choice["logprobs"] = _completion_logprobs(s.tok, delta.token_ids, delta.logprobs)
+            sp = s.jobs[index][1]
+            choice["logprobs"] = _completion_logprobs(
+                s.tok, sp, delta.token_ids, delta.logprobs, delta.top_logprobs
+            )
         yield {**base, "choices": [choice]}
     if s.include_usage:
         yield {**base, "choices": [], "usage": _stream_usage(s, completion_tokens)}
@@ -739,7 +786,9 @@ async def _stream_chat(s: _Stream) -> AsyncIterator[dict[str, Any]]:
             "finish_reason": _finish_reason(delta),
         }
         if s.logprobs:
-            choice["logprobs"] = _chat_logprobs(s.tok, delta.token_ids, delta.logprobs)
+            choice["logprobs"] = _chat_logprobs(
+                s.tok, delta.token_ids, delta.logprobs, delta.top_logprobs
+            )
         yield {**base, "choices": [choice]}
     if s.include_usage:
         yield {**base, "choices": [], "usage": _stream_usage(s, completion_tokens)}
