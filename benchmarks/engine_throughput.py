@@ -55,8 +55,9 @@ def make_workload(seed: int, groups: int, group_size: int, vocab: int) -> list[d
 def run_venusrl(model_dir: Path, threads: int) -> Callable[[list[dict[str, Any]]], dict[str, Any]]:
     """Load our engine once; each call runs the workload from a cold prefix cache."""
     from venusrl.engine.config import EngineConfig
-    from venusrl.engine.engine import Engine, EngineStats
-    from venusrl.engine.request import SamplingParams
+    from venusrl.engine.engine import Engine
+    from venusrl.engine.kv_manager import EngineStats
+    from venusrl.types import SamplingParams
 
     engine = Engine.from_model_dir(model_dir, EngineConfig(threads=threads, device_kv_pages=8192))
     engine.generate([[1, 2, 3, 4] * 8], SamplingParams(max_tokens=8, temperature=0))  # warm-up

@@ -7,7 +7,7 @@ LN(0.4 s, 0.8), scaled by `--tool-scale` for a CPU (the model is far faster to w
 run than a real one). The device KV pool holds `--capacity` (about a third) of the pages that
 all trajectories' final contexts need; the host tier holds all of them.
 
-The same workload runs through the same engine class twice, once per `engine.retention`:
+The same workload runs through the same engine class twice, once per `engine.cache.retention`:
 
 - `lru`: a plain radix cache (SGLang-like): least recently used first, dropped;
 - `trajectory`: each turn's request tells the engine the tool wait that follows
@@ -52,14 +52,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from venusrl.engine.config import EngineConfig  # noqa: E402
-from venusrl.engine.engine import REPREFILL_CAUSES, Engine, tool_return_wait_mean_s  # noqa: E402
+from venusrl.engine.engine import Engine, tool_return_wait_mean_s  # noqa: E402
+from venusrl.engine.kv_manager import REPREFILL_CAUSES  # noqa: E402
 from venusrl.engine.model_dir import (  # noqa: E402
     ModelConfigError,
     init_model_dir,
     read_model_config,
 )
-from venusrl.engine.request import SamplingParams  # noqa: E402
 from venusrl.policy.critical_groups import HIGH  # noqa: E402
+from venusrl.types import SamplingParams, TurnMeta  # noqa: E402
 from venusrl.workloads import LogNormal  # noqa: E402
 
 TOOL_BODY = LogNormal(0.4, 0.8)  # WORKLOADS.md, swe-long: tool latency body, seconds
@@ -152,10 +153,12 @@ def run(
             r = engine.add_request(
                 t.context,
                 params,
-                priority=HIGH,
-                trajectory_id=t.tid,
-                group_id=t.tid.split("-")[0],
-                expected_wait_s=pin_s if turn + 1 < len(t.turns) else None,
+                TurnMeta(
+                    priority=HIGH,
+                    trajectory_id=t.tid,
+                    group_id=t.tid.split("-")[0],
+                    expected_wait_s=pin_s if turn + 1 < len(t.turns) else None,
+                ),
             )
             by_request[r.request_id] = t
         if not engine.has_work():

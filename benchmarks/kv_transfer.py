@@ -39,17 +39,18 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from venusrl.engine.config import EngineConfig  # noqa: E402
-from venusrl.engine.engine import DTYPES, Engine  # noqa: E402
+from venusrl.engine.engine import Engine  # noqa: E402
 from venusrl.engine.kv_cache import KVCache  # noqa: E402
+from venusrl.engine.kv_manager import DTYPES  # noqa: E402
 from venusrl.engine.model_dir import (  # noqa: E402
     ModelConfigError,
     init_model_dir,
     load_model,
     read_model_config,
 )
-from venusrl.engine.request import SamplingParams  # noqa: E402
 from venusrl.policy.critical_groups import HIGH  # noqa: E402
 from venusrl.policy.layer_residency import LayerResidency  # noqa: E402
+from venusrl.types import SamplingParams, TurnMeta  # noqa: E402
 
 PAGE_SIZE = 16
 
@@ -138,7 +139,7 @@ def decode(
     params = SamplingParams(max_tokens=args.steps + 1, temperature=0, ignore_eos=True)
     ids = [
         engine.add_request(
-            [(7 * r + 13 * i) % vocab for i in range(args.context)], params, priority=HIGH
+            [(7 * r + 13 * i) % vocab for i in range(args.context)], params, TurnMeta(priority=HIGH)
         ).request_id
         for r in range(args.requests)
     ]

@@ -80,7 +80,7 @@ def actor_call_cost(calls: int = 2000) -> dict[str, float]:
 
     import ray
 
-    from venusrl.engine.request import SamplingParams
+    from venusrl.types import SamplingParams
 
     ray.init(include_dashboard=False, logging_level="WARNING")
     try:

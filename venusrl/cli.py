@@ -230,7 +230,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from venusrl.engine.engine import Engine
-    from venusrl.engine.server import create_app
+    from venusrl.server.app import create_app
 
     flags = {
         "model": args.model,
@@ -289,7 +289,7 @@ def _model_init(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from venusrl.engine.engine import Engine
-    from venusrl.engine.request import SamplingParams
+    from venusrl.types import SamplingParams
 
     cfg = load_config(args.config, args.overrides)
     engine = Engine.from_model_dir(args.model, cfg.engine)

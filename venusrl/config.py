@@ -18,11 +18,12 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from venusrl.coordinator.config import RolloutConfig
-from venusrl.engine.config import EngineConfig, ServerConfig
+from venusrl.engine.config import EngineConfig
 from venusrl.envs.config import SandboxConfig
 from venusrl.envs.loading import canonical_reference
 from venusrl.runtime.config import FaultsConfig, RunConfig, RuntimeConfig
 from venusrl.sections import Section
+from venusrl.server.config import ServerConfig
 from venusrl.trainer.config import TrainerConfig
 
 

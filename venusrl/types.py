@@ -1,16 +1,134 @@
-"""Records that cross roles: a trajectory is a token record (DESIGN.md contract 4).
+"""What crosses roles (DESIGN.md contracts): a turn's request to an engine and what it returns,
+and the trajectory, a token record. A leaf: it imports nothing of the package.
 
-Token ids of the whole episode in order (prompt, then each model turn and each observation), a
-mask of which tokens the model produced (only those are trained), the behaviour logprob and weight
-version of every model token, where each model turn starts, the reward and the failure class.
-Nothing is ever re-tokenised: the trainer sees exactly the tokens the engine saw.
+A trajectory holds the token ids of the whole episode in order (prompt, then each model turn and
+each observation), a mask of which tokens the model produced (only those are trained), the
+behaviour logprob and weight version of every model token, where each model turn starts, the
+reward and, for an episode the platform failed, what failed. Nothing is ever re-tokenised: the
+trainer sees exactly the tokens the engine saw.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. `temperature == 0` is greedy.
+
+    Logprobs are those of the sampled token under softmax(logits / temperature) (raw logits when
+    greedy), before top-k/top-p truncation: the behaviour policy a trainer corrects against.
+    `top_logprobs > 0` also returns that many most likely tokens of the same distribution at each
+    position (OpenAI's `logprobs`/`top_logprobs`, at most `MAX_TOP_LOGPROBS`).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        problems = _type_problems(self)
+        if problems:  # comparing values of the wrong type would only raise confusing errors
+            raise ValueError("; ".join(problems))
+        if self.max_tokens < 1:
+            problems.append(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            problems.append(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            problems.append(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            problems.append(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+            )
+        if any(not s for s in self.stop):
+            problems.append("stop strings must not be empty")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            problems.append(f"seed must be in [0, 2**63), got {self.seed}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def greedy(self) -> bool:
+        # Below ~1e-5, logits / temperature overflows fp32; such temperatures mean greedy.
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+
+GREEDY_BELOW_TEMPERATURE = 1e-5
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit; clients ask within it
+
+# A position's most likely tokens as (token id, logprob), most likely first.
+TopLogprobs = list[tuple[int, float]]
+
+
+def _type_problems(p: SamplingParams) -> list[str]:
+    def is_int(v: object) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    problems = []
+    for name in ("max_tokens", "top_k", "top_logprobs"):
+        if not is_int(getattr(p, name)):
+            problems.append(f"{name} must be an integer, got {getattr(p, name)!r}")
+    for name in ("temperature", "top_p"):
+        value = getattr(p, name)
+        if not (isinstance(value, int | float) and not isinstance(value, bool)):
+            problems.append(f"{name} must be a number, got {value!r}")
+    if p.seed is not None and not is_int(p.seed):
+        problems.append(f"seed must be an integer, got {p.seed!r}")
+    if not isinstance(p.ignore_eos, bool):
+        problems.append(f"ignore_eos must be true or false, got {p.ignore_eos!r}")
+    if not isinstance(p.stop, tuple) or not all(isinstance(s, str) for s in p.stop):
+        problems.append(f"stop must be a tuple of strings, got {p.stop!r}")
+    if not isinstance(p.stop_token_ids, tuple) or not all(is_int(t) for t in p.stop_token_ids):
+        problems.append(f"stop_token_ids must be a tuple of integers, got {p.stop_token_ids!r}")
+    return problems
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    weight_versions: list[int]
+    finish_reason: str
+    cached_prompt_tokens: int
+    # One per token when params.top_logprobs > 0; empty otherwise.
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class TurnMeta:
+    """What a generation request says about the turn it belongs to, beyond its tokens: the
+    engine schedules, caches and keeps KV by it."""
+
+    priority: int = 0  # higher runs first (`policy.critical_groups`: HIGH or BEST_EFFORT)
+    trajectory_id: str | None = None  # its turns share KV; `end_trajectory` lets it go
+    group_id: str | None = None  # GRPO siblings share their prompt's KV
+    # After this turn the trajectory waits on a tool, expected back within this many seconds:
+    # its KV is pinned until then (engine.retention=trajectory).
+    expected_wait_s: float | None = None
+
+
+class Generate(Protocol):
+    """One turn of generation: an in-process engine (`AsyncEngine.generate`), a served one
+    (`RemoteEngine.generate`), or anything that answers as they do (scripted demonstrations)."""
+
+    async def __call__(
+        self, prompt_ids: list[int], params: SamplingParams, meta: TurnMeta
+    ) -> GenerationOutput: ...
 
 
 @dataclass(frozen=True)

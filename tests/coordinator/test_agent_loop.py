@@ -19,12 +19,18 @@ from venusrl.engine.async_engine import AsyncEngine
 from venusrl.engine.config import EngineConfig
 from venusrl.engine.engine import Engine
 from venusrl.engine.model_dir import init_model_dir
-from venusrl.engine.request import GenerationOutput, SamplingParams
 from venusrl.engine.tokenizer import Tokenizer
 from venusrl.envs import SandboxPool
 from venusrl.envs.builtin.guess_number import BinarySearchExpert, GuessNumber
 from venusrl.policy.critical_groups import HIGH
-from venusrl.types import FailureKind, Finish, Trajectory
+from venusrl.types import (
+    FailureKind,
+    Finish,
+    GenerationOutput,
+    SamplingParams,
+    Trajectory,
+    TurnMeta,
+)
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
 torch.set_num_threads(1)
@@ -54,7 +60,7 @@ class ScriptedPolicy:
         self.eos = tokenizer.encode("<|im_end|>")
 
     async def __call__(
-        self, prompt_ids: list[int], params: SamplingParams, **meta: Any
+        self, prompt_ids: list[int], params: SamplingParams, meta: TurnMeta
     ) -> GenerationOutput:
         seen = len(self.prompts[-1]) + len(self.outputs[-1]) if self.prompts else len(prompt_ids)
         observation = self.tok.decode(prompt_ids[seen:], skip_special_tokens=True)

@@ -12,7 +12,6 @@ import pytest
 from venusrl.coordinator.agent_loop import ChatFormat, run_episode
 from venusrl.coordinator.config import RolloutConfig
 from venusrl.coordinator.demonstrations import ScriptedGenerate, retokenize
-from venusrl.engine.request import SamplingParams
 from venusrl.engine.tokenizer import (
     CHATML_TEMPLATE,
     Tokenizer,
@@ -21,7 +20,7 @@ from venusrl.engine.tokenizer import (
 )
 from venusrl.envs import SandboxPool
 from venusrl.envs.builtin.guess_number import BinarySearchExpert, GuessNumber
-from venusrl.types import Finish, Trajectory
+from venusrl.types import Finish, SamplingParams, Trajectory
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
 

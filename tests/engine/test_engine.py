@@ -14,7 +14,7 @@ from venusrl.engine.config import EngineConfig
 from venusrl.engine.engine import Engine, RequestError
 from venusrl.engine.kv_cache import KVCache
 from venusrl.engine.model_dir import iter_safetensors
-from venusrl.engine.request import SamplingParams
+from venusrl.types import SamplingParams, TurnMeta
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 PIN_S = 0.5  # `play_turns`' tool waits
@@ -86,7 +86,7 @@ def test_outputs_do_not_depend_on_paging_caching_preemption_or_layer_residency(
     )
     ids = [
         engine.add_request(
-            p, SamplingParams(max_tokens=m, temperature=0, ignore_eos=True), priority=prio
+            p, SamplingParams(max_tokens=m, temperature=0, ignore_eos=True), TurnMeta(priority=prio)
         ).request_id
         for p, (_, _, m, prio) in zip(prompts, workload, strict=True)
     ]
@@ -95,8 +95,8 @@ def test_outputs_do_not_depend_on_paging_caching_preemption_or_layer_residency(
         assert engine.pop_finished(rid).token_ids == exp.token_ids
     engine.flush_cache()
     engine.check()
-    assert engine.kv.device_pages.num_free == engine.kv.device_pages.capacity
-    assert engine.kv.host_pages.num_free == engine.kv.host_pages.capacity
+    assert engine.cache.kv.device_pages.num_free == engine.cache.kv.device_pages.capacity
+    assert engine.cache.kv.host_pages.num_free == engine.cache.kv.host_pages.capacity
 
 
 def test_grpo_siblings_compute_their_shared_prompt_once(tiny_qwen3: Path) -> None:
@@ -200,12 +200,12 @@ def test_a_trajectory_keeps_its_kv_across_weight_updates_but_new_ones_never_read
     under later weights, the engine would sample from a policy no trainer step ever saw."""
     engine = engine_for(tiny_qwen3)  # salt_cache_by_version is the default
     prompt = list(range(10, 50))
-    first = engine.add_request(prompt, GREEDY, trajectory_id="old")
+    first = engine.add_request(prompt, GREEDY, TurnMeta(trajectory_id="old"))
     drain(engine)
     context = [*prompt, *engine.pop_finished(first.request_id).token_ids, 7, 8, 9]
     engine.update_weights(engine.model.hf_state_dict().items())
-    later_turn = engine.add_request(context, GREEDY, trajectory_id="old")
-    new = engine.add_request(prompt, GREEDY, trajectory_id="new")
+    later_turn = engine.add_request(context, GREEDY, TurnMeta(trajectory_id="old"))
+    new = engine.add_request(prompt, GREEDY, TurnMeta(trajectory_id="new"))
     drain(engine)
     assert engine.pop_finished(later_turn.request_id).cached_prompt_tokens >= len(prompt)
     assert engine.pop_finished(new.request_id).cached_prompt_tokens == 0
@@ -216,11 +216,11 @@ def test_abort_frees_the_request_pages(tiny_qwen3: Path) -> None:
     engine = engine_for(tiny_qwen3, prefix_cache=False)
     r = engine.add_request(list(range(10, 60)), GREEDY)
     engine.step()
-    assert engine.kv.device_pages.num_free < engine.kv.device_pages.capacity
+    assert engine.cache.kv.device_pages.num_free < engine.cache.kv.device_pages.capacity
     assert engine.abort(r.request_id)
     assert engine.pop_finished(r.request_id).finish_reason == "abort"
     engine.check()
-    assert engine.kv.device_pages.num_free == engine.kv.device_pages.capacity
+    assert engine.cache.kv.device_pages.num_free == engine.cache.kv.device_pages.capacity
 
 
 @pytest.mark.parametrize(
@@ -295,9 +295,11 @@ def play_turns(
             engine.add_request(
                 ctx,
                 GREEDY,
-                trajectory_id=f"t{i}",
-                priority=i % 2,
-                expected_wait_s=PIN_S if wait_on_tools else None,
+                TurnMeta(
+                    priority=i % 2,
+                    trajectory_id=f"t{i}",
+                    expected_wait_s=PIN_S if wait_on_tools else None,
+                ),
             ).request_id
             for i, ctx in enumerate(contexts)
         ]
@@ -336,7 +338,7 @@ def test_offloaded_and_preempted_kv_gives_the_same_greedy_outputs(
         assert counts["offloaded_bytes"] == 0
     engine.flush_cache()
     engine.check()
-    assert engine.kv.host_pages.num_free == engine.kv.host_pages.capacity
+    assert engine.cache.kv.host_pages.num_free == engine.cache.kv.host_pages.capacity
 
 
 def test_a_trajectory_waiting_on_a_tool_finds_its_kv_where_lru_computes_it_again(
@@ -350,18 +352,18 @@ def test_a_trajectory_waiting_on_a_tool_finds_its_kv_where_lru_computes_it_again
         first = engine.generate([context], GREEDY)[0]  # no trajectory: nobody owns it
         context += first.token_ids
         r = engine.add_request(
-            context, GREEDY, trajectory_id="waiting", priority=1, expected_wait_s=60.0
+            context, GREEDY, TurnMeta(priority=1, trajectory_id="waiting", expected_wait_s=60.0)
         )
         drain(engine)
         # Meanwhile other high-priority work needs the whole device: the waiting KV has to
         # leave it (best-effort work would wait for the pin to expire instead).
         other = engine.add_request(
-            list(range(200, 340)), SamplingParams(max_tokens=4, temperature=0), priority=1
+            list(range(200, 340)), SamplingParams(max_tokens=4, temperature=0), TurnMeta(priority=1)
         )
         drain(engine)
         engine.pop_finished(other.request_id)
         context += [*engine.pop_finished(r.request_id).token_ids, 7, 8, 9]
-        engine.add_request(context, GREEDY, trajectory_id="waiting", priority=1)
+        engine.add_request(context, GREEDY, TurnMeta(priority=1, trajectory_id="waiting"))
         drain(engine)
         return engine
 
@@ -378,18 +380,20 @@ def test_best_effort_work_waits_rather_than_push_out_pinned_high_priority_kv(
     now = [0.0]
     engine = engine_at(tiny_qwen3, now, device_kv_pages=48, host_kv_pages=64)
     context = list(range(100, 172))  # 18 pages
-    engine.add_request(context, GREEDY, trajectory_id="hi", priority=1, expected_wait_s=10.0)
+    engine.add_request(
+        context, GREEDY, TurnMeta(priority=1, trajectory_id="hi", expected_wait_s=10.0)
+    )
     drain(engine)
-    pinned = engine.tree.evictable_pages
+    pinned = engine.cache.tree.evictable_pages
     assert pinned >= 18
     # Needs more than the pages left beside the pinned KV.
-    best_effort = engine.add_request(list(range(200, 330)), GREEDY, priority=0)
+    best_effort = engine.add_request(list(range(200, 330)), GREEDY, TurnMeta(priority=0))
     for _ in range(3):
         engine.step()
-    assert best_effort.num_computed == 0 and engine.tree.offloaded_pages == 0
+    assert best_effort.num_computed == 0 and engine.cache.tree.offloaded_pages == 0
     now[0] = 11.0  # the pin has expired: the tool is late, its KV is fair game
     drain(engine)
-    assert best_effort.finished and engine.tree.offloaded_pages > 0
+    assert best_effort.finished and engine.cache.tree.offloaded_pages > 0
 
 
 def test_the_engine_counts_how_long_a_tool_answer_waits_for_its_first_token(
@@ -397,13 +401,13 @@ def test_the_engine_counts_how_long_a_tool_answer_waits_for_its_first_token(
 ) -> None:
     now = [0.0]
     engine = engine_at(tiny_qwen3, now, device_kv_pages=64)
-    first = engine.add_request(list(range(100, 140)), GREEDY, trajectory_id="t")
+    first = engine.add_request(list(range(100, 140)), GREEDY, TurnMeta(trajectory_id="t"))
     engine.add_request(list(range(200, 240)), GREEDY)  # no trajectory: no tool behind it
     drain(engine)
     assert engine.counters()["tool_returns"] == 0  # a trajectory's first turn answers no tool
     context = [*range(100, 140), *engine.pop_finished(first.request_id).token_ids, 7, 8]
     now[0] = 10.0  # the tool answers
-    engine.add_request(context, GREEDY, trajectory_id="t")
+    engine.add_request(context, GREEDY, TurnMeta(trajectory_id="t"))
     now[0] = 12.5  # the engine gets to it only now
     engine.step()
     counts = engine.counters()
@@ -416,42 +420,48 @@ def test_the_engine_counts_how_long_a_tool_answer_waits_for_its_first_token(
 def test_high_priority_work_may_take_the_pinned_room(tiny_qwen3: Path) -> None:
     engine = engine_for(tiny_qwen3, device_kv_pages=48, host_kv_pages=64, max_context=150)
     engine.add_request(
-        list(range(100, 172)), GREEDY, trajectory_id="hi", priority=1, expected_wait_s=60.0
+        list(range(100, 172)),
+        GREEDY,
+        TurnMeta(priority=1, trajectory_id="hi", expected_wait_s=60.0),
     )
     drain(engine)
-    urgent = engine.add_request(list(range(200, 330)), GREEDY, priority=1)
+    urgent = engine.add_request(list(range(200, 330)), GREEDY, TurnMeta(priority=1))
     drain(engine)
-    assert urgent.finished and engine.tree.offloaded_pages > 0
+    assert urgent.finished and engine.cache.tree.offloaded_pages > 0
 
 
 def test_trajectories_never_ended_by_the_client_are_forgotten_oldest_first(
     tiny_qwen3: Path,
 ) -> None:
     engine = engine_for(tiny_qwen3)
-    engine.max_trajectories = 3
+    engine.cache.max_trajectories = 3
     for i in range(5):
-        engine.add_request([1, 2, 3, 4, 5, 6, 7, 8, 9], GREEDY, trajectory_id=f"t{i}")
+        engine.add_request([1, 2, 3, 4, 5, 6, 7, 8, 9], GREEDY, TurnMeta(trajectory_id=f"t{i}"))
         drain(engine)
-    engine.add_request([1, 2, 3], GREEDY, trajectory_id="t2")  # seen again: the most recent
-    engine.add_request([1, 2, 3], GREEDY, trajectory_id="t5")
-    assert list(engine.trajectories) == ["t4", "t2", "t5"]
+    engine.add_request(
+        [1, 2, 3], GREEDY, TurnMeta(trajectory_id="t2")
+    )  # seen again: the most recent
+    engine.add_request([1, 2, 3], GREEDY, TurnMeta(trajectory_id="t5"))
+    assert list(engine.cache.trajectories) == ["t4", "t2", "t5"]
     drain(engine)
-    assert all(not n.owners - {"t4", "t2", "t5"} for n in engine.tree.nodes())
+    assert all(not n.owners - {"t4", "t2", "t5"} for n in engine.cache.tree.nodes())
 
 
 def test_live_kv_counts_running_and_waiting_trajectories_not_ended_ones(tiny_qwen3: Path) -> None:
     engine = engine_for(tiny_qwen3, device_kv_pages=256)
-    assert engine.live_kv_pages() == 0
+    assert engine.cache.live_pages() == 0
     for i in range(2):
-        r = engine.add_request(list(range(10 + i, 50 + i)), GREEDY, trajectory_id=f"t{i}")
+        r = engine.add_request(list(range(10 + i, 50 + i)), GREEDY, TurnMeta(trajectory_id=f"t{i}"))
         drain(engine)
         engine.pop_finished(r.request_id)
     # Both wait on a tool: their cached context is live load, though it could be evicted.
-    in_use = engine.kv.device_pages.capacity - engine.kv.device_pages.num_free
-    assert engine.live_kv_pages() == in_use > 0
+    in_use = engine.cache.kv.device_pages.capacity - engine.cache.kv.device_pages.num_free
+    assert engine.cache.live_pages() == in_use > 0
     engine.end_trajectory("t0")
-    ended = engine.live_kv_pages()
+    ended = engine.cache.live_pages()
     assert 0 < ended < in_use  # t0's KV is only cache content now
     engine.end_trajectory("t1")
-    assert engine.live_kv_pages() == 0
-    assert engine.kv.device_pages.num_free < engine.kv.device_pages.capacity  # still cached
+    assert engine.cache.live_pages() == 0
+    assert (
+        engine.cache.kv.device_pages.num_free < engine.cache.kv.device_pages.capacity
+    )  # still cached

@@ -11,13 +11,13 @@ from hypothesis import strategies as st
 
 from tests.conftest import write_hf_model
 from tests.engine.test_engine import drain, engine_for, play_turns
-from venusrl.engine import engine as engine_module
+from venusrl.engine import batch as batch_module
 from venusrl.engine.config import EngineConfig
 from venusrl.engine.engine import Engine
 from venusrl.engine.kv_cache import KVCache
-from venusrl.engine.request import SamplingParams
 from venusrl.policy.critical_groups import HIGH
 from venusrl.policy.layer_residency import LayerResidency, band_layers
+from venusrl.types import SamplingParams, TurnMeta
 
 LONG = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 
@@ -101,7 +101,7 @@ def test_layer_banded_requests_give_the_same_greedy_outputs(
         model, device_kv_pages=48, host_kv_pages=200, layer_residency=0.45, max_context=96
     )
     ids = [
-        engine.add_request(p, sp, priority=HIGH).request_id
+        engine.add_request(p, sp, TurnMeta(priority=HIGH)).request_id
         for p, sp in zip(prompts, params, strict=True)
     ]
     drain(engine)
@@ -111,8 +111,8 @@ def test_layer_banded_requests_give_the_same_greedy_outputs(
     assert stats.unbanded_pages > 0  # loaded back whole once the pressure fell
     engine.flush_cache()
     engine.check()
-    assert engine.kv.device_pages.num_free == engine.kv.device_pages.capacity
-    assert engine.kv.host_pages.num_free == engine.kv.host_pages.capacity
+    assert engine.cache.kv.device_pages.num_free == engine.cache.kv.device_pages.capacity
+    assert engine.cache.kv.host_pages.num_free == engine.cache.kv.host_pages.capacity
 
 
 def test_banding_runs_every_high_priority_request_where_plain_paging_preempts(
@@ -130,7 +130,7 @@ def test_banding_runs_every_high_priority_request_where_plain_paging_preempts(
             max_context=96,
         )
         for p in prompts:
-            engine.add_request(p, LONG, priority=HIGH)
+            engine.add_request(p, LONG, TurnMeta(priority=HIGH))
         most_running = 0
         while engine.has_work():
             engine.step()
@@ -158,7 +158,7 @@ def test_banded_trajectories_keep_their_kv_across_turns_on_host(tiny_qwen3: Path
     assert stats.banded_from_host_pages > 0
     engine.flush_cache()
     engine.check()
-    assert engine.kv.host_pages.num_free == engine.kv.host_pages.capacity
+    assert engine.cache.kv.host_pages.num_free == engine.cache.kv.host_pages.capacity
 
 
 def test_layer_residency_without_a_host_tier_is_refused(tiny_qwen3: Path) -> None:
@@ -210,7 +210,9 @@ def test_banding_keeps_outputs_and_page_ownership_under_random_load(
         max_context=64,
     )
     ids = [
-        engine.add_request(p, sp, priority=prio, trajectory_id=f"t{i}", group_id=f"g{g}").request_id
+        engine.add_request(
+            p, sp, TurnMeta(priority=prio, trajectory_id=f"t{i}", group_id=f"g{g}")
+        ).request_id
         for i, (p, sp, (g, _, _, prio)) in enumerate(zip(prompts, params, workload, strict=True))
     ]
     drain(engine)  # check() after every step
@@ -219,8 +221,8 @@ def test_banding_keeps_outputs_and_page_ownership_under_random_load(
         engine.end_trajectory(f"t{i}")
     engine.flush_cache()
     engine.check()
-    assert engine.kv.device_pages.num_free == engine.kv.device_pages.capacity
-    assert engine.kv.host_pages.num_free == engine.kv.host_pages.capacity
+    assert engine.cache.kv.device_pages.num_free == engine.cache.kv.device_pages.capacity
+    assert engine.cache.kv.host_pages.num_free == engine.cache.kv.host_pages.capacity
 
 
 @settings(
@@ -249,8 +251,8 @@ def test_banded_multi_turn_trajectories_keep_outputs_and_page_ownership(
     assert play_turns(engine, prompts, 3, wait_on_tools=True) == reference  # check() each step
     engine.flush_cache()
     engine.check()
-    assert engine.kv.device_pages.num_free == engine.kv.device_pages.capacity
-    assert engine.kv.host_pages.num_free == engine.kv.host_pages.capacity
+    assert engine.cache.kv.device_pages.num_free == engine.cache.kv.device_pages.capacity
+    assert engine.cache.kv.host_pages.num_free == engine.cache.kv.host_pages.capacity
 
 
 def test_banded_grpo_siblings_read_their_shared_prompt_once_with_the_same_outputs(
@@ -258,7 +260,7 @@ def test_banded_grpo_siblings_read_their_shared_prompt_once_with_the_same_output
 ) -> None:
     # Cascade attention on however little it saves: the siblings' decode rows read the prompt
     # through their group and their own band pages after it.
-    monkeypatch.setattr(engine_module, "CASCADE_MIN_SAVED_TOKENS", 0)
+    monkeypatch.setattr(batch_module, "CASCADE_MIN_SAVED_TOKENS", 0)
     prompts = [list(range(100 + 50 * g, 124 + 50 * g)) for g in range(2) for _ in range(3)]
     reference = engine_for(four_layer_qwen3, prefix_cache=False, device_kv_pages=256)
     expected = [o.token_ids for o in reference.generate(prompts, LONG)]
@@ -270,7 +272,7 @@ def test_banded_grpo_siblings_read_their_shared_prompt_once_with_the_same_output
         max_context=96,
     )
     ids = [
-        engine.add_request(p, LONG, priority=HIGH, group_id=f"g{i // 3}").request_id
+        engine.add_request(p, LONG, TurnMeta(priority=HIGH, group_id=f"g{i // 3}")).request_id
         for i, p in enumerate(prompts)
     ]
     drain(engine)

@@ -17,7 +17,7 @@ from venusrl.engine.config import EngineConfig
 from venusrl.engine.engine import Engine
 from venusrl.engine.model import ModelConfigError
 from venusrl.engine.model_dir import iter_safetensors, load_model, read_model_config
-from venusrl.engine.request import SamplingParams
+from venusrl.types import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 

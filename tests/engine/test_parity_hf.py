@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from tests.conftest import write_hf_model
-from venusrl.engine import engine as engine_module
+from venusrl.engine import batch as batch_module
 from venusrl.engine.config import EngineConfig
 from venusrl.engine.engine import Engine
-from venusrl.engine.request import GenerationOutput, SamplingParams
+from venusrl.types import GenerationOutput, SamplingParams, TurnMeta
 
 NEW_TOKENS = 32
 LOGPROB_TOL = 1e-4
@@ -151,11 +151,11 @@ def test_siblings_decoding_through_shared_prefix_attention_match_transformers(
     model_dir: Path, reference: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Force the cascade path (shared prefix attended once per group) even for short prompts.
-    monkeypatch.setattr(engine_module, "CASCADE_MIN_SAVED_TOKENS", 0)
+    monkeypatch.setattr(batch_module, "CASCADE_MIN_SAVED_TOKENS", 0)
     engine = Engine.from_model_dir(model_dir, EngineConfig(page_size=4, device_kv_pages=256))
     used = []
-    build = engine._decode_batch
-    monkeypatch.setattr(engine, "_decode_batch", lambda rows: used.append(b := build(rows)) or b)
+    build = engine.batches._decode
+    monkeypatch.setattr(engine.batches, "_decode", lambda rows: used.append(b := build(rows)) or b)
     group_a, group_b = prompts(6, (37, 22))
     batch = [group_a] * 3 + [group_b] * 2 + [prompts(7, (9,))[0]]
     outs = run_checked(engine, batch)
@@ -180,11 +180,11 @@ def test_high_priority_request_preempts_and_still_matches(model_dir: Path, refer
     # 32 pages x 4 tokens: the urgent request cannot be admitted beside both running ones.
     cfg = EngineConfig(page_size=4, device_kv_pages=33, max_context=128, token_budget=64)
     engine = Engine.from_model_dir(model_dir, cfg)
-    low = [engine.add_request(p, GREEDY, priority=0) for p in prompts(4, (40, 44))]
+    low = [engine.add_request(p, GREEDY, TurnMeta(priority=0)) for p in prompts(4, (40, 44))]
     for _ in range(6):
         engine.step()
     urgent_prompt = prompts(5, (50,))[0]
-    urgent = engine.add_request(urgent_prompt, GREEDY, priority=10)
+    urgent = engine.add_request(urgent_prompt, GREEDY, TurnMeta(priority=10))
     finished_order = []
     while engine.has_work():
         finished_order += [r.request_id for r in engine.step()]

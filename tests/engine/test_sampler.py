@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from venusrl.engine.request import SamplingParams
 from venusrl.engine.sampler import sample, uniforms
+from venusrl.types import SamplingParams
 
 torch.set_num_threads(1)
 

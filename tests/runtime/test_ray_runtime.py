@@ -19,14 +19,13 @@ from ray.cluster_utils import Cluster
 from tests.runtime import SMALL
 from venusrl.config import load_config
 from venusrl.engine.model_dir import init_model_dir, load_model
-from venusrl.engine.request import SamplingParams
 from venusrl.envs.builtin.treasure_hunt import TreasureHunt
 from venusrl.runtime.cluster.ray_cluster import RayCluster, check_reachable
 from venusrl.runtime.cluster.workers import RemoteGroup, RolloutFleet
 from venusrl.runtime.record import read_records
 from venusrl.runtime.train import train
 from venusrl.trainer.trainer import GRPOTrainer
-from venusrl.types import Finish, Trajectory
+from venusrl.types import Finish, SamplingParams, Trajectory
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
 

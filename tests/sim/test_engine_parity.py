@@ -32,7 +32,6 @@ import pytest
 
 from venusrl.engine.config import EngineConfig
 from venusrl.engine.engine import Engine
-from venusrl.engine.request import SamplingParams
 from venusrl.policy.engine_schedule import (
     RETRY_AFTER_S,
     EngineSnapshot,
@@ -42,6 +41,7 @@ from venusrl.policy.engine_schedule import (
 from venusrl.policy.kv_retention import IdleKV, RetentionPolicy
 from venusrl.sim.cost_model import CostModel, GpuSpec, ModelSpec
 from venusrl.sim.executor import POLICIES, SimConfig, Simulation, Submission
+from venusrl.types import SamplingParams, TurnMeta
 from venusrl.workloads import LogNormal, ToolLatency, Turns, Workload
 
 PAGE = 4
@@ -178,10 +178,9 @@ def replay(
         token_budget=TOKEN_BUDGET,
         max_context=DEVICE_PAGES * PAGE,
     )
-    engine = Engine.from_model_dir(model_dir, config)
+    engine = Engine.from_model_dir(model_dir, config, clock)
     engine.scheduler = RecordingScheduler(decisions)
-    engine.retention = RecordingRetention(engine.retention, decisions)
-    engine.clock = clock
+    engine.cache.retention = RecordingRetention(engine.cache.retention, decisions)
     engine.model.register_forward_hook(clock.forward_pass)
 
     rng = random.Random(seed)
@@ -200,10 +199,12 @@ def replay(
             engine.add_request(
                 record,
                 params,
+                TurnMeta(
+                    priority=s.priority,
+                    trajectory_id=s.trajectory_id,
+                    expected_wait_s=s.expected_wait_s,
+                ),
                 request_id=s.request_id,
-                priority=s.priority,
-                trajectory_id=s.trajectory_id,
-                expected_wait_s=s.expected_wait_s,
             )
             if s.expected_wait_s is None:
                 ends.add(s.request_id)
@@ -221,7 +222,7 @@ def replay(
                 continue
             pins = [
                 t.pin_deadline
-                for t in engine.trajectories.values()
+                for t in engine.cache.trajectories.values()
                 if t.pin_deadline is not None and t.pin_deadline > clock.now
             ]
             assert later or pins, "the engine stalled with nothing left to wait for"

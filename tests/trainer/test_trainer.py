@@ -10,10 +10,9 @@ import torch
 from venusrl.engine.config import EngineConfig
 from venusrl.engine.engine import Engine
 from venusrl.engine.model_dir import init_model_dir, load_model
-from venusrl.engine.request import SamplingParams
 from venusrl.trainer.config import TrainerConfig
 from venusrl.trainer.trainer import GRPOTrainer
-from venusrl.types import Trajectory
+from venusrl.types import SamplingParams, Trajectory
 
 torch.set_num_threads(1)
 

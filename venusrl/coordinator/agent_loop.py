@@ -20,27 +20,26 @@ import math
 import numbers
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import TypeVar
 
 from venusrl.coordinator.config import RolloutConfig
-from venusrl.engine.request import GenerationOutput, SamplingParams
 from venusrl.engine.tokenizer import Tokenizer
 from venusrl.envs.environment import Environment
 from venusrl.envs.types import InfraFailure, SandboxPreempted
-from venusrl.types import FailureKind, Finish, Trajectory, TurnTimes
+from venusrl.types import (
+    FailureKind,
+    Finish,
+    Generate,
+    SamplingParams,
+    Trajectory,
+    TurnMeta,
+    TurnTimes,
+)
 
 T = TypeVar("T")
 
 _MARK = "\ue000"  # a private-use character: where the assistant's text goes in a rendering
 _OBSERVATION = "\ue001"  # and where the observation goes
-
-
-class Generate(Protocol):
-    """What the loop needs from an engine: `AsyncEngine.generate`, or an HTTP client of it."""
-
-    async def __call__(
-        self, prompt_ids: list[int], params: SamplingParams, **metadata: Any
-    ) -> GenerationOutput: ...
 
 
 class ChatFormat:
@@ -226,10 +225,7 @@ async def _turns(
         out = await generate(
             list(traj.token_ids),
             params,
-            priority=priority(),
-            trajectory_id=traj.trajectory_id,
-            group_id=traj.group_id,
-            expected_wait_s=rollout.tool_wait_pin_s,
+            TurnMeta(priority(), traj.trajectory_id, traj.group_id, rollout.tool_wait_pin_s),
         )
         traj.add_model_turn(out.token_ids, out.logprobs, out.weight_versions)
         on_turn(traj)

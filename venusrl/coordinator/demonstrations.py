@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import Any
 
-from venusrl.engine.request import GenerationOutput, SamplingParams
 from venusrl.engine.tokenizer import Tokenizer
 from venusrl.envs.tool_calls import RESPONSE_CLOSE, RESPONSE_OPEN
-from venusrl.types import Trajectory
+from venusrl.types import GenerationOutput, SamplingParams, Trajectory, TurnMeta
 
 TextPolicy = Callable[[str], str]
 
@@ -29,9 +27,9 @@ class ScriptedGenerate:
         self._end = list(tokenizer.eos_token_ids)
 
     async def __call__(
-        self, prompt_ids: list[int], params: SamplingParams, **metadata: Any
+        self, prompt_ids: list[int], params: SamplingParams, meta: TurnMeta
     ) -> GenerationOutput:
-        tid = str(metadata["trajectory_id"])
+        tid = str(meta.trajectory_id)
         start = self._seen.get(tid, len(prompt_ids))
         new = self.tokenizer.decode(prompt_ids[start:], skip_special_tokens=True)
         if RESPONSE_OPEN in new:  # the tool responses, without the chat template around them

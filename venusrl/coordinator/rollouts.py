@@ -21,17 +21,15 @@ from venusrl.coordinator.admission import AdmissionWindow
 from venusrl.coordinator.agent_loop import (
     ChatFormat,
     EnvironmentFailed,
-    Generate,
     failure_kind,
     run_episode,
 )
 from venusrl.coordinator.config import RolloutConfig
-from venusrl.engine.request import SamplingParams
 from venusrl.envs.environment import Environment, Task
 from venusrl.envs.service import GroupHandle, SandboxService
 from venusrl.envs.types import InfraFailure
 from venusrl.policy.critical_groups import BEST_EFFORT
-from venusrl.types import FailureKind, Trajectory
+from venusrl.types import FailureKind, Generate, SamplingParams, Trajectory
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from venusrl.engine.engine import Engine
-from venusrl.engine.request import GenerationOutput, Request, SamplingParams, TopLogprobs
+from venusrl.engine.request import Request
 from venusrl.policy.engine_schedule import RETRY_AFTER_S
+from venusrl.types import GenerationOutput, SamplingParams, TopLogprobs, TurnMeta
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -88,19 +89,23 @@ class AsyncEngine:
         return await future
 
     async def stream(
-        self, prompt_ids: list[int], params: SamplingParams, **metadata: Any
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        meta: TurnMeta | None = None,
+        request_id: str | None = None,
     ) -> AsyncIterator[TokenDelta]:
         """Yield tokens as they are produced; the last delta carries the whole output."""
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[TokenDelta | BaseException] = asyncio.Queue()
         # Named here, so that a caller cancelled even before the engine saw the request can
         # still abort it.
-        request_id = metadata.pop("request_id", None) or f"req-{uuid.uuid4().hex}"
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
         arrived = self.engine.clock()  # before it queues for the engine thread
 
         def add(engine: Engine) -> None:
             r = engine.add_request(
-                prompt_ids, params, request_id=request_id, arrived_at=arrived, **metadata
+                prompt_ids, params, meta, request_id=request_id, arrived_at=arrived
             )
             self._listeners[r.request_id] = _Listener(loop, deltas, r)
 
@@ -126,9 +131,13 @@ class AsyncEngine:
                 self._submit(lambda: self._abort(request_id))
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, **metadata: Any
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        meta: TurnMeta | None = None,
+        request_id: str | None = None,
     ) -> GenerationOutput:
-        async for delta in self.stream(prompt_ids, params, **metadata):
+        async for delta in self.stream(prompt_ids, params, meta, request_id):
             if delta.output is not None:
                 return delta.output
         raise EngineClosed("engine stopped before the request finished")

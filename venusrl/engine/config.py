@@ -1,4 +1,4 @@
-"""The rollout engine's config section (`engine.*`) and its HTTP server's (`server.*`)."""
+"""The rollout engine's config section (`engine.*`)."""
 
 from __future__ import annotations
 
@@ -57,14 +57,3 @@ class EngineConfig(Section):
     seed: int = Field(0, ge=0, description="seed of requests that give none")
 
     _device = field_validator("device")(torch_device)
-
-
-class ServerConfig(Section):
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    api_key: str | None = Field(
-        None,
-        min_length=1,  # an empty key (an unset variable) must not silently turn auth off
-        description="if set, requests need 'Authorization: Bearer'",
-    )
-    model_name: str | None = Field(None, description="name served at /v1/models; default: dir name")

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from venusrl.engine.request import GenerationOutput, SamplingParams
+from venusrl.types import GenerationOutput, SamplingParams, TurnMeta
 
 
 class RemoteEngineError(RuntimeError):
@@ -43,12 +43,13 @@ class RemoteEngine:
         return data
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, **metadata: Any
+        self, prompt_ids: list[int], params: SamplingParams, meta: TurnMeta | None = None
     ) -> GenerationOutput:
         sampling = dataclasses.asdict(params)
         sampling["stop"] = list(params.stop)
         sampling["stop_token_ids"] = list(params.stop_token_ids)
-        body = {"input_ids": prompt_ids, "sampling_params": sampling, **metadata}
+        body = {"input_ids": prompt_ids, "sampling_params": sampling}
+        body |= dataclasses.asdict(meta or TurnMeta())
         d = await self._call("/generate", body)
         try:
             return GenerationOutput(

@@ -3,89 +3,10 @@
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
 
 from venusrl.engine.radix_tree import RadixNode
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to sample. `temperature == 0` is greedy.
-
-    Logprobs are those of the sampled token under softmax(logits / temperature) (raw logits when
-    greedy), before top-k/top-p truncation: the behaviour policy a trainer corrects against.
-    `top_logprobs > 0` also returns that many most likely tokens of the same distribution at each
-    position (OpenAI's `logprobs`/`top_logprobs`, at most `MAX_TOP_LOGPROBS`).
-    """
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    top_logprobs: int = 0
-
-    def __post_init__(self) -> None:
-        problems = _type_problems(self)
-        if problems:  # comparing values of the wrong type would only raise confusing errors
-            raise ValueError("; ".join(problems))
-        if self.max_tokens < 1:
-            problems.append(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            problems.append(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            problems.append(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            problems.append(
-                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
-            )
-        if any(not s for s in self.stop):
-            problems.append("stop strings must not be empty")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            problems.append(f"seed must be in [0, 2**63), got {self.seed}")
-        if problems:
-            raise ValueError("; ".join(problems))
-
-    @property
-    def greedy(self) -> bool:
-        # Below ~1e-5, logits / temperature overflows fp32; such temperatures mean greedy.
-        return self.temperature < GREEDY_BELOW_TEMPERATURE
-
-
-GREEDY_BELOW_TEMPERATURE = 1e-5
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit; clients ask within it
-
-# A position's most likely tokens as (token id, logprob), most likely first.
-TopLogprobs = list[tuple[int, float]]
-
-
-def _type_problems(p: SamplingParams) -> list[str]:
-    def is_int(v: object) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool)
-
-    problems = []
-    for name in ("max_tokens", "top_k", "top_logprobs"):
-        if not is_int(getattr(p, name)):
-            problems.append(f"{name} must be an integer, got {getattr(p, name)!r}")
-    for name in ("temperature", "top_p"):
-        value = getattr(p, name)
-        if not (isinstance(value, int | float) and not isinstance(value, bool)):
-            problems.append(f"{name} must be a number, got {value!r}")
-    if p.seed is not None and not is_int(p.seed):
-        problems.append(f"seed must be an integer, got {p.seed!r}")
-    if not isinstance(p.ignore_eos, bool):
-        problems.append(f"ignore_eos must be true or false, got {p.ignore_eos!r}")
-    if not isinstance(p.stop, tuple) or not all(isinstance(s, str) for s in p.stop):
-        problems.append(f"stop must be a tuple of strings, got {p.stop!r}")
-    if not isinstance(p.stop_token_ids, tuple) or not all(is_int(t) for t in p.stop_token_ids):
-        problems.append(f"stop_token_ids must be a tuple of integers, got {p.stop_token_ids!r}")
-    return problems
+from venusrl.types import GenerationOutput, SamplingParams, TopLogprobs
 
 
 @dataclass
@@ -175,29 +96,15 @@ class Request:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
-
-@dataclass(frozen=True)
-class GenerationOutput:
-    request_id: str
-    prompt_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-    weight_versions: list[int]
-    finish_reason: str
-    cached_prompt_tokens: int
-    # One per token when params.top_logprobs > 0; empty otherwise.
-    top_logprobs: list[TopLogprobs] = field(default_factory=list)
-
-    @classmethod
-    def of(cls, r: Request) -> GenerationOutput:
-        assert r.finish_reason is not None
-        return cls(
-            r.request_id,
-            list(r.prompt_ids),
-            list(r.output_ids),
-            list(r.output_logprobs),
-            list(r.output_versions),
-            r.finish_reason,
-            r.cached_prompt_tokens,
-            list(r.output_top_logprobs),
+    def output(self) -> GenerationOutput:
+        assert self.finish_reason is not None
+        return GenerationOutput(
+            self.request_id,
+            list(self.prompt_ids),
+            list(self.output_ids),
+            list(self.output_logprobs),
+            list(self.output_versions),
+            self.finish_reason,
+            self.cached_prompt_tokens,
+            list(self.output_top_logprobs),
         )

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from venusrl.engine.request import SamplingParams, TopLogprobs
+from venusrl.types import SamplingParams, TopLogprobs
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)

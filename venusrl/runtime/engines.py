@@ -41,7 +41,7 @@ class LocalEngine:
         and computed again meanwhile (for `rollout.admission`)."""
 
         def read(e: Engine) -> tuple[float, int]:
-            occupancy = e.live_kv_pages() / e.kv.device_pages.capacity
+            occupancy = e.cache.live_pages() / e.cache.kv.device_pages.capacity
             return occupancy, e.stats.reprefill_tokens["evicted"]
 
         occupancy, lost = await self.engine.call(read)

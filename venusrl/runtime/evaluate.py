@@ -14,13 +14,12 @@ from pathlib import Path
 
 from venusrl.config import Config
 from venusrl.coordinator.agent_loop import ChatFormat, run_episode
-from venusrl.engine.request import SamplingParams
 from venusrl.engine.tokenizer import Tokenizer
 from venusrl.envs.environment import Environment, Task
 from venusrl.envs.pool import SandboxPool
 from venusrl.envs.types import GiB
 from venusrl.runtime.engines import LocalEngine
-from venusrl.types import Trajectory
+from venusrl.types import SamplingParams, Trajectory
 
 EVAL_TASK_SEED_OFFSET = 104729  # evaluation tasks come from a stream training never draws
 

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import random
-from typing import Any
 
-from venusrl.coordinator.agent_loop import Generate
-from venusrl.engine.request import GenerationOutput, SamplingParams
 from venusrl.envs.pool import SandboxPool
 from venusrl.envs.sandbox import Sandbox
 from venusrl.runtime.config import FaultsConfig
+from venusrl.types import Generate, GenerationOutput, SamplingParams, TurnMeta
 
 
 class InjectedEngineError(RuntimeError):
@@ -30,12 +28,12 @@ class FailingGenerate:
         self.injected = 0
 
     async def __call__(
-        self, prompt_ids: list[int], params: SamplingParams, **metadata: Any
+        self, prompt_ids: list[int], params: SamplingParams, meta: TurnMeta
     ) -> GenerationOutput:
         if self._rng.random() < self.rate:
             self.injected += 1
             raise InjectedEngineError("injected engine failure")
-        return await self._generate(prompt_ids, params, **metadata)
+        return await self._generate(prompt_ids, params, meta)
 
 
 def engine_faults(generate: Generate, faults: FaultsConfig, seed: int) -> Generate:

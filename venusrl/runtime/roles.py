@@ -19,7 +19,6 @@ from venusrl.coordinator.config import MixEntry
 from venusrl.coordinator.mixing import EnvShare
 from venusrl.coordinator.rollouts import LocalRollouts, Rollouts
 from venusrl.engine.model_dir import load_model
-from venusrl.engine.request import SamplingParams
 from venusrl.envs.environment import Environment
 from venusrl.envs.loading import environment_class
 from venusrl.envs.pool import SandboxPool
@@ -30,6 +29,7 @@ from venusrl.runtime.engines import LocalEngine, ServedEngine
 from venusrl.runtime.faults import engine_faults, sandbox_faults
 from venusrl.runtime.run_dir import RunStart
 from venusrl.trainer.trainer import GRPOTrainer
+from venusrl.types import SamplingParams
 
 if TYPE_CHECKING:  # ray is imported for Ray runs only
     from venusrl.runtime.cluster.workers import RolloutFleet

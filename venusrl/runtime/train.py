@@ -26,7 +26,6 @@ import torch
 from venusrl.config import Config
 from venusrl.coordinator.coordinator import Coordinator, GroupResult
 from venusrl.coordinator.mixing import EnvShare, mixed_tasks, task_key
-from venusrl.engine.request import SamplingParams
 from venusrl.runtime import record
 from venusrl.runtime.roles import (
     RolloutSide,
@@ -43,7 +42,7 @@ from venusrl.runtime.warm_start import prepare_model, reference_policy, warm_sta
 from venusrl.trainer.checkpoint import save_checkpoint
 from venusrl.trainer.grpo import group_advantages
 from venusrl.trainer.trainer import GRPOTrainer, StepStats
-from venusrl.types import Trajectory
+from venusrl.types import SamplingParams, Trajectory
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

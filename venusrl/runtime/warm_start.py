@@ -26,13 +26,12 @@ from venusrl.coordinator.mixing import EnvShare, task_stream
 from venusrl.engine.model import CausalLM
 from venusrl.engine.model_dir import init_model_dir, load_model
 from venusrl.engine.presets import PRESETS
-from venusrl.engine.request import SamplingParams
 from venusrl.engine.tokenizer import CHATML_TEMPLATE, Tokenizer, build_byte_level_tokenizer
 from venusrl.envs.environment import Environment, Task
 from venusrl.envs.service import SandboxSource
 from venusrl.runtime.run_dir import RunStart, start_policy, write_start_policy
 from venusrl.trainer.trainer import GRPOTrainer
-from venusrl.types import Finish, Trajectory
+from venusrl.types import Finish, SamplingParams, Trajectory
 
 
 @dataclass

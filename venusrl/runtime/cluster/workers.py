@@ -46,7 +46,6 @@ import torch
 from venusrl.config import Config
 from venusrl.coordinator.agent_loop import ChatFormat
 from venusrl.coordinator.rollouts import LocalGroup, LocalRollouts, OnTurn, failed
-from venusrl.engine.request import GenerationOutput, SamplingParams
 from venusrl.engine.tokenizer import Tokenizer
 from venusrl.envs.environment import Environment, Task
 from venusrl.envs.pool import SandboxPool
@@ -65,7 +64,15 @@ from venusrl.runtime.cluster.ray_cluster import (
 from venusrl.runtime.engines import LocalEngine
 from venusrl.runtime.faults import engine_faults, sandbox_faults
 from venusrl.trainer.trainer import GRPOTrainer
-from venusrl.types import FailureKind, Finish, Trajectory, TurnTimes
+from venusrl.types import (
+    FailureKind,
+    Finish,
+    GenerationOutput,
+    SamplingParams,
+    Trajectory,
+    TurnMeta,
+    TurnTimes,
+)
 
 START_TIMEOUT_S = 600.0  # loading a large model onto a GPU takes a while
 RESTART_TIMEOUT_S = 300.0
@@ -155,11 +162,12 @@ class RolloutWorker:
         self._faults = sandbox_faults(self._pool(), self.cfg.faults, seed)
 
     async def _generate(
-        self, prompt_ids: list[int], params: SamplingParams, **metadata: Any
+        self, prompt_ids: list[int], params: SamplingParams, meta: TurnMeta
     ) -> GenerationOutput:
         assert self.engine is not None
-        self.served.add(metadata["trajectory_id"])
-        return await self.engine.generate(prompt_ids, params, **metadata)
+        if meta.trajectory_id is not None:
+            self.served.add(meta.trajectory_id)
+        return await self.engine.generate(prompt_ids, params, meta)
 
     async def engine_counters(self) -> dict[str, float]:
         return {} if self.engine is None else await self.engine.counters()

@@ -20,8 +20,8 @@ import torch
 from tests.conftest import write_hf_model
 from tests.engine.test_parity_hf import reference_logprobs, reference_tokens
 from venusrl.engine.remote import RemoteEngine
-from venusrl.engine.request import GenerationOutput, SamplingParams
 from venusrl.engine.tokenizer import Tokenizer, write_byte_level_tokenizer
+from venusrl.types import GenerationOutput, SamplingParams
 
 API_KEY = "test-key"
 

@@ -1,0 +1,152 @@
+"""The request bodies, validated before anything runs. The OpenAI-compatible ones tolerate
+fields they do not use (OpenAI's clients send many) but refuse those that would change the
+answer; the native ones forbid unknown keys."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
+
+from venusrl.server.errors import ApiError
+from venusrl.types import MAX_TOP_LOGPROBS, SamplingParams, TurnMeta
+
+# JSON types as they are: "5" is not a number, true is not 1.
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]
+Bool = Annotated[bool, Strict()]
+
+# Fields of OpenAI's API that change what is generated, with the value that changes nothing:
+# ignoring one silently would answer something else than what was asked.
+UNSUPPORTED: dict[str, Any] = {
+    "logit_bias": {},
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "repetition_penalty": 1,
+    "min_tokens": 0,
+    "best_of": 1,
+    "suffix": "",
+    "response_format": {"type": "text"},
+    "tools": [],
+    "functions": [],
+    "tool_choice": "none",
+    "function_call": "none",
+}
+
+
+class OpenAIBody(BaseModel):
+    # OpenAI clients send fields we do not use (kept, to refuse those that would change the
+    # answer), and null for a field they leave unset.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+    def refuse_unsupported(self) -> None:
+        for key, value in (self.model_extra or {}).items():
+            if key in UNSUPPORTED and value != UNSUPPORTED[key]:
+                raise ApiError(400, f"{key} is not supported by this server", key)
+
+
+class StreamOptions(OpenAIBody):
+    include_usage: Bool = False
+
+
+class SamplingBody(OpenAIBody):
+    max_tokens: Int | None = Field(None, ge=1)
+    temperature: Float = Field(1.0, ge=0, le=100)
+    top_p: Float = Field(1.0, gt=0, le=1)
+    top_k: Int = Field(0, ge=0)
+    seed: Int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Int] | None = None
+    ignore_eos: Bool = False
+    n: Int = Field(1, ge=1, le=64)
+    stream: Bool = False
+    stream_options: StreamOptions | None = None
+
+
+class CompletionBody(SamplingBody):
+    model: str | None = None
+    prompt: str | list[Int] | list[str] | list[list[Int]]
+    # k: the sampled tokens' logprobs and, when k > 0, each position's k most likely tokens
+    logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: Literal[False] = False
+
+
+class ContentPart(OpenAIBody):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIBody):
+    role: str
+    content: str | list[ContentPart]
+
+    def as_template_input(self) -> dict[str, str]:
+        text = self.content
+        if not isinstance(text, str):
+            text = "".join(part.text for part in text)
+        return {"role": self.role, "content": text}
+
+
+class ChatBody(SamplingBody):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
+    logprobs: Bool = False
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+
+class NativeBody(BaseModel):
+    # The native API has no clients to tolerate: a misspelt key is an error, not a default.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class GenerateSampling(NativeBody):
+    max_tokens: Int = Field(16, ge=1)
+    temperature: Float = Field(1.0, ge=0, le=100)
+    top_p: Float = Field(1.0, gt=0, le=1)
+    top_k: Int = Field(0, ge=0)
+    seed: Int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] = Field(default_factory=list)
+    stop_token_ids: list[Int] = Field(default_factory=list)
+    ignore_eos: Bool = False
+    top_logprobs: Int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def params(self) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        return SamplingParams(
+            **{
+                **self.model_dump(),
+                "stop": tuple(stop),
+                "stop_token_ids": tuple(self.stop_token_ids),
+            }
+        )
+
+
+class GenerateBody(NativeBody):
+    input_ids: list[Int] = Field(min_length=1)
+    sampling_params: GenerateSampling = Field(default_factory=GenerateSampling)
+    request_id: str | None = None
+    trajectory_id: str | None = None
+    group_id: str | None = None
+    priority: Int = 0
+    expected_wait_s: Float | None = Field(None, ge=0)  # the tool wait after this turn
+
+    def meta(self) -> TurnMeta:
+        return TurnMeta(self.priority, self.trajectory_id, self.group_id, self.expected_wait_s)
+
+
+class EndTrajectoryBody(NativeBody):
+    trajectory_id: str
+
+
+class UpdateWeightsBody(NativeBody):
+    path: str = Field(min_length=1)
+    version: Int | None = Field(None, ge=0)
+    flush_cache: Bool = False
