@@ -159,7 +159,11 @@ class Sandbox:
         env: dict[str, str] | None = None,
         stdin: bytes = b"",
     ) -> ExecResult:
-        """Run a shell string (`/bin/sh -c`) or an argv list; `cwd` is relative to the workspace."""
+        """Run a shell string (`/bin/sh -c`) or an argv list; `cwd` is relative to the workspace.
+        At `timeout_s`, or when stdout or stderr passes `max_output_bytes`, the command is killed
+        with its whole tree (a flood costs seconds, not the timeout): `timed_out` or `truncated`
+        says which, and the exit code is 137 unless the command had already ended. Redirect
+        output to a file when a long one's exit code matters."""
         if isinstance(cmd, str):
             wire_cmd: str | list[str] = cmd
         elif isinstance(cmd, Sequence) and cmd and all(isinstance(a, str) for a in cmd):
