@@ -156,6 +156,13 @@ class RolloutConfig(_Section):
     max_tokens_per_turn: int = Field(24, ge=1)
     max_context: int = Field(1024, ge=16)
     group_timeout_s: float = Field(900.0, gt=0)
+    step_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="the longest one environment step (the tool calls of a model turn) may take;"
+        " past it the episode ends as an infrastructure failure. A tool that overruns its"
+        " environment's tool_timeout_s is reported at once",
+    )
     tool_wait_pin_s: float = Field(
         5.0,
         ge=0,

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from venusrl.config import EngineConfig
+from venusrl.config import EngineConfig, load_config
 from venusrl.coordinator.agent_loop import ChatFormat, LoopLimits, run_episode
 from venusrl.coordinator.rollouts import LocalRollouts
 from venusrl.engine.async_engine import AsyncEngine
@@ -22,6 +24,8 @@ from venusrl.engine.request import GenerationOutput, SamplingParams
 from venusrl.engine.tokenizer import Tokenizer
 from venusrl.envs import SandboxPool
 from venusrl.envs.builtin.guess_number import BinarySearchExpert, GuessNumber
+from venusrl.envs.environment import TOOL_OVERRUN_GRACE_S, SandboxVerbs, Tool
+from venusrl.envs.tool_calls import format_tool_call
 from venusrl.policy.critical_groups import HIGH
 from venusrl.types import Finish, Trajectory
 
@@ -298,3 +302,50 @@ def test_an_episode_whose_sandbox_the_pool_preempts_goes_on_in_a_fresh_sandbox(
     assert len(moved.turn_starts) == 2 and worker.resumed_episodes == 0
     # The engine hears that an episode is over once, after its last attempt.
     assert ended == ["t0", "t1", "t2"]
+
+
+async def _ignores_its_timeout(
+    sandbox: SandboxVerbs, arguments: dict[str, Any], timeout_s: float
+) -> str:
+    await asyncio.sleep(3600)  # a user's tool that never looks at the timeout it is given
+    return "never"
+
+
+class StuckTool(GuessNumber):
+    """Guess the number, with a `wait` tool that ignores its timeout."""
+
+    name = "stuck_tool"
+    tools = (*GuessNumber.tools, Tool("wait", "Waits for the world.", run=_ignores_its_timeout))
+    tool_timeout_s = 0.5
+
+
+def test_a_tool_that_ignores_its_timeout_is_reported_at_once_and_the_step_limit_ends_it(
+    tokenizer: Tokenizer, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = load_config(overrides=["rollout.step_timeout_s=5"])
+    limits = LoopLimits(max_context=8192, step_timeout_s=cfg.rollout.step_timeout_s)
+    call = tokenizer.encode(format_tool_call("wait", {})) + tokenizer.encode("<|im_end|>")
+
+    async def calls_wait(prompt_ids: list[int], params: SamplingParams, **_: Any) -> Any:
+        n = len(call)
+        return GenerationOutput("r", prompt_ids, call, [-0.5] * n, [0] * n, "stop", 0)
+
+    async def main() -> tuple[Trajectory, float, float]:
+        async with SandboxPool(memory_budget_bytes=2 << 30) as pool:
+            await pool.prepare_template(StuckTool.template)
+            task = next(StuckTool.tasks(seed=1))
+            sb = await pool.create(StuckTool.template.name, setup=task.setup)
+            started = time.time()
+            traj = await run_episode(StuckTool(task, sb), calls_wait, ChatFormat(tokenizer),
+                                     SamplingParams(), limits, "t-stuck", "g0", "p0")  # fmt: skip
+            return traj, started, time.time()
+
+    with caplog.at_level(logging.WARNING, logger="venusrl.envs.environment"):
+        traj, started, ended = asyncio.run(main())
+    (warning,) = [r for r in caplog.records if "past its 0.5 s timeout" in r.getMessage()]
+    assert "tool 'wait' of trajectory t-stuck" in warning.getMessage()
+    # Said at the tool's timeout plus the grace (2.5 s), not when the step limit fired (5 s).
+    assert warning.created - started < 0.5 + TOOL_OVERRUN_GRACE_S + 1.5
+    assert ended - started >= cfg.rollout.step_timeout_s
+    assert traj.finish is Finish.INFRA and traj.reward is None
+    assert (traj.failure or "").startswith("TimeoutError")

@@ -24,7 +24,7 @@ from typing import Any, Protocol, TypeVar
 
 from venusrl.engine.request import GenerationOutput, SamplingParams
 from venusrl.engine.tokenizer import Tokenizer
-from venusrl.envs.environment import Environment
+from venusrl.envs.environment import Environment, acting_for
 from venusrl.envs.types import InfraFailure
 from venusrl.types import Finish, Trajectory, TurnTimes
 
@@ -184,7 +184,8 @@ async def _act(
     """The environment acts on a model turn; the observation joins the record, unless the
     episode ends (its finish)."""
     step = _environment(env, "step", env.step(fmt.text(model_ids)))
-    result = await asyncio.wait_for(step, limits.step_timeout_s)
+    with acting_for(traj.trajectory_id):  # an overrunning tool's warning names the trajectory
+        result = await asyncio.wait_for(step, limits.step_timeout_s)
     traj.tool_calls += int(result.info.get("tool_calls", 0))
     if result.done:
         return Finish.TURN_CAP if result.info.get("truncated") else Finish.DONE

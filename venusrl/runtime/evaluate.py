@@ -38,12 +38,14 @@ async def play_policy(
     concurrency: int = 16,
 ) -> list[Trajectory]:
     """One episode per task, in task order; `cfg` gives the engine and the loop's limits
-    (`rollout.max_context`, `rollout.max_tokens_per_turn`) and `engine.seed` the sampling."""
+    (`rollout.max_context`, `rollout.max_tokens_per_turn`, `rollout.step_timeout_s`) and
+    `engine.seed` the sampling."""
     tokenizer = Tokenizer.load(model_dir)
     if tokenizer is None or tokenizer.chat_template is None:
         raise ValueError(f"{model_dir} needs a tokenizer with a chat template to play episodes")
     fmt = ChatFormat(tokenizer)
-    limits = LoopLimits(cfg.rollout.max_context, cfg.rollout.max_tokens_per_turn)
+    r = cfg.rollout
+    limits = LoopLimits(r.max_context, r.max_tokens_per_turn, step_timeout_s=r.step_timeout_s)
     slots = asyncio.Semaphore(concurrency)  # sandboxes at a time
     async with SandboxPool(4 * GiB) as pool:
         await pool.prepare_template(env.template)

@@ -412,6 +412,7 @@ async def train(
     limits = LoopLimits(
         max_context=r.max_context,
         max_tokens_per_turn=r.max_tokens_per_turn,
+        step_timeout_s=r.step_timeout_s,
         expected_tool_s=r.tool_wait_pin_s,
     )
     metrics: list[dict[str, Any]] = []
