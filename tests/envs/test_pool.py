@@ -20,7 +20,7 @@ from venusrl.envs import (
     TemplateSpec,
 )
 from venusrl.envs.cgroups import Cgroup, detect_version
-from venusrl.envs.pool import CGROUP_BASE, RUNTIME_BASE
+from venusrl.envs.orphans import CGROUP_BASE, RUNTIME_BASE
 
 from .conftest import our_processes, requires_root, wait_for_no_new_processes
 
@@ -188,7 +188,7 @@ def test_fork_carries_files_and_interpreter_state_then_diverges() -> None:
             assert await child.read_file("work/a.txt") == b"from parent"
             assert (await child.exec(["test", "-e", "seed.txt"])).exit_code == 1
             assert (await child.run_python("counter += 1; print(counter)")).stdout == b"42\n"
-            assert child.dropped_state == ["lock"]  # type: ignore[attr-defined]
+            assert child.dropped_state == ["lock"]
             await child.write_file("work/a.txt", b"from child")
             assert await parent.read_file("work/a.txt") == b"from parent"
             assert (await parent.run_python("print(counter)")).stdout == b"41\n"
