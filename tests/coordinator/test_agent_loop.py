@@ -26,7 +26,7 @@ from venusrl.envs import SandboxPool
 from venusrl.envs.builtin.guess_number import BinarySearchExpert, GuessNumber
 from venusrl.envs.environment import TOOL_OVERRUN_GRACE_S, SandboxVerbs, Tool
 from venusrl.envs.tool_calls import format_tool_call
-from venusrl.policy.critical_groups import HIGH
+from venusrl.policy.critical_groups import BEST_EFFORT, HIGH
 from venusrl.types import Finish, Trajectory
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
@@ -349,3 +349,37 @@ def test_a_tool_that_ignores_its_timeout_is_reported_at_once_and_the_step_limit_
     assert ended - started >= cfg.rollout.step_timeout_s
     assert traj.finish is Finish.INFRA and traj.reward is None
     assert (traj.failure or "").startswith("TimeoutError")
+
+
+def test_a_group_re_ranked_to_high_priority_has_its_waiting_sandbox_admitted_first(
+    tokenizer: Tokenizer,
+) -> None:
+    fmt, limits = ChatFormat(tokenizer), LoopLimits(max_context=8192)
+    task = next(GuessNumber.tasks(seed=1))
+    name = GuessNumber.template.name
+
+    async def main() -> None:
+        # Room for two GuessNumber sandboxes by their declared 256 MiB: admission is exact.
+        async with SandboxPool(memory_budget_bytes=512 << 20, admission="quota") as pool:
+            await pool.prepare_template(GuessNumber.template)
+            rollouts = LocalRollouts(pool, ScriptedPolicy(tokenizer), fmt, SamplingParams(), limits)
+            early = await rollouts.open_group("early", GuessNumber, task, BEST_EFFORT)
+            late = await rollouts.open_group("late", GuessNumber, task, BEST_EFFORT)
+            fillers = [await pool.create(name), await pool.create(name)]
+            early_waits = asyncio.create_task(early.handle.add())
+            await asyncio.sleep(0.2)  # it asked first: first in line among equals
+            late_waits = asyncio.create_task(late.handle.add())
+            await asyncio.sleep(0.2)
+            rollouts.set_priorities({"late": HIGH})  # the coordinator re-ranked the groups
+            await fillers[0].close()  # room for one
+            late_sandbox = await asyncio.wait_for(late_waits, 10)
+            await asyncio.sleep(0.2)
+            assert not early_waits.done()
+            await late_sandbox.close()
+            await (await asyncio.wait_for(early_waits, 10)).close()
+            await fillers[1].close()
+            await early.close()
+            await late.close()
+            assert rollouts.groups == {}
+
+    asyncio.run(main())

@@ -277,6 +277,26 @@ def test_footprint_pool_preempts_the_lowest_priority_before_the_kernel_oom_kills
     asyncio.run(main())
 
 
+def test_a_group_re_ranked_to_high_priority_is_not_the_one_preempted() -> None:
+    hold = "import time\nx = bytearray({n} << 20)\nfor i in range(0, len(x), 4096): x[i] = 1"
+
+    async def main() -> None:
+        async with SandboxPool(memory_budget_bytes=1 << 30, poll_interval_s=0.01) as pool:
+            await pool.prepare_template(GROWER)
+            grower = await (await pool.open_group("grow")).add()
+            # Opened as best effort and started last: among equals, the first victim.
+            group = await pool.open_group("grow")
+            member = await group.add()
+            group.set_priority(5)  # the coordinator re-ranked its group: it is needed now
+            assert (await member.run_python(hold.format(n=300))).ok
+            with pytest.raises(SandboxPreempted):
+                await grower.run_python(hold.format(n=700) + "\ntime.sleep(5)", timeout_s=10)
+            assert (await member.exec("echo alive")).stdout == b"alive\n"
+            assert [r.outcome for r in pool.records] == ["preempted", "running"]
+
+    asyncio.run(main())
+
+
 def test_accounting_reports_the_figures_behind_a_cost_claim() -> None:
     async def main() -> None:
         async with SandboxPool(memory_budget_bytes=1 << 30) as pool:

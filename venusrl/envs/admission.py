@@ -2,7 +2,8 @@
 
 Every sandbox and zygote that holds memory is an entry with a cgroup of its own; a request waits
 until the pure policy (`venusrl.policy.sandbox_admission`), given a snapshot of the entries'
-measured footprints, the predicted peaks and the priorities, admits it.
+measured footprints, the predicted peaks and the priorities, admits it. A group's members rank
+with the group's current priority, waiting or running: the coordinator re-ranks open groups.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class _Pending:
     entry: Entry
     priority: int
     admitted: asyncio.Future[None]
+    group: Group | None  # a member's group: it waits at the group's priority
 
 
 class Admission:
@@ -109,8 +111,9 @@ class Admission:
         declared = spec.declared_memory_bytes
         return Entry(key, priority, next(self._seq), declared, cgroup, record, is_zygote=zygote)
 
-    async def wait(self, entry: Entry, priority: int) -> None:
-        """Wait until the policy admits this entry (bounded by the admission timeout)."""
+    async def wait(self, entry: Entry, priority: int, group: Group | None = None) -> None:
+        """Wait until the policy admits this entry (bounded by the admission timeout); a member
+        of `group` waits at the group's priority as it is re-ranked."""
         need = self.peaks().get(entry.key, entry.declared_bytes)
         limit = self.budget_bytes * getattr(self.policy, "safety_fraction", 1.0)
         if need > limit:
@@ -120,7 +123,7 @@ class Admission:
                 "raise the budget"
             )
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        pending = _Pending(entry, priority, fut)
+        pending = _Pending(entry, priority, fut, group)
         self.pending.append(pending)
         try:
             await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
@@ -154,6 +157,19 @@ class Admission:
                 p.admitted.set_exception(error)
                 p.admitted.exception()  # its waiter may be gone already: nothing to log
         self.pending.clear()
+
+    def set_group_priority(self, group: Group, priority: int) -> None:
+        """The group's members rank at `priority` from now on, waiting or running (its zygote
+        keeps the zygotes' rank). A member admitted but not yet started takes the group's
+        priority when it starts (`SandboxPool._create_member`)."""
+        for p in self.pending:
+            if p.group is group:
+                p.priority = p.entry.priority = priority
+        for entry in self.running.values():
+            if entry.group is group and not entry.is_zygote:
+                entry.priority = priority
+                if entry.sandbox is not None:
+                    entry.sandbox.priority = priority
 
     # --- measuring and deciding ---------------------------------------------------------------
 

@@ -72,6 +72,13 @@ class SandboxGroup(list[Sandbox]):
         self.append(sb)
         return sb
 
+    def set_priority(self, priority: int) -> None:
+        """The group's members, waiting for admission or running, rank at `priority` from now
+        on: higher ones are admitted first and preempted last (the coordinator re-ranked it)."""
+        if priority != self._state.priority:
+            self._state.priority = priority
+            self._pool._admission.set_group_priority(self._state, priority)
+
     async def close(self) -> None:
         self._state.release_when_empty = True
         await asyncio.gather(*(sb.close() for sb in self))
@@ -297,10 +304,11 @@ class SandboxPool:
         cgroup = self._cgroup.child(sid)
         key = f"{t.spec.name}:{'member' if self.share_pages else 'cold'}"
         entry = self._admission.new_entry(key, priority, t.spec, cgroup, record_id=sid)
-        await self._admit(entry, priority)
+        await self._admit(entry, priority, group)
         if group is not None:
             entry.group = group
             group.members += 1
+            entry.priority = group.priority  # re-ranked between its admission and now
         try:
             if group is not None and group.released:
                 raise SandboxError(f"group {group.group_id} was closed")
@@ -346,10 +354,10 @@ class SandboxPool:
 
     # --- admission ----------------------------------------------------------------------------
 
-    async def _admit(self, entry: Entry, priority: int) -> None:
+    async def _admit(self, entry: Entry, priority: int, group: Group | None = None) -> None:
         self._check_open()
         try:
-            await self._admission.wait(entry, priority)
+            await self._admission.wait(entry, priority, group)
         except BaseException:
             if entry.record.sandbox_id in self._admission.running:
                 self._finish(entry, "failed")  # admitted meanwhile, but nobody will use it

@@ -72,7 +72,7 @@ class Sandbox:
         """Made by a pool (`connect`), not by hand."""
         self.id = sandbox_id
         self.template = template
-        self.priority = priority
+        self.priority = priority  # its group's, as the coordinator re-ranks it
         self.cgroup = cgroup
         self.dropped_state: list[str] = []  # after `fork`: the globals that could not be carried
         self._owner = owner
