@@ -413,7 +413,7 @@ class SandboxPool:
     ) -> None:
         """Take a sandbox down now (preemption, TTL, unresponsive); its callers see `error`."""
         entry = self._admission.running.get(sb.id)
-        # The owner may never call close(): release what we can now.
+        # Its user may never call close(): release what we can now.
         sb.disconnect(error)
         if entry is None:
             return
