@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from venusrl.config import load_config
 from venusrl.coordinator.agent_loop import ChatFormat, run_episode
 from venusrl.coordinator.config import RolloutConfig
 from venusrl.coordinator.rollouts import LocalRollouts
@@ -22,7 +25,9 @@ from venusrl.engine.model_dir import init_model_dir
 from venusrl.engine.tokenizer import Tokenizer
 from venusrl.envs import SandboxPool
 from venusrl.envs.builtin.guess_number import BinarySearchExpert, GuessNumber
-from venusrl.policy.critical_groups import HIGH
+from venusrl.envs.environment import TOOL_OVERRUN_GRACE_S, SandboxVerbs, Tool
+from venusrl.envs.tool_calls import format_tool_call
+from venusrl.policy.critical_groups import BEST_EFFORT, HIGH
 from venusrl.types import (
     FailureKind,
     Finish,
@@ -305,3 +310,85 @@ def test_an_episode_whose_sandbox_the_pool_preempts_goes_on_in_a_fresh_sandbox(
     assert len(moved.turn_starts) == 2 and worker.resumed_episodes == 0
     # The engine hears that an episode is over once, after its last attempt.
     assert ended == ["t0", "t1", "t2"]
+
+
+async def _ignores_its_timeout(
+    sandbox: SandboxVerbs, arguments: dict[str, Any], timeout_s: float
+) -> str:
+    await asyncio.sleep(3600)  # a user's tool that never looks at the timeout it is given
+    return "never"
+
+
+class StuckTool(GuessNumber):
+    """Guess the number, with a `wait` tool that ignores its timeout."""
+
+    name = "stuck_tool"
+    tools = (*GuessNumber.tools, Tool("wait", "Waits for the world.", run=_ignores_its_timeout))
+    tool_timeout_s = 0.5
+
+
+def test_a_tool_that_ignores_its_timeout_is_reported_at_once_and_the_step_limit_ends_it(
+    tokenizer: Tokenizer, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = load_config(overrides=["rollout.step_timeout_s=5", "rollout.max_context=8192"])
+    limits = cfg.rollout
+    call = tokenizer.encode(format_tool_call("wait", {})) + tokenizer.encode("<|im_end|>")
+
+    async def calls_wait(prompt_ids: list[int], params: SamplingParams, meta: TurnMeta) -> Any:
+        n = len(call)
+        return GenerationOutput("r", prompt_ids, call, [-0.5] * n, [0] * n, "stop", 0)
+
+    async def main() -> tuple[Trajectory, float, float]:
+        async with SandboxPool(memory_budget_bytes=2 << 30) as pool:
+            await pool.prepare_template(StuckTool.template)
+            task = next(StuckTool.tasks(seed=1))
+            sb = await pool.create(StuckTool.template.name, setup=task.setup)
+            started = time.time()
+            traj = await run_episode(StuckTool(task, sb), calls_wait, ChatFormat(tokenizer),
+                                     SamplingParams(), limits, "t-stuck", "g0", "p0")  # fmt: skip
+            return traj, started, time.time()
+
+    with caplog.at_level(logging.WARNING, logger="venusrl.envs.environment"):
+        traj, started, ended = asyncio.run(main())
+    (warning,) = [r for r in caplog.records if "past its 0.5 s timeout" in r.getMessage()]
+    assert "tool 'wait' of trajectory t-stuck" in warning.getMessage()
+    # Said at the tool's timeout plus the grace (2.5 s), not when the step limit fired (5 s).
+    assert warning.created - started < 0.5 + TOOL_OVERRUN_GRACE_S + 1.5
+    assert ended - started >= cfg.rollout.step_timeout_s
+    assert traj.finish is Finish.INFRA and traj.reward is None
+    assert traj.failed_with(FailureKind.TIMEOUT)
+    assert traj.failure is not None and "rollout.step_timeout_s=5" in traj.failure.message
+
+
+def test_a_group_re_ranked_to_high_priority_has_its_waiting_sandbox_admitted_first(
+    tokenizer: Tokenizer,
+) -> None:
+    fmt, limits = ChatFormat(tokenizer), RolloutConfig(max_context=8192, max_tokens_per_turn=256)
+    task = next(GuessNumber.tasks(seed=1))
+    name = GuessNumber.template.name
+
+    async def main() -> None:
+        # Room for two GuessNumber sandboxes by their declared 256 MiB: admission is exact.
+        async with SandboxPool(memory_budget_bytes=512 << 20, admission="quota") as pool:
+            await pool.prepare_template(GuessNumber.template)
+            rollouts = LocalRollouts(pool, ScriptedPolicy(tokenizer), fmt, SamplingParams(), limits)
+            early = await rollouts.open_group("early", GuessNumber, task, BEST_EFFORT)
+            late = await rollouts.open_group("late", GuessNumber, task, BEST_EFFORT)
+            fillers = [await pool.create(name), await pool.create(name)]
+            early_waits = asyncio.create_task(early.handle.add())
+            await asyncio.sleep(0.2)  # it asked first: first in line among equals
+            late_waits = asyncio.create_task(late.handle.add())
+            await asyncio.sleep(0.2)
+            rollouts.set_priorities({"late": HIGH})  # the coordinator re-ranked the groups
+            await fillers[0].close()  # room for one
+            late_sandbox = await asyncio.wait_for(late_waits, 10)
+            await asyncio.sleep(0.2)
+            assert not early_waits.done()
+            await late_sandbox.close()
+            await (await asyncio.wait_for(early_waits, 10)).close()
+            await fillers[1].close()
+            await early.close()
+            await late.close()
+            assert rollouts.groups == {}
+
+    asyncio.run(main())

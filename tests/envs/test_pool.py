@@ -20,7 +20,7 @@ from venusrl.envs import (
     TemplateSpec,
 )
 from venusrl.envs.cgroups import Cgroup, detect_version
-from venusrl.envs.pool import CGROUP_BASE, RUNTIME_BASE
+from venusrl.envs.orphans import CGROUP_BASE, RUNTIME_BASE
 
 from .conftest import our_processes, requires_root, wait_for_no_new_processes
 
@@ -188,7 +188,7 @@ def test_fork_carries_files_and_interpreter_state_then_diverges() -> None:
             assert await child.read_file("work/a.txt") == b"from parent"
             assert (await child.exec(["test", "-e", "seed.txt"])).exit_code == 1
             assert (await child.run_python("counter += 1; print(counter)")).stdout == b"42\n"
-            assert child.dropped_state == ["lock"]  # type: ignore[attr-defined]
+            assert child.dropped_state == ["lock"]
             await child.write_file("work/a.txt", b"from child")
             assert await parent.read_file("work/a.txt") == b"from parent"
             assert (await parent.run_python("print(counter)")).stdout == b"41\n"
@@ -272,6 +272,26 @@ def test_footprint_pool_preempts_the_lowest_priority_before_the_kernel_oom_kills
             assert (await high.exec("echo alive")).stdout == b"alive\n"
             stats = pool.stats()
             assert stats.preemptions == 1 and stats.oom_kills == 0
+            assert [r.outcome for r in pool.records] == ["preempted", "running"]
+
+    asyncio.run(main())
+
+
+def test_a_group_re_ranked_to_high_priority_is_not_the_one_preempted() -> None:
+    hold = "import time\nx = bytearray({n} << 20)\nfor i in range(0, len(x), 4096): x[i] = 1"
+
+    async def main() -> None:
+        async with SandboxPool(memory_budget_bytes=1 << 30, poll_interval_s=0.01) as pool:
+            await pool.prepare_template(GROWER)
+            grower = await (await pool.open_group("grow")).add()
+            # Opened as best effort and started last: among equals, the first victim.
+            group = await pool.open_group("grow")
+            member = await group.add()
+            group.set_priority(5)  # the coordinator re-ranked its group: it is needed now
+            assert (await member.run_python(hold.format(n=300))).ok
+            with pytest.raises(SandboxPreempted):
+                await grower.run_python(hold.format(n=700) + "\ntime.sleep(5)", timeout_s=10)
+            assert (await member.exec("echo alive")).stdout == b"alive\n"
             assert [r.outcome for r in pool.records] == ["preempted", "running"]
 
     asyncio.run(main())

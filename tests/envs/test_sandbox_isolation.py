@@ -189,7 +189,7 @@ def test_fork_bomb_is_stopped_and_the_host_pid_count_recovers(bomb: list[str]) -
 def test_output_flood_is_truncated() -> None:
     async def check(sb: Sandbox) -> None:
         r = await sb.exec(["python", "-c", "print('x' * 50_000_000)"], max_output_bytes=1000)
-        assert r.truncated and r.exit_code == 0
+        assert r.truncated and r.exit_code == 137 and not r.timed_out  # stopped at the cap
         assert r.stdout == b"x" * 1000
         r = await sb.run_python("print('y' * 10_000_000)", max_output_bytes=1000)
         assert r.truncated and r.stdout == b"y" * 1000
@@ -197,8 +197,24 @@ def test_output_flood_is_truncated() -> None:
     in_sandbox(check)
 
 
+LIST_PROCS = "import os; print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))"
+
+
+def test_output_flood_stops_the_command_at_the_cap() -> None:
+    async def check(sb: Sandbox) -> None:
+        t0 = time.monotonic()
+        r = await sb.exec("(yes >/dev/null &); yes >&2", timeout_s=60, max_output_bytes=64 << 10)
+        # Seconds, not the 60 s timeout: the flood and its background sibling were killed.
+        assert time.monotonic() - t0 < 5
+        assert r.truncated and not r.timed_out and r.exit_code == 137
+        assert r.stderr == b"y\n" * (32 << 10) and r.stdout == b""
+        assert (await sb.run_python(LIST_PROCS)).stdout == b"[1]\n"  # no core left spinning
+        assert (await sb.exec("echo usable")).stdout == b"usable\n"
+
+    in_sandbox(check)
+
+
 def test_timeout_kills_background_setsid_and_double_forked_children() -> None:
-    list_procs = "import os; print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))"
 
     async def check(sb: Sandbox) -> None:
         t0 = time.monotonic()
@@ -207,7 +223,7 @@ def test_timeout_kills_background_setsid_and_double_forked_children() -> None:
             timeout_s=1,
         )
         assert r.timed_out and time.monotonic() - t0 < 5
-        r = await sb.run_python(list_procs)
+        r = await sb.run_python(LIST_PROCS)
         assert r.stdout == b"[1]\n"  # only the sandbox's init is left
 
     in_sandbox(check)

@@ -24,7 +24,7 @@ from typing import TypeVar
 
 from venusrl.coordinator.config import RolloutConfig
 from venusrl.engine.tokenizer import Tokenizer
-from venusrl.envs.environment import Environment
+from venusrl.envs.environment import Environment, acting_for
 from venusrl.envs.types import InfraFailure, SandboxPreempted
 from venusrl.types import (
     FailureKind,
@@ -132,7 +132,10 @@ async def run_episode(
             env, generate, fmt, sampling, rollout, traj, priority, on_turn
         )
         reward = _environment(env, "reward", env.reward())
-        traj.reward = _checked_reward(env, await asyncio.wait_for(reward, rollout.reward_timeout_s))
+        limit = rollout.reward_timeout_s
+        traj.reward = _checked_reward(
+            env, await _within(reward, limit, f"{env.name}.reward", "reward_timeout_s")
+        )
     except (InfraFailure, TimeoutError) as e:
         traj.fail(failure_kind(e), f"{type(e).__name__}: {e}")
     return traj
@@ -152,6 +155,18 @@ def failure_kind(error: Exception) -> FailureKind:
     if isinstance(error, EnvironmentFailed):
         return FailureKind.ENVIRONMENT
     return FailureKind.ENGINE
+
+
+async def _within(call: Awaitable[T], limit_s: float, what: str, key: str) -> T:
+    """`call`, or, past its limit, a `TimeoutError` that names what overran and the config key
+    of the limit (a TimeoutError the call raises itself goes through as it is)."""
+    try:
+        async with asyncio.timeout(limit_s) as deadline:
+            return await call
+    except TimeoutError:
+        if deadline.expired():
+            raise TimeoutError(f"{what} took longer than rollout.{key}={limit_s:g} s") from None
+        raise
 
 
 def _checked_reward(env: Environment, reward: object) -> float:
@@ -195,7 +210,8 @@ async def _act(
     """The environment acts on a model turn; the observation joins the record, unless the
     episode ends (its finish)."""
     step = _environment(env, "step", env.step(fmt.text(model_ids)))
-    result = await asyncio.wait_for(step, rollout.step_timeout_s)
+    with acting_for(traj.trajectory_id):  # an overrunning tool's warning names the trajectory
+        result = await _within(step, rollout.step_timeout_s, f"{env.name}.step", "step_timeout_s")
     traj.tool_calls += int(result.info.get("tool_calls", 0))
     if result.done:
         return Finish.TURN_CAP if result.info.get("truncated") else Finish.DONE

@@ -100,6 +100,7 @@ class LocalRollouts:
         self.end_trajectory, self.admission = end_trajectory, admission
         self.resume_preempted = resume_preempted
         self.priority: Mapping[str, int] = {}
+        self.groups: dict[str, GroupHandle] = {}  # open groups' sandboxes, by group id
         self.resumed: list[str] = []  # trajectory ids, in the order they resumed
         self.tracebacks_shown: set[tuple[str, str]] = set()  # (environment, where it raised)
 
@@ -113,10 +114,13 @@ class LocalRollouts:
         handle = await self.pool.open_group(
             env.template.name, priority=priority, setup=task.setup, files=task.files
         )
+        self.groups[group_id] = handle
         return LocalGroup(self, handle, group_id, env, task)
 
     def set_priorities(self, priority: Mapping[str, int]) -> None:
         self.priority = priority
+        for group_id, handle in self.groups.items():  # the pool admits and preempts by it
+            handle.set_priority(priority.get(group_id, BEST_EFFORT))
 
 
 class LocalGroup:
@@ -202,4 +206,5 @@ class LocalGroup:
             await sandbox.close()
 
     async def close(self) -> None:
+        self.rollouts.groups.pop(self.group_id, None)
         await self.handle.close()

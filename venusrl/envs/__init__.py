@@ -1,7 +1,8 @@
 """The environment service: sandboxes forked from warm templates, admitted by real footprint."""
 
+from venusrl.envs.accounts import PoolStats, SandboxRecord
 from venusrl.envs.environment import Environment, StepResult, Task, Tool
-from venusrl.envs.pool import PoolStats, SandboxGroup, SandboxPool, SandboxRecord
+from venusrl.envs.pool import SandboxGroup, SandboxPool
 from venusrl.envs.sandbox import Sandbox
 from venusrl.envs.types import (
     AdmissionTimeout,

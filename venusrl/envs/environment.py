@@ -20,15 +20,22 @@ What happens to each kind of trouble, so that one bad turn never kills a rollout
 - an `InfraFailure` (the sandbox crashed, was preempted, expired): raised out of `step` and
   `reward`. It is the platform's fault, not the model's; the caller retries the trajectory in a
   replacement sandbox rather than training on a turn the platform spoiled.
+- a tool still running `TOOL_OVERRUN_GRACE_S` past `tool_timeout_s` (an async `run` that ignores
+  its timeout): a warning at once, naming the tool and the trajectory (`acting_for`); the agent
+  loop ends the step at `rollout.step_timeout_s`, as an infrastructure failure.
 - a turn without any tool call is the model's answer: the episode ends.
 - the `max_turns`-th turn runs its tools, then ends the episode with info["truncated"] True.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -41,6 +48,23 @@ from venusrl.envs.tool_calls import (
     render_tool_prompt,
 )
 from venusrl.envs.types import ExecResult, InfraFailure, TemplateSpec
+
+log = logging.getLogger(__name__)
+# How long past `tool_timeout_s` a tool call may run before it is reported as overrunning: a tool
+# that bounds its sandbox calls by the timeout returns within a fraction of a second of it.
+TOOL_OVERRUN_GRACE_S = 2.0
+_trajectory: ContextVar[str | None] = ContextVar("venusrl_trajectory", default=None)
+
+
+@contextlib.contextmanager
+def acting_for(trajectory_id: str) -> Iterator[None]:
+    """Environment calls made in this block are for `trajectory_id` (the agent loop wraps each
+    step in it): the warning about a tool that overruns its timeout names the trajectory."""
+    token = _trajectory.set(trajectory_id)
+    try:
+        yield
+    finally:
+        _trajectory.reset(token)
 
 
 class SandboxVerbs(Protocol):
@@ -257,6 +281,11 @@ class Environment(ABC):
         problem = tool.argument_problem(call.arguments)
         if problem is not None:
             return f"error: {tool.name}: {problem}", True
+        # Said the moment it happens, not minutes later when the agent loop's step limit ends
+        # the episode: a tool (a user's async `run`) that ignores its timeout stalls its episode.
+        overrun = asyncio.get_running_loop().call_later(
+            self.tool_timeout_s + TOOL_OVERRUN_GRACE_S, self._warn_overrun, tool.name
+        )
         try:
             if tool.run is not None:
                 return await tool.run(self.sandbox, call.arguments, self.tool_timeout_s), False
@@ -265,6 +294,22 @@ class Environment(ABC):
             raise
         except Exception as e:  # the tool's own failure (a bad path, a bug): the model sees it
             return f"error: {tool.name} failed: {type(e).__name__}: {e}", True
+        finally:
+            overrun.cancel()
+
+    def _warn_overrun(self, tool: str) -> None:
+        trajectory = _trajectory.get()
+        log.warning(
+            "%s: tool %r%s is still running %g s after it was called, past its %g s timeout"
+            " (%s.tool_timeout_s): a tool must bound its own waits by the timeout it is given;"
+            " the agent loop ends the step at rollout.step_timeout_s",
+            self.name,
+            tool,
+            f" of trajectory {trajectory}" if trajectory else " (outside any trajectory)",
+            self.tool_timeout_s + TOOL_OVERRUN_GRACE_S,
+            self.tool_timeout_s,
+            type(self).__name__,
+        )
 
     async def _run_python_tool(self, name: str, arguments: dict[str, Any]) -> tuple[str, bool]:
         # One expression, so the call leaves no names behind in the sandbox's globals.

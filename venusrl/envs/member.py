@@ -4,7 +4,8 @@ It is the init of the sandbox's pid namespace, forked from the template's warm i
 `run_python` runs in the template's globals without importing anything again. Non-Python commands
 are forked and exec'd from it. Each `exec` goes through a short-lived leader process that is a
 child subreaper: background, `setsid` and double-forked children of the command are re-parented to
-the leader instead of escaping, so a timeout kills exactly the command's whole tree.
+the leader instead of escaping, so a timeout, or output past its cap, kills exactly the command's
+whole tree.
 
 Everything here runs as the unprivileged sandbox user; nothing it sends is trusted by the pool.
 """
@@ -12,6 +13,7 @@ Everything here runs as the unprivileged sandbox user; nothing it sends is trust
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import os
 import pickle
@@ -131,17 +133,14 @@ def _kill_tree(leader: int) -> None:
                 pass
 
 
-def _run_leader(req: dict[str, Any], stdin: bytes) -> bytes:
-    """Runs in the leader: fork/exec the command, collect capped output, enforce the timeout."""
-    prctl(PR_SET_CHILD_SUBREAPER, 1)
+def _start_command(req: dict[str, Any]) -> tuple[int, int, int, int]:
+    """Fork and exec the command in a session of its own; (pid, stdin, stdout, stderr) pipes."""
     cmd = req["cmd"]
     argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else [str(a) for a in cmd]
     env = {**os.environ, **req.get("env", {})}
-    cap = int(req["max_output_bytes"])
     in_r, in_w = os.pipe()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
-    start = time.monotonic()
     pid = os.fork()
     if pid == 0:
         try:
@@ -156,9 +155,29 @@ def _run_leader(req: dict[str, Any], stdin: bytes) -> bytes:
         os._exit(127)
     for fd in (in_r, out_w, err_w):
         os.close(fd)
-    deadline = start + float(req["timeout_s"])
+    return pid, in_w, out_r, err_r
+
+
+@dataclasses.dataclass
+class _Collected:
+    """What the command left once the leader stopped watching it."""
+
+    stdout: bytearray
+    stderr: bytearray
+    status: int | None = None  # its wait status, when it exited by itself
+    timed_out: bool = False
+    truncated: bool = False  # output passed the cap: the leader stopped there
+
+
+def _collect(
+    pid: int, in_w: int, out_r: int, err_r: int, stdin: bytes, cap: int, deadline: float
+) -> _Collected:
+    """Feed stdin, gather stdout and stderr up to `cap` bytes each, until the command is done,
+    its deadline passes or its output passes the cap (a flood, `yes`, would otherwise hold the
+    sandbox and a core until the deadline)."""
+    got = _Collected(bytearray(), bytearray())
+    bufs = {out_r: got.stdout, err_r: got.stderr}
     sel = selectors.DefaultSelector()
-    bufs = {out_r: bytearray(), err_r: bytearray()}
     for fd in bufs:
         os.set_blocking(fd, False)
         sel.register(fd, selectors.EVENT_READ)
@@ -168,15 +187,13 @@ def _run_leader(req: dict[str, Any], stdin: bytes) -> bytes:
         sel.register(in_w, selectors.EVENT_WRITE)
     else:
         os.close(in_w)
-    truncated = timed_out = False
-    status: int | None = None
     exited_at = 0.0
-    while sel.get_map():
+    while sel.get_map() and not got.truncated:
         now = time.monotonic()
         if now >= deadline:
-            timed_out = True
+            got.timed_out = True
             break
-        if status is not None and now - exited_at > _EXIT_GRACE_S:
+        if got.status is not None and now - exited_at > _EXIT_GRACE_S:
             break  # a background child still holds the pipes; the command itself is done
         for key, _ in sel.select(timeout=min(0.05, deadline - now)):
             fd = key.fd
@@ -194,15 +211,30 @@ def _run_leader(req: dict[str, Any], stdin: bytes) -> bytes:
                 sel.unregister(fd)
                 continue
             room = cap - len(bufs[fd])
-            if len(chunk) > room:
-                truncated = True
             bufs[fd] += chunk[: max(room, 0)]
-        if status is None:
-            done, st = os.waitpid(pid, os.WNOHANG)
+            if len(chunk) > room:
+                got.truncated = True
+                break
+        if got.status is None:  # after a flood too: it may have ended with its last write
+            done, status = os.waitpid(pid, os.WNOHANG)
             if done:
-                status, exited_at = st, time.monotonic()
-    if timed_out:
+                got.status, exited_at = status, time.monotonic()
+    return got
+
+
+def _run_leader(req: dict[str, Any], stdin: bytes) -> bytes:
+    """Runs in the leader: run the command, collect capped output, enforce the timeout and the
+    cap. A command stopped at either is killed with its whole tree; past the cap it reports its
+    own exit status if it had ended, else SIGKILL's."""
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
+    start = time.monotonic()
+    pid, in_w, out_r, err_r = _start_command(req)
+    deadline = start + float(req["timeout_s"])
+    got = _collect(pid, in_w, out_r, err_r, stdin, int(req["max_output_bytes"]), deadline)
+    status = got.status
+    if got.timed_out or got.truncated:
         _kill_tree(os.getpid())  # reaps the command too
+    if got.timed_out or (got.truncated and status is None):
         code = -signal.SIGKILL
     else:
         if status is None:
@@ -212,11 +244,11 @@ def _run_leader(req: dict[str, Any], stdin: bytes) -> bytes:
         {
             "id": req["id"],
             "exit_code": 128 - code if code < 0 else code,
-            "timed_out": timed_out,
-            "truncated": truncated,
+            "timed_out": got.timed_out,
+            "truncated": got.truncated,
             "duration_s": time.monotonic() - start,
         },
-        (bytes(bufs[out_r]), bytes(bufs[err_r])),
+        (bytes(got.stdout), bytes(got.stderr)),
     )
 
 

@@ -12,7 +12,7 @@ import contextlib
 import itertools
 import socket
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from venusrl.envs import wire
 from venusrl.envs.cgroups import Cgroup
@@ -23,9 +23,6 @@ from venusrl.envs.types import (
     SandboxError,
     SandboxUsage,
 )
-
-if TYPE_CHECKING:
-    from venusrl.envs.pool import SandboxPool
 
 Reply = tuple[dict[str, Any], list[bytes]]
 _REPLY_GRACE_S = 5.0
@@ -46,21 +43,39 @@ def check_path(path: str) -> str:
     return path
 
 
+class SandboxOwner(Protocol):
+    """What a sandbox asks of the pool that made it."""
+
+    async def fork_sandbox(self, parent: Sandbox) -> Sandbox:
+        """A new sandbox with `parent`'s files and interpreter state (`Sandbox.fork`)."""
+        ...
+
+    async def kill_sandbox(self, sb: Sandbox, error: InfraFailure) -> None:
+        """Take `sb` down now (it stopped answering); its callers see `error`."""
+        ...
+
+    async def release_sandbox(self, sb: Sandbox) -> None:
+        """`sb` was closed: kill what is left of it and free what it held."""
+        ...
+
+
 class Sandbox:
     def __init__(
         self,
-        pool: SandboxPool,
+        owner: SandboxOwner,
         sandbox_id: str,
         template: str,
         priority: int,
         cgroup: Cgroup,
         sock: socket.socket,
     ) -> None:
+        """Made by a pool (`connect`), not by hand."""
         self.id = sandbox_id
         self.template = template
-        self.priority = priority
+        self.priority = priority  # its group's, as the coordinator re-ranks it
         self.cgroup = cgroup
-        self._pool = pool
+        self.dropped_state: list[str] = []  # after `fork`: the globals that could not be carried
+        self._owner = owner
         self._sock = sock
         self._ids = itertools.count()
         # request id -> (reply future, the most reply bytes that request can legitimately get)
@@ -74,12 +89,25 @@ class Sandbox:
         # start when the member can actually see them.
         self._member_busy = asyncio.Lock()
 
-    async def _connect(self, timeout_s: float) -> None:
-        reader, self._writer = await asyncio.open_unix_connection(sock=self._sock, limit=1 << 20)
+    @classmethod
+    async def connect(
+        cls,
+        owner: SandboxOwner,
+        sandbox_id: str,
+        template: str,
+        priority: int,
+        cgroup: Cgroup,
+        sock: socket.socket,
+        timeout_s: float,
+    ) -> Sandbox:
+        """The handle on a started member, once it said it is ready on `sock`."""
+        sb = cls(owner, sandbox_id, template, priority, cgroup, sock)
+        reader, sb._writer = await asyncio.open_unix_connection(sock=sock, limit=1 << 20)
         hello, _ = await asyncio.wait_for(wire.read(reader, 0), timeout_s)
         if not hello.get("ready"):
             raise SandboxCrashed(str(hello.get("error", hello)))
-        self._reader = asyncio.create_task(self._read_replies(reader))
+        sb._reader = asyncio.create_task(sb._read_replies(reader))
+        return sb
 
     def _reply_limit(self, header: dict[str, Any]) -> int:
         waiting = self._waiting.get(header.get("id", -1)) if _is_id(header.get("id")) else None
@@ -133,7 +161,9 @@ class Sandbox:
             reply, out = await asyncio.wait_for(send_and_wait(), timeout_s)
         except TimeoutError:
             self._waiting.pop(rid, None)
-            await self._pool._kill(self, SandboxCrashed(f"sandbox {self.id} did not answer"))
+            await self._owner.kill_sandbox(
+                self, SandboxCrashed(f"sandbox {self.id} did not answer")
+            )
             raise self._dead or SandboxCrashed(f"sandbox {self.id} did not answer") from None
         except ConnectionError as e:
             self._fail(SandboxCrashed(f"sandbox {self.id} connection lost: {e!r}"))
@@ -159,7 +189,11 @@ class Sandbox:
         env: dict[str, str] | None = None,
         stdin: bytes = b"",
     ) -> ExecResult:
-        """Run a shell string (`/bin/sh -c`) or an argv list; `cwd` is relative to the workspace."""
+        """Run a shell string (`/bin/sh -c`) or an argv list; `cwd` is relative to the workspace.
+        At `timeout_s`, or when stdout or stderr passes `max_output_bytes`, the command is killed
+        with its whole tree (a flood costs seconds, not the timeout): `timed_out` or `truncated`
+        says which, and the exit code is 137 unless the command had already ended. Redirect
+        output to a file when a long one's exit code matters."""
         if isinstance(cmd, str):
             wire_cmd: str | list[str] = cmd
         elif isinstance(cmd, Sequence) and cmd and all(isinstance(a, str) for a in cmd):
@@ -226,7 +260,7 @@ class Sandbox:
         """A new sandbox with this one's files and interpreter state (the picklable globals that
         changed since the template; others are listed in `child.dropped_state`), forked from the
         same warm template. Running processes are not carried over. Admitted like any create."""
-        return await self._pool._fork(self)
+        return await self._owner.fork_sandbox(self)
 
     async def export_state(self, max_bytes: int) -> Reply:
         """The workspace as a tar and the changed picklable globals, for `fork`."""
@@ -288,10 +322,12 @@ class Sandbox:
         if self._closed:
             return
         self._closed = True
-        await self._pool._release(self)
+        await self._owner.release_sandbox(self)
 
-    def _shutdown_channel(self) -> None:
-        self._fail(SandboxCrashed(f"sandbox {self.id} was closed"))
+    def disconnect(self, error: InfraFailure | None = None) -> None:
+        """The owner's: fail the calls in flight and every later one with `error` (or as closed;
+        the first error given stays), and drop the connection to the member."""
+        self._fail(error or SandboxCrashed(f"sandbox {self.id} was closed"))
         if self._reader is not None:
             self._reader.cancel()
         if self._writer is not None:

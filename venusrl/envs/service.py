@@ -20,6 +20,10 @@ class GroupHandle(Protocol):
 
     async def add(self) -> SandboxHandle: ...
 
+    def set_priority(self, priority: int) -> None:
+        """Its members, waiting or running, rank at `priority` from now on (a re-rank)."""
+        ...
+
     async def close(self) -> None: ...
 
 

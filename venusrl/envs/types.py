@@ -72,7 +72,8 @@ class ExecResult:
     stdout: bytes
     stderr: bytes
     timed_out: bool = False
-    truncated: bool = False  # stdout or stderr went over max_output_bytes; the rest was dropped
+    # stdout or stderr went over max_output_bytes; the rest was dropped (and `exec` stopped there)
+    truncated: bool = False
     oom_killed: bool = False  # the kernel killed it because the sandbox hit its memory limit
     duration_s: float = 0.0
 

@@ -37,7 +37,7 @@ async def play_policy(
     concurrency: int = 16,
 ) -> list[Trajectory]:
     """One episode per task, in task order; `cfg` gives the engine and the loop's limits
-    (`rollout.max_context`, `rollout.max_tokens_per_turn`) and `engine.seed` the sampling."""
+    (`rollout.*`) and `engine.seed` the sampling."""
     tokenizer = Tokenizer.load(model_dir)
     if tokenizer is None or tokenizer.chat_template is None:
         raise ValueError(f"{model_dir} needs a tokenizer with a chat template to play episodes")
