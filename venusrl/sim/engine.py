@@ -257,7 +257,7 @@ class SimEngine:
                 counters.tool_returns += 1
                 counters.tool_return_wait_s += span.ends[0] - req.tool_returned_at
                 req.tool_returned_at = None
-        hold = self._repeats(span, ran, prefilling, decision)
+        hold = self._set_repeats(span, ran, prefilling, decision)
         span.repeats = span.repeats and not self.config.decide_every_iteration
         if span.repeats:  # after the pages this iteration's decodes open
             ps = self.page_size
@@ -301,18 +301,18 @@ class SimEngine:
         seen = self.kv.seen(reserved, stop)
         return _Decision(plan, head, stop, reserved, release_at, seen, counters.evictions)
 
-    def _repeats(
+    def _set_repeats(
         self,
         span: Span,
         ran: list[tuple[SimRequest, int, bool]],
         prefilling: list[SimRequest],
         decision: _Decision,
     ) -> int:
-        """Whether the plan repeats after the span's first iteration, and how: its prefill, its
-        chunk, the waiting request it stopped at. Returns the pages the repeats must leave free
-        (the reserve)."""
+        """Sets whether the decision's plan repeats after the span's first iteration, and how
+        (its prefill and chunk, the waiting request it stopped at). Returns the pages the
+        repeats must leave free (the reserve)."""
         cfg, kv, head, stop = self.config, self.kv, decision.head, decision.stop
-        if decision.plan.preempt:
+        if decision.plan.preempt:  # the next iteration is decided
             return decision.reserved
         hold, sampling = decision.reserved, span.sampling
         if not prefilling:
@@ -462,17 +462,17 @@ class SimEngine:
                 self._span = span
                 self._end_at(span.ends[-1])
                 return
-        n, done = span.done, []
+        n, sampled = span.done, []
         for req, base in span.sampling:  # the simulator's innermost loop: kept lean
             req.computed = base + n  # with the KV of the token sampled before
             req.decode_left -= n
             if not req.decode_left:
-                done.append(req)
-        for req in done:
+                sampled.append(req)
+        for req in sampled:  # their actions are sampled
             del self.running[req.rid]
             self.kv.release(req)
             req.done()
-        if span.repeats and done and self._decodes_go_on(span):
+        if span.repeats and sampled and self._decodes_go_on(span):
             return
         if self.running or self.waiting:
             self._step()
