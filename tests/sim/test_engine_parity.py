@@ -145,8 +145,9 @@ def simulate(policy: str, seed: int, merged: bool = False) -> tuple[Simulation, 
     config = dataclasses.replace(SIM_CONFIG, decide_every_iteration=not merged)
     sim = Simulation(WORKLOAD, sim_policy, seed, config, ONE_SECOND_ITERATIONS, record=True)
     decisions = Decisions(lambda: sim.clock.now)
-    sim.scheduler = RecordingScheduler(decisions)
-    sim.retention = RecordingRetention(sim.retention, decisions)
+    (engine,) = sim.engines
+    engine.scheduler = RecordingScheduler(decisions)
+    engine.kv.retention = RecordingRetention(engine.kv.retention, decisions)
     sim.run()
     return sim, decisions
 

@@ -44,7 +44,7 @@ def test_the_same_seed_gives_the_same_run() -> None:
 
 def test_it_runs_the_engines_own_scheduler_object() -> None:
     sim = Simulation(SMALL, POLICIES["venus"], 0, SimConfig(steps=2))
-    assert type(sim.scheduler) is PriorityScheduler
+    assert all(type(engine.scheduler) is PriorityScheduler for engine in sim.engines)
     sim.run()
     assert sim.counters.decisions > 0 and sim.counters.iterations > sim.counters.decisions
 
@@ -206,7 +206,8 @@ def test_a_scheduler_that_stops_reading_the_waiting_queue_early_sees_the_same_re
             return super().schedule(snap)
 
     sim = Simulation(SMALL, POLICIES["venus"], 0, SimConfig(steps=2))
-    sim.scheduler = ReadsEverything()
+    for engine in sim.engines:
+        engine.scheduler = ReadsEverything()
     assert sim.run() == run("venus", steps=2)
     assert any(len(iterated) > 1 for iterated, _ in seen)
     assert all(iterated == indexed for iterated, indexed in seen)

@@ -19,14 +19,12 @@ sandboxes are charged their whole RSS, unshared.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import multiprocessing
 import os
 import signal
 import statistics
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
@@ -52,7 +50,8 @@ from venusrl.policy.kv_retention import (
 from venusrl.policy.placement import least_loaded
 from venusrl.policy.staleness import StalenessBound
 from venusrl.sim.cost_model import CostModel
-from venusrl.sim.engine import SPENT_ON, SimEngine, SimRequest
+from venusrl.sim.engine import SPENT_ON, SimEngine
+from venusrl.sim.types import Clock, Counters, SimConfig, SimRequest
 from venusrl.workloads import PromptPlan, TrajectoryPlan, Workload, WorkloadSampler
 
 
@@ -135,35 +134,6 @@ def sim_policies(names: str) -> list[SimPolicy]:
     return [sim_policy(n) for n in listed]
 
 
-@dataclass(frozen=True)
-class SimConfig:
-    steps: int = 4  # trainer steps to run
-    warmup_steps: int = 1  # left out of the mean step time (the pipeline is filling)
-    page_size: int = 64
-    token_budget: int = 8192  # tokens per engine iteration (chunked prefill)
-    max_running: int = 256
-    max_infra_retries: int = 2
-    max_merged_iterations: int = 512  # iterations of one repeated plan in one event, at most
-    # Every iteration asks the scheduler (slow; the figures are the same, a test checks it).
-    decide_every_iteration: bool = False
-    waiting_head: int = 64  # waiting requests shown to the scheduler (the engine shows a head too)
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-        self._queue: list[tuple[float, int, Callable[[], None]]] = []
-        self._seq = itertools.count()
-
-    def at(self, t: float, fn: Callable[[], None]) -> None:
-        heapq.heappush(self._queue, (max(t, self.now), next(self._seq), fn))
-
-    def run(self, until: Callable[[], bool]) -> None:
-        while self._queue and not until():
-            self.now, _, fn = heapq.heappop(self._queue)
-            fn()
-
-
 @dataclass(eq=False)
 class SimGroup:
     """An open GRPO group: its members' episodes, each retried on an infrastructure failure."""
@@ -205,27 +175,6 @@ class SimTrajectory:
     expected_cached: int = 0  # tokens of its context the engine cached when it last let go of it
 
 
-@dataclass
-class Counters:
-    # Named as `Engine.counters` names the same totals, so a simulated run and a real one read
-    # alike; `reprefill_tokens` is the sum over causes, `evictions` the simulator's own.
-    device_hit_tokens: int = 0
-    host_hit_tokens: int = 0
-    reprefill_tokens: int = 0
-    reprefill_evicted_tokens: int = 0
-    reprefill_preempted_tokens: int = 0
-    offloaded_bytes: float = 0.0
-    loaded_bytes: float = 0.0
-    preemptions: int = 0
-    evictions: int = 0  # radix-tree nodes that left the device (offloaded or dropped)
-    # Turns after a tool call, and their seconds from arrival to first token, summed (as the
-    # engine counts them, `Engine.counters`).
-    tool_returns: int = 0
-    tool_return_wait_s: float = 0.0
-    iterations: int = 0
-    decisions: int = 0
-
-
 @dataclass(frozen=True)
 class Submission:
     """A request as an engine receives it, for replaying a simulated run on a real engine."""
@@ -256,12 +205,8 @@ class Simulation:
         self.policy = policy
         self.config = config or SimConfig()
         self.cost = cost or CostModel.preset(w.model, w.gpu, w.tp)
-        self.clock = _Clock()
+        self.clock = Clock()
         self.sampler = WorkloadSampler(w, seed)
-        self.scheduler = PriorityScheduler()
-        self.retention: RetentionPolicy = (
-            TrajectoryRetention() if policy.retention == "trajectory" else LruRetention()
-        )
         self.group_policy = CriticalGroups() if policy.priorities == "critical" else FifoGroups()
         self.bound = StalenessBound(
             w.prompts_per_batch, policy.max_staleness, policy.max_train_staleness
@@ -269,9 +214,8 @@ class Simulation:
         self.lengths = LengthPredictor()
         if w.rollout_gpus % w.tp:
             raise ValueError(f"rollout_gpus {w.rollout_gpus} is not a multiple of tp {w.tp}")
-        self.engines = [SimEngine(self, i) for i in range(w.rollout_gpus // w.tp)]
         self.counters = Counters()
-        self.ticks = 0  # the radix trees' access clock, for LRU (engines share it: harmless)
+        self.engines = [self._engine(i) for i in range(w.rollout_gpus // w.tp)]
         self.submissions: list[Submission] | None = [] if record else None
         self.finishes: list[tuple[float, str]] | None = [] if record else None
         self.version = 0
@@ -307,6 +251,17 @@ class Simulation:
         self.decode_tokens_per_s = 1.0 / step_s
         tools = [t.tool_s for p in plans for t in p.turns[:-1]]
         self.tool_s_per_turn = statistics.median(tools) if tools else 0.0
+
+    def _engine(self, index: int) -> SimEngine:
+        """A rollout engine on this run's clock, cost model and counters, with its own scheduler
+        and retention policy, as each real engine has."""
+        policy, admission = self.policy, self.policy.admission
+        retention: RetentionPolicy = (
+            TrajectoryRetention() if policy.retention == "trajectory" else LruRetention()
+        )
+        window = admission.initial_window if admission is not None else 0
+        return SimEngine(index, self.clock, self.cost, self.config, PriorityScheduler(),
+                         retention, self.counters, window)  # fmt: skip
 
     # --- what the engines ask ----------------------------------------------------------------
 
@@ -381,7 +336,8 @@ class Simulation:
             t.engine.trajectories += 1
         action = t.plan.turns[t.turn].action_tokens
         priority = self.priority(t.group.gid)
-        req = SimRequest(f"{t.tid}-t{t.turn}", t, next(self._arrivals), priority, action)
+        req = SimRequest(f"{t.tid}-t{t.turn}", t, next(self._arrivals), priority, action,
+                         lambda: self.turn_done(t))  # fmt: skip
         if t.turn:
             req.tool_returned_at = self.clock.now
         if self.submissions is not None:
