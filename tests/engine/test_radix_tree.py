@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from venusrl.engine.kv_cache import OutOfPages, PageAllocator
+from venusrl.engine.radix_lending import LendingRadixTree
 from venusrl.engine.radix_tree import PrefixMatch, RadixNode, RadixTree
 
 PAGE = 2
@@ -54,9 +55,9 @@ class Tiers:
         self.host.free(host_pages)
 
 
-def retention_tree(alloc: PageAllocator, host_pages: int, pinned: set[str]) -> RadixTree:
+def retention_tree(alloc: PageAllocator, host_pages: int, pinned: set[str]) -> LendingRadixTree:
     """A tree ranked as the engine ranks it: nodes of pinned owners last, offloaded when owned."""
-    return RadixTree(
+    return LendingRadixTree(
         PAGE,
         eviction_key=lambda n: (bool(n.owners & pinned), n.last_access),
         offload_if=lambda n: bool(n.owners),
@@ -259,7 +260,7 @@ def test_allocator_refuses_double_free_and_overdraw() -> None:
 
 def test_only_the_private_end_of_a_path_is_taken_out() -> None:
     alloc = PageAllocator(16, reserved=1)
-    tree = RadixTree(PAGE)
+    tree = LendingRadixTree(PAGE)
     prompt, mine, theirs = [1] * PAGE, [2] * (2 * PAGE), [3] * PAGE
     for tokens, owner in ((prompt + mine, "t0"), (prompt + theirs, "t1")):
         own = alloc.allocate(len(tokens) // PAGE)

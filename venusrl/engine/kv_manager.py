@@ -30,7 +30,8 @@ from venusrl.engine.config import EngineConfig
 from venusrl.engine.kv_cache import KVCache
 from venusrl.engine.layer_bands import BandStats, LayerBands
 from venusrl.engine.model import ModelConfig
-from venusrl.engine.radix_tree import Cached, PrefixMatch, RadixNode, RadixTree
+from venusrl.engine.radix_lending import LendingRadixTree
+from venusrl.engine.radix_tree import Cached, PrefixMatch, RadixNode
 from venusrl.engine.request import Request, Status
 from venusrl.policy.critical_groups import HIGH
 from venusrl.policy.engine_schedule import RequestView, pages_for, pages_needed
@@ -121,7 +122,7 @@ class KVManager:
             TrajectoryRetention() if cfg.retention == "trajectory" else LruRetention()
         )
         self.trajectories: dict[str, TrajectoryState] = {}
-        self.tree = RadixTree(
+        self.tree = LendingRadixTree(
             cfg.page_size,
             eviction_key=lambda node: eviction_key(
                 self.retention, self.idle_kv(node), self.clock()

@@ -25,7 +25,8 @@ import torch
 
 from venusrl.engine.attention import BandedPages
 from venusrl.engine.kv_cache import KVCache
-from venusrl.engine.radix_tree import RadixNode, RadixTree
+from venusrl.engine.radix_lending import LendingRadixTree
+from venusrl.engine.radix_tree import RadixNode
 from venusrl.engine.request import Banded, Request
 from venusrl.policy.layer_residency import LayerResidency, band_layers
 
@@ -48,7 +49,7 @@ class LayerBands:
         self,
         policy: LayerResidency,
         kv: KVCache,
-        tree: RadixTree,
+        tree: LendingRadixTree,
         stats: BandStats,
         make_room: Callable[[int], bool],
     ) -> None:
