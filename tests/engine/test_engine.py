@@ -13,6 +13,7 @@ from tests.conftest import write_hf_model
 from venusrl.engine.config import EngineConfig
 from venusrl.engine.engine import Engine, RequestError
 from venusrl.engine.kv_cache import KVCache
+from venusrl.engine.model import ModelConfigError
 from venusrl.engine.model_dir import iter_safetensors
 from venusrl.types import SamplingParams, TurnMeta
 
@@ -169,6 +170,20 @@ def test_weight_update_mid_flight_keeps_requests_running_and_tags_versions(
     fresh = engine_for(other).generate([prompt], GREEDY)[0]
     engine.flush_cache()
     assert engine.generate([prompt], GREEDY)[0].token_ids == fresh.token_ids
+
+
+def test_weights_of_another_model_are_refused_before_anything_loads(
+    tiny_qwen3: Path, tmp_path: Path
+) -> None:
+    # Same shapes, another RoPE: the tensors would load and every token would be computed with
+    # rotations the weights were not trained for.
+    other = write_hf_model(tmp_path / "other", "qwen3", seed=5, head_dim=16, rope_theta=5e5)
+    engine = engine_for(tiny_qwen3)
+    before = {k: v.clone() for k, v in engine.model.hf_state_dict().items()}
+    with pytest.raises(ModelConfigError, match=r"another model .* rope_theta 500000\.0"):
+        engine.update_weights(other)
+    assert engine.weight_version == 0
+    assert all(torch.equal(before[k], v) for k, v in engine.model.hf_state_dict().items())
 
 
 def test_salted_cache_is_not_reused_across_weight_versions(tiny_qwen3: Path) -> None:

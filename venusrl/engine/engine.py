@@ -18,6 +18,7 @@ request is therefore the same as prefilling it, served mostly from the prefix ca
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 import math
 import time
@@ -31,8 +32,8 @@ from venusrl.engine.batch import BatchBuilder
 from venusrl.engine.config import EngineConfig
 from venusrl.engine.host_malloc import keep_freed_memory_in_heap
 from venusrl.engine.kv_manager import DTYPES, REPREFILL_CAUSES, EngineStats, KVManager
-from venusrl.engine.model import CausalLM
-from venusrl.engine.model_dir import iter_safetensors, load_model
+from venusrl.engine.model import CausalLM, ModelConfigError
+from venusrl.engine.model_dir import iter_safetensors, load_model, read_model_config
 from venusrl.engine.request import Request, Status
 from venusrl.engine.sampler import sample
 from venusrl.engine.tokenizer import Tokenizer
@@ -460,13 +461,32 @@ class Engine:
         The salt counts the loads, not the version numbers a caller gives: a version given
         twice (a second run against the same server) still salts each load apart.
         """
-        source = iter_safetensors(weights) if isinstance(weights, str | Path) else weights
-        self.model.load_weights(source)
+        if isinstance(weights, str | Path):
+            self._check_same_model(Path(weights))
+            weights = iter_safetensors(weights)
+        self.model.load_weights(weights)
         self.weights_loaded += 1
         self.weight_version = self.weight_version + 1 if version is None else version
         if flush_cache:
             self.flush_cache()
         return self.weight_version
+
+    def _check_same_model(self, model_dir: Path) -> None:
+        """Weights from a directory whose config.json describes another model (another RoPE,
+        another norm epsilon) would load without an error and compute something else."""
+        if not (model_dir / "config.json").exists():
+            return
+        given, served = read_model_config(model_dir), self.model.config
+        differ = [
+            f"{f.name} {getattr(given, f.name)!r} (served: {getattr(served, f.name)!r})"
+            for f in dataclasses.fields(served)
+            if f.name != "eos_token_ids" and getattr(given, f.name) != getattr(served, f.name)
+        ]
+        if differ:
+            raise ModelConfigError(
+                f"{model_dir / 'config.json'} describes another model than the one served: "
+                + ", ".join(differ)
+            )
 
     def flush_cache(self) -> int:
         """Drop every cached prefix no request holds, on both tiers; returns the number of device
