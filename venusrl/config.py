@@ -5,7 +5,7 @@
 Each role owns its section (`engine/config.py`, `coordinator/config.py`, `trainer/config.py`,
 `envs/config.py`, `runtime/config.py`); this module composes them, with the rules that span
 sections. Unknown keys and invalid values raise `ConfigError` naming the dotted key and the
-reason (DESIGN.md contract 5).
+reason (DESIGN.md contract 6).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict
 
 
 class Section(BaseModel):
-    # A typo must never fall back to a default silently (DESIGN.md contract 5).
+    # A typo must never fall back to a default silently (DESIGN.md contract 6).
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
 
