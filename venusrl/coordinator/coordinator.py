@@ -94,9 +94,16 @@ class _GroupRun:
 
     def result(self, group: Group[_GroupRun]) -> GroupResult:
         trajectories = [t for t in self.results if t is not None]
-        return GroupResult(group.group_id, self.env.name, self.task, trajectories,
-                           group.started_version, self.infra_failures, self.env_failures,
-                           self.duration_s)  # fmt: skip
+        return GroupResult(
+            group.group_id,
+            self.env.name,
+            self.task,
+            trajectories,
+            group.started_version,
+            self.infra_failures,
+            self.env_failures,
+            self.duration_s,
+        )
 
 
 @dataclass(frozen=True)
@@ -124,6 +131,7 @@ class Coordinator:
         bound = StalenessBound(
             config.batch_groups, config.max_staleness, config.max_train_staleness
         )
+        # The ranking's decode speed and tool time: measured from the members' turns.
         self.book: GroupBook[_GroupRun] = GroupBook(
             bound, config.priorities, TurnRates(), start_version=weight_version()
         )
@@ -175,8 +183,13 @@ class Coordinator:
     @property
     def stats(self) -> CoordinatorStats:
         book = self.book
-        return CoordinatorStats(book.groups_started, book.groups_completed, book.groups_dropped,
-                                self._infra_failures, self._masked)  # fmt: skip
+        return CoordinatorStats(
+            book.groups_started,
+            book.groups_completed,
+            book.groups_dropped,
+            self._infra_failures,
+            self._masked,
+        )
 
     def version_changed(self) -> None:
         self._wake.set()

@@ -50,6 +50,8 @@ class Group(Generic[T]):
 
 
 class GroupBook(Generic[T]):
+    """The groups of one run, from opening to the trainer's batch; `data`: what each carries."""
+
     def __init__(
         self,
         bound: StalenessBound,
@@ -88,8 +90,8 @@ class GroupBook(Generic[T]):
             raise ValueError(f"group {group_id}: the staleness bound lets no group open now")
         if group_id in self.open:
             raise ValueError(f"group {group_id} is open already")
-        group = Group(group_id, prompt_id, self.groups_started, version, [MemberView(False)] * size,
-                      data)  # fmt: skip
+        members = [MemberView(False)] * size
+        group = Group(group_id, prompt_id, self.groups_started, version, members, data)
         self.groups_started += 1
         self.open[group_id] = group
         return group
@@ -167,10 +169,8 @@ class GroupBook(Generic[T]):
         for g in self.open.values():
             if g.view is None or g.view[0] != version:
                 due = self.bound.due(g.started_version, version)
-                g.view = (
-                    version,
-                    GroupView(g.group_id, g.prompt_id, g.arrival, tuple(g.members), due),
-                )
+                view = GroupView(g.group_id, g.prompt_id, g.arrival, tuple(g.members), due)
+                g.view = (version, view)
             groups.append(g.view[1])
         return CoordinatorSnapshot(
             groups,
