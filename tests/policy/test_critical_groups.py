@@ -18,6 +18,7 @@ from venusrl.policy.critical_groups import (
     LengthPredictor,
     MemberView,
     Prediction,
+    TurnRates,
 )
 from venusrl.policy.staleness import StalenessBound
 
@@ -28,7 +29,7 @@ def group(gid: str, done: int, k: int = 8, arrival: int = 0, tokens: int = 0) ->
 
 
 def snapshot(groups: list[GroupView], batch: int = 1, waiting: int = 0, **preds: Prediction):
-    return CoordinatorSnapshot(groups, batch, waiting, preds, decode_tokens_per_s=100.0)
+    return CoordinatorSnapshot(groups, batch, waiting, preds, 100.0, tool_s_per_turn=0.5)
 
 
 def test_a_group_with_7_of_8_done_outranks_one_with_1_of_8_done() -> None:
@@ -77,6 +78,33 @@ def test_length_predictor_starts_from_the_prompt_history_then_the_global_median(
     pred.observe("q", 1000, 9)
     assert pred.predictions(["p"])["p"] == Prediction(200, 4)
     assert pred.predictions(["new"])["new"] == Prediction(300, 5)  # median of all three
+
+
+def test_turn_rates_are_the_given_figures_until_turns_are_seen_then_their_medians() -> None:
+    rates = TurnRates(decode_tokens_per_s=50.0, tool_s_per_turn=0.5)
+    assert (rates.decode_tokens_per_s, rates.tool_s_per_turn) == (50.0, 0.5)
+    rates.observe(tokens=100, generation_s=1.0, tool_s=4.0)
+    assert (rates.decode_tokens_per_s, rates.tool_s_per_turn) == (100.0, 4.0)
+    rates.observe(tokens=300, generation_s=1.0, tool_s=2.0)
+    rates.observe(tokens=200, generation_s=0.1, tool_s=60.0)  # one tool that hung: no outlier
+    assert (rates.decode_tokens_per_s, rates.tool_s_per_turn) == (300.0, 4.0)
+
+
+def test_a_last_turn_tells_no_tool_time_and_a_replayed_turn_no_decode_speed() -> None:
+    rates = TurnRates(decode_tokens_per_s=50.0, tool_s_per_turn=0.5)
+    rates.observe(tokens=80, generation_s=2.0, tool_s=None)  # the episode ended with it
+    assert (rates.decode_tokens_per_s, rates.tool_s_per_turn) == (40.0, 0.5)
+    rates.observe(tokens=80, generation_s=0.0, tool_s=3.0)  # acted on again from a record
+    assert (rates.decode_tokens_per_s, rates.tool_s_per_turn) == (40.0, 3.0)
+
+
+def test_turn_rates_follow_the_latest_turns() -> None:
+    rates = TurnRates(window=3)
+    for _ in range(3):
+        rates.observe(tokens=10, generation_s=1.0, tool_s=1.0)
+    for _ in range(2):  # the engine got busier, the tools slower
+        rates.observe(tokens=5, generation_s=1.0, tool_s=2.0)
+    assert (rates.decode_tokens_per_s, rates.tool_s_per_turn) == (5.0, 2.0)
 
 
 @given(

@@ -6,11 +6,12 @@ forked from the group's warm zygote (`rollouts`: in this process, or on the roll
 holds the group), and hands the trainer batches of B complete groups.
 
 Priorities: the ranking's view of each member follows it turn by turn (tokens and turns so far),
-and every time a member finishes its episode or a group opens or closes, the open groups are
-re-ranked by the critical-group policy (`policy.critical_groups`): the groups that complete the
-next batch get high priority, and every generation request a member sends carries its group's
-current priority (`Rollouts.set_priorities`). The simulator (`venusrl.sim`) feeds the policy at
-the same moments.
+and every time a member finishes its episode or groups open or close, the open groups are
+re-ranked by the critical-group policy (`policy.critical_groups`) at the decode speed and tool
+time the members' turns show (`TurnRates`): the groups that complete the next batch get high
+priority, and every generation request a member sends carries its group's current priority
+(`Rollouts.set_priorities`). The books of it all are `group_book.GroupBook`, which the simulator
+(`venusrl.sim`) keeps the same way.
 
 Failure semantics: an episode that ends in an infrastructure failure (sandbox died or was
 preempted, an engine call failed, a service timed out) is re-run by a replacement member, up to
@@ -26,22 +27,15 @@ import asyncio
 import itertools
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from venusrl.coordinator.config import RolloutConfig
+from venusrl.coordinator.group_book import Group, GroupBook
 from venusrl.coordinator.mixing import GroupTask
 from venusrl.coordinator.rollouts import GroupEpisodes, Rollouts
 from venusrl.envs.environment import Environment, Task
 from venusrl.envs.types import InfraFailure
-from venusrl.policy.critical_groups import (
-    BEST_EFFORT,
-    CoordinatorSnapshot,
-    CriticalGroups,
-    FifoGroups,
-    GroupView,
-    LengthPredictor,
-    MemberView,
-)
+from venusrl.policy.critical_groups import TurnRates
 from venusrl.policy.staleness import StalenessBound
 from venusrl.types import Failure, FailureKind, Finish, Trajectory
 
@@ -71,20 +65,33 @@ class GroupResult:
 
 
 @dataclass
-class _OpenGroup:
-    group_id: str
+class _GroupRun:
+    """What the coordinator keeps of a group beside its books: the task and the trajectories."""
+
     env: type[Environment]
     task: Task
-    arrival: int
-    started_version: int
-    members: list[MemberView]
+    results: list[Trajectory | None]  # per member, its last attempt
+    opened_s: float  # time.monotonic()
+    duration_s: float = 0.0  # from opening to the last member's end
     infra_failures: int = 0
     env_failures: int = 0
-    results: list[Trajectory | None] = field(default_factory=list)
     last_failure: Failure | None = None
 
+    def result(self, group: Group[_GroupRun]) -> GroupResult:
+        trajectories = [t for t in self.results if t is not None]
+        return GroupResult(
+            group.group_id,
+            self.env.name,
+            self.task,
+            trajectories,
+            group.started_version,
+            self.infra_failures,
+            self.env_failures,
+            self.duration_s,
+        )
 
-@dataclass
+
+@dataclass(frozen=True)
 class CoordinatorStats:
     groups_started: int = 0
     groups_completed: int = 0
@@ -107,18 +114,14 @@ class Coordinator:
         self.tasks, self.rollouts = tasks, rollouts
         self.config = config
         self.weight_version = weight_version
-        self.bound = StalenessBound(
+        bound = StalenessBound(
             config.batch_groups, config.max_staleness, config.max_train_staleness
         )
-        # The bound numbers groups from version 0; a resumed run starts at a later version, with
-        # the groups of every batch trained before it counted as started.
-        self._groups_before = weight_version() * config.batch_groups
-        self.policy = CriticalGroups() if config.priorities == "critical" else FifoGroups()
-        self.lengths = LengthPredictor()
-        self.stats = CoordinatorStats()
-        self._open: dict[str, _OpenGroup] = {}
-        self._priority: dict[str, int] = {}
-        self._ready: list[GroupResult] = []  # complete groups, in completion order
+        # The ranking's decode speed and tool time: measured from the members' turns.
+        self.book: GroupBook[_GroupRun] = GroupBook(
+            bound, config.priorities, TurnRates(), start_version=weight_version()
+        )
+        self._infra_failures = self._env_failures = self._masked = 0
         self._changed = asyncio.Event()  # a group completed or was dropped
         self._ids = itertools.count()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -145,9 +148,8 @@ class Coordinator:
             if self._fatal is not None:
                 raise self._fatal
             self._changed.clear()
-            running = [g.started_version for g in self._open.values()]
-            picked = self.bound.batch([r.started_version for r in self._ready], running, version)
-            if picked is not None:
+            batch = self.book.take_batch(version)
+            if batch is not None:
                 break
             remaining = deadline - time.monotonic()
             try:
@@ -155,17 +157,26 @@ class Coordinator:
             except TimeoutError:
                 raise TimeoutError(
                     f"no trainer batch within {self.config.batch_timeout_s} s: "
-                    f"{len(self._ready)} of {self.config.batch_groups} groups complete"
+                    f"{len(self.book.ready)} of {self.config.batch_groups} groups complete"
                 ) from None
-        batch = [self._ready[i] for i in picked]
-        taken = set(picked)
-        self._ready = [r for i, r in enumerate(self._ready) if i not in taken]
         self._wake.set()  # the trainer is about to move on: more groups may start soon
-        return batch
+        return [group.data.result(group) for group in batch]
 
     @property
     def running_groups(self) -> int:
-        return len(self._open)
+        return len(self.book.open)
+
+    @property
+    def stats(self) -> CoordinatorStats:
+        book = self.book
+        return CoordinatorStats(
+            book.groups_started,
+            book.groups_completed,
+            book.groups_dropped,
+            self._infra_failures,
+            self._env_failures,
+            self._masked,
+        )
 
     def version_changed(self) -> None:
         self._wake.set()
@@ -180,15 +191,21 @@ class Coordinator:
 
     async def _launch(self) -> None:
         while True:
-            # A dropped group gives its place in a batch back: with max_staleness=0 the batch
-            # could otherwise never fill.
-            placed = self._groups_before + self.stats.groups_started - self.stats.groups_dropped
-            startable = self.bound.startable(placed, self.weight_version())
-            for _ in range(startable):
-                self._spawn(self._run_group(next(self.tasks), self.stats.groups_started))
-                self.stats.groups_started += 1
+            version = self.weight_version()
+            opened = [
+                self._open(next(self.tasks), version) for _ in range(self.book.startable(version))
+            ]
+            if opened:
+                self._rerank()
+            for group in opened:
+                self._spawn(self._run_group(group))
             self._wake.clear()
             await self._wake.wait()
+
+    def _open(self, work: GroupTask, version: int) -> Group[_GroupRun]:
+        k = work.group_size
+        run = _GroupRun(work.env, work.task, [None] * k, time.monotonic())
+        return self.book.open_group(f"g{next(self._ids)}", work.task.id, k, version, run)
 
     def _spawn(self, coro: object) -> None:
         task = asyncio.ensure_future(coro)  # type: ignore[call-overload]
@@ -201,54 +218,35 @@ class Coordinator:
             self._fatal = task.exception()
             self._changed.set()
 
-    async def _run_group(self, work: GroupTask, arrival: int) -> None:
-        gid = f"g{next(self._ids)}"
-        task, k = work.task, work.group_size
-        opened = time.monotonic()
-        state = _OpenGroup(
-            gid, work.env, task, arrival, self.weight_version(), [MemberView(False)] * k
-        )
-        state.results = [None] * k
-        self._open[gid] = state
-        self._rerank()
-        group: GroupEpisodes | None = None
+    async def _run_group(self, group: Group[_GroupRun]) -> None:
+        gid, run = group.group_id, group.data
+        episodes: GroupEpisodes | None = None
         try:
             async with asyncio.timeout(self.config.group_timeout_s):
-                group = await self.rollouts.open_group(
-                    gid, work.env, task, self._priority.get(gid, BEST_EFFORT)
+                episodes = await self.rollouts.open_group(
+                    gid, run.env, run.task, self.book.priority(gid)
                 )
-                await asyncio.gather(*(self._run_member(state, group, i) for i in range(k)))
-            result = GroupResult(
-                gid,
-                work.env.name,
-                task,
-                [t for t in state.results if t is not None],
-                state.started_version,
-                state.infra_failures,
-                state.env_failures,
-                time.monotonic() - opened,
-            )
-            scored = k - result.masked
-            self.stats.masked += result.masked
-            if scored < 2:
-                self._dropped(str(state.last_failure))
-            else:
-                self.stats.groups_completed += 1
+                members = range(len(group.members))
+                await asyncio.gather(*(self._run_member(group, episodes, i) for i in members))
+            run.duration_s = time.monotonic() - run.opened_s
+            self._masked += group.masked
+            if self.book.close(gid):
                 self._dropped_in_a_row = 0
-                self._ready.append(result)
+            else:
+                self._dropped(str(run.last_failure))
         except (TimeoutError, InfraFailure) as e:
+            self.book.drop(gid)
             self._dropped(f"{type(e).__name__}: {e}")
         finally:
-            self._open.pop(gid, None)
-            self._priority.pop(gid, None)
-            if group is not None:
-                await group.close()
+            if gid in self.book.open:  # cancelled (the run is closing) or a bug
+                self.book.drop(gid)
+            if episodes is not None:
+                await episodes.close()
             self._rerank()
             self._wake.set()
             self._changed.set()
 
     def _dropped(self, failure: str | None) -> None:
-        self.stats.groups_dropped += 1
         self._dropped_in_a_row += 1
         if self._dropped_in_a_row >= self.config.max_dropped_in_a_row and self._fatal is None:
             self._fatal = EpisodesFailing(
@@ -257,51 +255,43 @@ class Coordinator:
             )
             self._changed.set()
 
-    async def _run_member(self, state: _OpenGroup, group: GroupEpisodes, index: int) -> None:
+    async def _run_member(
+        self, group: Group[_GroupRun], episodes: GroupEpisodes, index: int
+    ) -> None:
+        gid, run = group.group_id, group.data
         while True:
-            tid = f"{state.group_id}-m{index}-{next(self._ids)}"
-            traj = await group.play(
-                tid, lambda tokens, turns: self._progress(state, index, tokens, turns)
+            tid = f"{gid}-m{index}-{next(self._ids)}"
+            traj = await episodes.play(
+                tid, lambda tokens, turns: self.book.progress(gid, index, tokens, turns)
             )
+            for turn in turns_played(traj):
+                self.book.rates.observe(*turn)
             if traj.finish is Finish.INFRA:
-                state.last_failure = traj.failure
-                state.infra_failures += 1
+                run.last_failure = traj.failure
+                run.infra_failures += 1
                 env_failed = traj.failed_with(FailureKind.ENVIRONMENT)
-                state.env_failures += env_failed
-                self.stats.infra_failures += 1
-                self.stats.env_failures += env_failed
-                if state.infra_failures <= self.config.max_infra_retries:
+                run.env_failures += env_failed
+                self._infra_failures += 1
+                self._env_failures += env_failed
+                if run.infra_failures <= self.config.max_infra_retries:
                     continue  # a replacement member runs the same task
-            else:
-                self.lengths.observe(state.task.id, traj.model_tokens, len(traj.turn_starts))
-            state.results[index] = traj
-            state.members[index] = MemberView(True, traj.model_tokens, len(traj.turn_starts))
+            run.results[index] = traj
+            scored = traj.finish is not Finish.INFRA
+            self.book.member_finished(gid, index, scored, traj.model_tokens, len(traj.turn_starts))
             self._rerank()
             return
 
-    def _progress(self, state: _OpenGroup, index: int, tokens: int, turns: int) -> None:
-        """A member finished a model turn: the ranking's view of it moves on (its tokens and
-        turns so far; now waiting on the environment). Re-ranking waits for the next member to
-        finish, as in the simulator, so a turn costs no sort."""
-        state.members[index] = MemberView(False, tokens, turns, waiting_on_tool=True)
-
     def _rerank(self) -> None:
-        version = self.weight_version()
-        groups = [
-            GroupView(
-                g.group_id,
-                g.task.id,
-                g.arrival,
-                tuple(g.members),
-                self.bound.due(g.started_version, version),
-            )
-            for g in self._open.values()
-        ]
-        snap = CoordinatorSnapshot(
-            groups,
-            self.config.batch_groups,
-            len(self._ready),
-            self.lengths.predictions([g.prompt_id for g in groups]),
-        )
-        self._priority = dict(self.policy.decide(snap).priority)
-        self.rollouts.set_priorities(self._priority)
+        self.rollouts.set_priorities(self.book.rank(self.weight_version()))
+
+
+def turns_played(traj: Trajectory) -> Iterator[tuple[int, float, float | None]]:
+    """What each turn the environment acted on cost (`TurnRates.observe`): the model's tokens,
+    the seconds from the request to the last of them, and the environment's seconds acting on
+    them where another turn followed (None for the last)."""
+    ends = [*traj.turn_starts[1:], len(traj.token_ids)]
+    for i, times in enumerate(traj.turn_times):
+        tokens = sum(traj.mask[traj.turn_starts[i] : ends[i]])
+        followed = i + 1 < len(traj.turn_starts)
+        tool_s = times.acted - times.generated if followed else None
+        yield tokens, times.generated - times.requested, tool_s

@@ -15,12 +15,14 @@ the rest are best effort. The engine and the sandbox pool receive that priority 
 A member's remaining time is its predicted remaining tokens at the decode rate plus the expected
 tool time of its remaining turns; the length prediction comes from `LengthPredictor`, which starts
 from the prompt's own history (the K members of a group share a prompt, and prompts are revisited
-across epochs) and falls back to the global median.
+across epochs) and falls back to the global median; the decode speed and the tool time come from
+`TurnRates`, the medians of the run's own recent turns.
 """
 
 from __future__ import annotations
 
 import statistics
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -62,8 +64,8 @@ class CoordinatorSnapshot:
     batch_groups: int  # B
     complete_groups_waiting: int  # complete groups not yet consumed by the trainer
     predictions: Mapping[str, Prediction]  # per prompt id
-    decode_tokens_per_s: float = 50.0  # of one trajectory, as the engine currently runs it
-    tool_s_per_turn: float = 0.5
+    decode_tokens_per_s: float  # of one trajectory, as the engine currently runs it (TurnRates)
+    tool_s_per_turn: float
 
 
 @dataclass(frozen=True)
@@ -156,3 +158,31 @@ class LengthPredictor:
             elif self._all:
                 out[pid] = self._median(None, self._all)
         return out
+
+
+class TurnRates:
+    """What a member's remaining turns cost, as the run's own turns show it: the decode speed of
+    one trajectory (a turn's tokens over the seconds from its request to its last token,
+    queueing and prefill included, as a member waits them) and the tool time of a turn that
+    another turn follows (the simulator's `tool_s`). Each is the median of the latest `window`
+    turns that showed it, robust to the odd turn that queued behind a preemption or a tool that
+    hung; the given figures stand until the first such turn. Pure state: the caller measures."""
+
+    def __init__(
+        self, decode_tokens_per_s: float = 50.0, tool_s_per_turn: float = 0.5, window: int = 256
+    ) -> None:
+        self.decode_tokens_per_s, self.tool_s_per_turn = decode_tokens_per_s, tool_s_per_turn
+        self._decode: deque[float] = deque(maxlen=window)
+        self._tool: deque[float] = deque(maxlen=window)
+
+    def observe(self, tokens: int, generation_s: float, tool_s: float | None) -> None:
+        """One turn: `tokens` generated in `generation_s`, then `tool_s` for the environment to
+        act on them (None: no turn followed, so this was no tool call between turns). A turn
+        that generated nothing in no time (replayed from a record) tells nothing of the decode
+        speed."""
+        if tokens > 0 and generation_s > 0:
+            self._decode.append(tokens / generation_s)
+            self.decode_tokens_per_s = statistics.median(self._decode)
+        if tool_s is not None:
+            self._tool.append(max(tool_s, 0.0))
+            self.tool_s_per_turn = statistics.median(self._tool)

@@ -2,10 +2,11 @@
 
 Time is virtual: engine iterations, tool calls, sandbox starts, rewards, trainer steps and weight
 syncs take what the cost model and the workload say, and nothing runs for real. What decides is
-real: the coordinator's group ranking (`policy.critical_groups`), the staleness bound
-(`policy.staleness`), the engines' batch scheduler (`policy.engine_schedule.PriorityScheduler`,
-the object the engine runs) and the KV retention policy (`policy.kv_retention`), each called
-with snapshots built from the simulated state (DESIGN.md contract 1).
+real: the coordinator's books of its groups (`coordinator.group_book`, with the group ranking of
+`policy.critical_groups` and the staleness bound of `policy.staleness`), the engines' batch
+scheduler (`policy.engine_schedule.PriorityScheduler`, the object the engine runs) and the KV
+retention policy (`policy.kv_retention`), each called with snapshots built from the simulated
+state (DESIGN.md contract 1).
 
 Each rollout engine is a `venusrl.sim.engine.SimEngine`: `venusrl.engine.Engine`'s scheduling
 and KV bookkeeping on this clock, checked against the real engine by
@@ -26,19 +27,12 @@ import signal
 import statistics
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
+from venusrl.coordinator.group_book import GroupBook
 from venusrl.policy.agent_admission import AimdAdmission, CacheSignal
-from venusrl.policy.critical_groups import (
-    BEST_EFFORT,
-    CoordinatorSnapshot,
-    CriticalGroups,
-    FifoGroups,
-    GroupView,
-    LengthPredictor,
-    MemberView,
-)
+from venusrl.policy.critical_groups import TurnRates
 from venusrl.policy.engine_schedule import (
     PriorityScheduler,
 )
@@ -136,26 +130,15 @@ def sim_policies(names: str) -> list[SimPolicy]:
 
 @dataclass(eq=False)
 class SimGroup:
-    """An open GRPO group: its members' episodes, each retried on an infrastructure failure."""
+    """What the simulator keeps of a GRPO group beside its books (`GroupBook`): the prompt and
+    its members' attempts, each retried on an infrastructure failure."""
 
     gid: str
     prompt: PromptPlan
-    arrival: int
-    started_version: int
     started_at: float
-    members: list[MemberView]
-    scored: int = 0
-    masked: int = 0
-    attempts: list[int] = field(default_factory=list)
+    attempts: list[int]
     tokens: int = 0  # of the finished trajectories, for the trainer's cost
     sequences: int = 0
-    # The ranking's view of it, at the weight version it was built for (a re-ranking follows
-    # every member that finishes, over every open group: most views have not changed).
-    view: tuple[int, GroupView] | None = None
-
-    def set_member(self, index: int, member: MemberView) -> None:
-        self.members[index] = member
-        self.view = None
 
 
 @dataclass(eq=False)
@@ -207,11 +190,9 @@ class Simulation:
         self.cost = cost or CostModel.preset(w.model, w.gpu, w.tp)
         self.clock = Clock()
         self.sampler = WorkloadSampler(w, seed)
-        self.group_policy = CriticalGroups() if policy.priorities == "critical" else FifoGroups()
-        self.bound = StalenessBound(
+        bound = StalenessBound(
             w.prompts_per_batch, policy.max_staleness, policy.max_train_staleness
         )
-        self.lengths = LengthPredictor()
         if w.rollout_gpus % w.tp:
             raise ValueError(f"rollout_gpus {w.rollout_gpus} is not a multiple of tp {w.tp}")
         self.counters = Counters()
@@ -219,10 +200,6 @@ class Simulation:
         self.submissions: list[Submission] | None = [] if record else None
         self.finishes: list[tuple[float, str]] | None = [] if record else None
         self.version = 0
-        self.groups_started = 0
-        self.groups_dropped = 0
-        self.open: dict[str, SimGroup] = {}
-        self.ready: list[SimGroup] = []
         self.trainer_busy = False
         self.train_s = 0.0  # trainer compute, all steps
         self._training: tuple[float, list[int]] = (0.0, [])  # the step in flight: time, staleness
@@ -232,7 +209,6 @@ class Simulation:
         self.staleness: list[int] = []
         self.sandbox_gb_s = 0.0
         self.infra_failures = 0
-        self.priorities: dict[str, int] = {}  # group id -> priority, from the ranking
         self._arrivals = itertools.count()
         # First turns held back by admission control.
         self._not_admitted: deque[SimTrajectory] = deque()
@@ -248,9 +224,9 @@ class Simulation:
         ]
         batch = max(1, round(w.prompts_per_batch * w.group_size / len(self.engines)))
         step_s = self.cost.decode_step_s(batch, batch * statistics.fmean(contexts))
-        self.decode_tokens_per_s = 1.0 / step_s
         tools = [t.tool_s for p in plans for t in p.turns[:-1]]
-        self.tool_s_per_turn = statistics.median(tools) if tools else 0.0
+        rates = TurnRates(1.0 / step_s, statistics.median(tools) if tools else 0.0)
+        self.book: GroupBook[SimGroup] = GroupBook(bound, policy.priorities, rates)
 
     def _engine(self, index: int) -> SimEngine:
         """A rollout engine on this run's clock, cost model and counters, with its own scheduler
@@ -262,11 +238,6 @@ class Simulation:
         window = admission.initial_window if admission is not None else 0
         return SimEngine(index, self.clock, self.cost, self.config, PriorityScheduler(),
                          retention, self.counters, window)  # fmt: skip
-
-    # --- what the engines ask ----------------------------------------------------------------
-
-    def priority(self, gid: str) -> int:
-        return self.priorities.get(gid, BEST_EFFORT)
 
     # --- the run -------------------------------------------------------------------------------
 
@@ -299,21 +270,16 @@ class Simulation:
                 )
 
     def _launch(self) -> None:
-        started = self.groups_started - self.groups_dropped  # a dropped group frees its slot
-        n = self.bound.startable(started, self.version)
+        n = self.book.startable(self.version)
         for _ in range(n):
             self._open_group()
         if n:
             self._rerank()
 
     def _open_group(self) -> None:
-        w, now = self.workload, self.clock.now
-        prompt = self.sampler.next_prompt()
-        k = w.group_size
-        g = SimGroup(f"g{self.groups_started}", prompt, self.groups_started, self.version, now,
-                   [MemberView(False)] * k, attempts=[0] * k)  # fmt: skip
-        self.groups_started += 1
-        self.open[g.gid] = g
+        prompt, k = self.sampler.next_prompt(), self.workload.group_size
+        g = SimGroup(f"g{self.book.groups_started}", prompt, self.clock.now, [0] * k)
+        self.book.open_group(g.gid, prompt.prompt_id, k, self.version, g)
         for i in range(k):
             self._start_member(g, i)
 
@@ -335,7 +301,7 @@ class Simulation:
             t.engine = engine
             t.engine.trajectories += 1
         action = t.plan.turns[t.turn].action_tokens
-        priority = self.priority(t.group.gid)
+        priority = self.book.priority(t.group.gid)
         req = SimRequest(f"{t.tid}-t{t.turn}", t, next(self._arrivals), priority, action,
                          lambda: self.turn_done(t))  # fmt: skip
         if t.turn:
@@ -355,7 +321,7 @@ class Simulation:
         if self.finishes is not None:
             self.finishes.append((now, f"{t.tid}-t{t.turn}"))
         g = t.group
-        g.set_member(t.index, MemberView(False, t.generated, t.turn + 1, waiting_on_tool=True))
+        self.book.progress(g.gid, t.index, t.generated, t.turn + 1)
         if t.plan.infra_failure_turn == t.turn:
             self._end_trajectory(t)
             self.infra_failures += 1
@@ -363,7 +329,7 @@ class Simulation:
             if g.attempts[t.index] <= self.config.max_infra_retries:
                 self._start_member(g, t.index)  # a replacement member runs the same prompt
             else:
-                self._member_finished(g, t.index, scored=False)
+                self._member_finished(t, scored=False)
             return
         if t.turn == len(t.plan.turns) - 1:
             t.engine.finish_trajectory(t.tid)
@@ -422,59 +388,31 @@ class Simulation:
 
     def _scored(self, t: SimTrajectory) -> None:
         self._end_trajectory(t)
-        self.lengths.observe(t.group.prompt.prompt_id, t.generated, len(t.plan.turns))
         t.group.tokens += t.context
         t.group.sequences += 1
-        self._member_finished(t.group, t.index, scored=True)
+        self._member_finished(t, scored=True)
 
-    def _member_finished(self, g: SimGroup, index: int, scored: bool) -> None:
-        g.set_member(index, MemberView(True))
-        if scored:
-            g.scored += 1
-        else:
-            g.masked += 1
-        if g.scored + g.masked == self.workload.group_size:
-            del self.open[g.gid]
-            self.priorities.pop(g.gid, None)
-            if g.scored >= 2:
-                self.ready.append(g)
+    def _member_finished(self, t: SimTrajectory, scored: bool) -> None:
+        g = t.group
+        if self.book.member_finished(g.gid, t.index, scored, t.generated, t.turn + 1):
+            if self.book.close(g.gid):
                 self.group_completion_s.append(self.clock.now - g.started_at)
             else:
-                self.groups_dropped += 1
-                self._launch()
+                self._launch()  # a dropped group gives its place back
             self._maybe_train()
         self._rerank()
 
     def _rerank(self) -> None:
-        groups = []
-        for g in self.open.values():
-            if g.view is None or g.view[0] != self.version:
-                due = self.bound.due(g.started_version, self.version)
-                view = GroupView(g.gid, g.prompt.prompt_id, g.arrival, tuple(g.members), due)
-                g.view = (self.version, view)
-            groups.append(g.view[1])
-        snap = CoordinatorSnapshot(
-            groups,
-            self.workload.prompts_per_batch,
-            len(self.ready),
-            self.lengths.predictions([g.prompt_id for g in groups]),
-            self.decode_tokens_per_s,
-            self.tool_s_per_turn,
-        )
-        self.priorities = dict(self.group_policy.decide(snap).priority)
+        self.book.rank(self.version)
 
     def _maybe_train(self) -> None:
         if self.trainer_busy:
             return
-        running = [g.started_version for g in self.open.values()]
-        picked = self.bound.batch([g.started_version for g in self.ready], running, self.version)
-        if picked is None:
+        batch = self.book.take_batch(self.version)
+        if batch is None:
             return
-        batch = [self.ready[i] for i in picked]
-        taken = set(picked)
-        self.ready = [g for i, g in enumerate(self.ready) if i not in taken]
-        tokens = sum(g.tokens for g in batch)
-        sequences = sum(g.sequences for g in batch)
+        tokens = sum(g.data.tokens for g in batch)
+        sequences = sum(g.data.sequences for g in batch)
         self.trainer_busy = True
         seconds = self.cost.train_s(tokens, tokens / sequences, self.workload.train_gpus)
         # Counted when the step is published: a step still training when the run ends is not one
@@ -534,7 +472,7 @@ class Simulation:
             "staleness_max": max(self.staleness, default=0),
             "sandbox_gb_s": self.sandbox_gb_s,
             "infra_failures": self.infra_failures,
-            "groups_dropped": self.groups_dropped,
+            "groups_dropped": self.book.groups_dropped,
             **asdict(self.counters),
             "simulated_s": self.clock.now,
         }

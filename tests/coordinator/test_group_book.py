@@ -1,0 +1,126 @@
+"""The group book the coordinator and the simulator keep: which groups open, which complete, in
+which order the trainer gets them, and how they rank, on hand-told events."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from venusrl.coordinator.group_book import GroupBook
+from venusrl.policy.critical_groups import BEST_EFFORT, HIGH
+from venusrl.policy.staleness import StalenessBound
+
+
+def book(batch: int, staleness: int, start_version: int = 0) -> GroupBook[None]:
+    return GroupBook(StalenessBound(batch, staleness), "critical", start_version=start_version)
+
+
+def open_groups(b: GroupBook[None], n: int, size: int = 2, version: int = 0) -> list[str]:
+    ids = [f"g{b.groups_started + i}" for i in range(n)]
+    for gid in ids:
+        b.open_group(gid, f"prompt-{gid}", size, version, None)
+    return ids
+
+
+def finish(b: GroupBook[None], gid: str, scored: int, masked: int = 0) -> bool:
+    """The group's members end, `scored` then `masked` of them; close it."""
+    for i in range(scored + masked):
+        b.member_finished(gid, i, scored=i < scored, tokens=100, turns=2)
+    return b.close(gid)
+
+
+def test_a_dropped_group_gives_its_place_in_a_batch_back() -> None:
+    b = book(batch=2, staleness=0)  # synchronous: only the batch the trainer waits for runs
+    g0, g1 = open_groups(b, b.startable(0))
+    assert b.startable(0) == 0
+    b.drop(g0)  # it timed out
+    assert b.startable(0) == 1
+    open_groups(b, 1)
+    assert not finish(b, g1, scored=1, masked=1)  # one reward teaches GRPO nothing: dropped
+    assert b.startable(0) == 1 and b.groups_dropped == 2
+    b.check()
+
+
+def test_a_resumed_run_counts_the_groups_of_the_batches_it_trained() -> None:
+    fresh, resumed = book(batch=2, staleness=1), book(batch=2, staleness=1, start_version=3)
+    assert fresh.startable(3) == 10  # batches 0 to 4: nothing was started yet
+    assert resumed.startable(3) == 4  # batches 3 and 4
+    open_groups(resumed, 4, version=3)
+    with pytest.raises(ValueError, match="staleness bound"):
+        open_groups(resumed, 1, version=3)
+
+
+def test_a_group_with_fewer_than_two_scored_members_is_dropped_not_batched() -> None:
+    b = book(batch=1, staleness=1)
+    (g0,) = open_groups(b, 1, size=3)
+    assert not finish(b, g0, scored=1, masked=2)
+    assert b.take_batch(0) is None and (b.groups_completed, b.groups_dropped) == (0, 1)
+    b.check()
+
+
+def test_the_batch_takes_complete_groups_in_completion_order_but_waits_for_a_due_one() -> None:
+    b = book(batch=2, staleness=1)
+    g0, g1, g2, g3 = open_groups(b, b.startable(0))
+    assert finish(b, g3, scored=2) and finish(b, g2, scored=2)
+    batch = b.take_batch(0)
+    assert batch is not None and [g.group_id for g in batch] == [g3, g2]
+    assert finish(b, g1, scored=2)
+    # At version 1 the groups started at 0 must be trained: the batch waits for g0.
+    assert b.take_batch(1) is None
+    assert finish(b, g0, scored=2)
+    batch = b.take_batch(1)
+    assert batch is not None and [g.group_id for g in batch] == [g1, g0]
+    b.check()
+
+
+def test_measured_slow_tools_put_a_group_with_many_turns_left_behind_one_with_many_tokens() -> None:
+    b = book(batch=1, staleness=1)  # one group fills the next batch: it alone is HIGH
+    chatty, tooly = open_groups(b, 2)
+    # One member of each has finished: the prompts' lengths to come are known.
+    b.member_finished(chatty, 0, scored=True, tokens=2000, turns=1)
+    b.member_finished(tooly, 0, scored=True, tokens=100, turns=10)
+    # Before any turn is seen, 50 tok/s and 0.5 s a tool call: 2000 tokens (40 s) take longer
+    # than 100 tokens and 10 tool calls (7 s).
+    assert b.rank(0) == {tooly: HIGH, chatty: BEST_EFFORT}
+    for _ in range(5):  # the run's engine turns out fast and its tools slow
+        b.rates.observe(tokens=1000, generation_s=1.0, tool_s=20.0)
+    snap = b.snapshot(0)
+    assert (snap.decode_tokens_per_s, snap.tool_s_per_turn) == (1000.0, 20.0)
+    assert b.rank(0) == {chatty: HIGH, tooly: BEST_EFFORT}  # 2 s + 20 s against 200 s
+
+
+def test_a_turn_reported_after_its_group_was_dropped_changes_nothing() -> None:
+    b = book(batch=1, staleness=0)
+    (g0,) = open_groups(b, 1)
+    b.drop(g0)
+    b.progress(g0, 0, tokens=10, turns=1)  # the member's last report, on its way when it ended
+    assert g0 not in b.open and b.startable(0) == 1
+    b.check()
+
+
+@settings(max_examples=50, deadline=None)
+@given(batch=st.integers(1, 3), staleness=st.integers(0, 2), events=st.data())
+def test_the_books_balance_whatever_happens(
+    batch: int, staleness: int, events: st.DataObject
+) -> None:
+    b, version = book(batch, staleness), 0
+    for _ in range(40):
+        action = events.draw(st.sampled_from(["open", "member", "drop", "train"]))
+        running = [g for g in b.open.values() if not g.finished]
+        if action == "open" and b.startable(version):
+            open_groups(b, 1, size=events.draw(st.integers(2, 4)), version=version)
+        elif action == "member" and running:
+            g = events.draw(st.sampled_from(running))
+            index = next(i for i, m in enumerate(g.members) if not m.done)
+            b.progress(g.group_id, index, tokens=50, turns=1)
+            if b.member_finished(g.group_id, index, events.draw(st.booleans()), 100, 2):
+                b.close(g.group_id)
+        elif action == "drop" and running:
+            b.drop(events.draw(st.sampled_from(running)).group_id)
+        elif action == "train" and (taken := b.take_batch(version)) is not None:
+            assert len(taken) == batch
+            assert all(version - g.started_version <= staleness for g in taken)
+            version += 1
+        b.rank(version)
+        b.check()
