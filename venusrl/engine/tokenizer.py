@@ -111,8 +111,9 @@ class Tokenizer:
         control tokens and the messages' text as text: where a content spells a special token,
         the contents are rendered as private-use placeholders and encoded apart
         (`encode_text`). Otherwise the rendering is encoded whole, as it always was: a
-        tokenizer without a pre-tokenizing regex merges across the seams, and the warm start's
-        records were encoded that way. A template that rewrites content (so that a placeholder
+        tokenizer may merge across the seams (Qwen's pre-tokenizer where whitespace meets
+        whitespace, one without a pre-tokenizing regex anywhere), and the warm start's records
+        were encoded that way. A template that rewrites content (so that a placeholder
         does not come through exactly once) is encoded as rendered."""
         contents = [m.get("content") for m in messages]
         if any(isinstance(c, str) and self.spells_markup(c) for c in contents):
