@@ -76,4 +76,5 @@ def test_demonstrations_retokenised_equal_demonstrations_played_with_the_new_tok
         assert converted.mask == direct.mask
         assert converted.turn_starts == direct.turn_starts
         assert (converted.reward, converted.tool_calls) == (direct.reward, direct.tool_calls)
-        assert len(converted.token_ids) < len(demo.token_ids) / 4  # the point of training it
+        # the point of training it: a word, a run of punctuation or a digit a token
+        assert len(converted.token_ids) < len(demo.token_ids) / 2.5

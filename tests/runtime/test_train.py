@@ -238,11 +238,12 @@ def test_reinforcement_learning_raises_the_reward_of_the_warm_started_policy(
     warm = json.loads((tmp_path / "warm_start.json").read_text())
     assert 0.3 < warm["demo_reward_mean"] < 0.7  # poor demonstrations: room for RL to improve
     assert warm["nll_last"] < warm["nll_first"] / 10
-    assert warm["demo_tokens_mean"] < 200  # the learnt tokenizer: ~1,500 bytes in ~140 tokens
+    assert warm["demo_tokens_mean"] < 600  # the learnt tokenizer: ~1,500 bytes in ~500 tokens
     rewards = [m["reward_mean"] for m in metrics]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert first > 0.05  # the start policy reads the clues
-    # seed 0 (2026-12-03, four runs): +0.20 to +0.32; without the KL penalty +0.09 to +0.28
+    # seed 0 (2026-12-03, four runs): +0.20 to +0.32; without the KL penalty +0.09 to +0.28.
+    # With Qwen's pre-tokenizer (2026-12-04, one run): +0.56
     assert last > first + 0.15
     # The format survives RL: with the KL penalty 6.2-7.1 calls an episode (a trail takes 4-8
     # opens); without it 8.2-14.5, malformed calls spreading until the episodes hit their caps.

@@ -15,8 +15,8 @@ from typing import Any
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 # Qwen's ChatML template, reduced to roles and text (no tools section yet).
 CHATML_TEMPLATE = (
@@ -31,6 +31,13 @@ BYTE_LEVEL_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Whole tokens in Qwen2.5/Qwen3 vocabularies too (added, not special: they survive decoding with
 # skip_special_tokens, so the environment still sees the tags the model wrote).
 TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+# GPT-4's pre-tokenizing regex with one digit a match instead of up to three, as Qwen2/Qwen3 use
+# it: English contractions, a word with at most one non-letter before it, a digit, punctuation
+# with an optional space before it and line breaks after it, then runs of whitespace.
+QWEN_PRETOKENIZE_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 class Tokenizer:
@@ -104,8 +111,9 @@ class Tokenizer:
         control tokens and the messages' text as text: where a content spells a special token,
         the contents are rendered as private-use placeholders and encoded apart
         (`encode_text`). Otherwise the rendering is encoded whole, as it always was: a
-        tokenizer without a pre-tokenizing regex merges across the seams, and the warm start's
-        records were encoded that way. A template that rewrites content (so that a placeholder
+        tokenizer may merge across the seams (Qwen's pre-tokenizer where whitespace meets
+        whitespace, one without a pre-tokenizing regex anywhere), and the warm start's records
+        were encoded that way. A template that rewrites content (so that a placeholder
         does not come through exactly once) is encoded as rendered."""
         contents = [m.get("content") for m in messages]
         if any(isinstance(c, str) and self.spells_markup(c) for c in contents):
@@ -217,7 +225,7 @@ def build_byte_level_tokenizer(
     Without a corpus it has no merges (one token per byte). With one, byte-pair merges are learnt
     from it up to `vocab_size` tokens in all, the way a language model's tokenizer is trained on
     its pretraining text: a from-scratch model trained on one task family then reads and writes
-    that family's text in a few tokens per word instead of one per byte.
+    that family's words as a token or a few instead of one per byte, and numbers digit by digit.
     """
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if corpus is None:
@@ -226,12 +234,14 @@ def build_byte_level_tokenizer(
         )
     else:
         tok = HFTokenizer(models.BPE())
-    # Merges may span words (SentencePiece with split_by_whitespace off), so a task's fixed
-    # phrases ('{"name": "guess", "arguments": {"n": ') become single tokens, but never digits:
-    # a number stays a token of its own that the model has to read and write.
+    # Qwen2/Qwen3's pre-tokenizer (their tokenizer.json): merges stay inside a word, a run of
+    # punctuation or of whitespace, so a word reads the same whatever follows it, and every
+    # digit is a token, so a number is its digits. Merges across words made a key `slate` into
+    # `slat|e.` here and `slate:` there, and 2131 into `2|13|1`: a task unlike the demonstrations
+    # could not be learnt.
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Digits(individual_digits=False),
+            pre_tokenizers.Split(Regex(QWEN_PRETOKENIZE_PATTERN), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
