@@ -183,7 +183,22 @@ def new_model(
     init_model_dir(model_dir, preset=cfg.run.preset, seed=cfg.run.seed, tokenizer=hf_tokenizer)
     new = Tokenizer.load(model_dir)
     assert new is not None
-    return [retokenize(d, played_with, new) for d in demos]
+    demos = [retokenize(d, played_with, new) for d in demos]
+    longest = max(longest_turn(d) for d in demos)
+    if longest > cfg.rollout.max_tokens_per_turn:
+        raise ValueError(
+            f"a demonstration turn takes {longest} tokens of the learnt tokenizer, more than"
+            f" rollout.max_tokens_per_turn={cfg.rollout.max_tokens_per_turn}: reinforcement"
+            " learning would cut short the turns the warm start teaches whole; raise"
+            " rollout.max_tokens_per_turn"
+        )
+    return demos
+
+
+def longest_turn(traj: Trajectory) -> int:
+    """The most tokens the model wrote in one turn of `traj`."""
+    bounds = [*traj.turn_starts, len(traj.token_ids)]
+    return max((sum(traj.mask[a:b]) for a, b in itertools.pairwise(bounds)), default=0)
 
 
 def reference_policy(cfg: Config, run_dir: Path, device: torch.device) -> CausalLM:
