@@ -71,10 +71,12 @@ class KillAfterFirstStep(threading.Thread):
             time.sleep(0.01)
 
 
-def run_killing(actor: str, run_dir: Path, steps: int = 10) -> tuple[list[dict], dict]:
-    """A run in which `actor` is killed after the first step; it must complete every step.
-    Its metrics and `cluster.json`."""
-    cfg = load_config(None, [*RAY_RUN, f"run.steps={steps}"])
+def run_killing(
+    actor: str, run_dir: Path, warm_started_small: list[str], steps: int = 10
+) -> tuple[list[dict], dict]:
+    """A run from SMALL's warm-started policy in which `actor` is killed after the first step;
+    it must complete every step. Its metrics and `cluster.json`."""
+    cfg = load_config(None, [*warm_started_small, *ON_TWO_ENGINES, f"run.steps={steps}"])
     killer = KillAfterFirstStep(run_dir, actor)
     metrics = asyncio.run(train(cfg, run_dir))
     killer.join()
@@ -170,10 +172,10 @@ def sandboxes_left(before: set[int], timeout_s: float = 10.0) -> set[int]:
 
 
 def test_a_killed_rollout_worker_costs_its_episodes_as_infra_failures_and_the_run_completes(
-    two_nodes: Cluster, tmp_path: Path
+    two_nodes: Cluster, tmp_path: Path, warm_started_small: list[str]
 ) -> None:
     before = sandbox_processes()
-    metrics, report = run_killing("rollout-0", tmp_path)
+    metrics, report = run_killing("rollout-0", tmp_path, warm_started_small)
     restarted, other = report["workers"]
     assert (restarted["restarts"], other["restarts"]) == (1, 0)
     # The episodes worker 0 held were replaced, not scored.
@@ -191,14 +193,14 @@ def test_a_killed_rollout_worker_costs_its_episodes_as_infra_failures_and_the_ru
 
 
 def test_an_episode_whose_sandbox_is_preempted_moves_to_the_other_worker_and_goes_on_there(
-    two_nodes: Cluster, tmp_path: Path
+    two_nodes: Cluster, tmp_path: Path, warm_started_small: list[str]
 ) -> None:
     # 70 % of the sandboxes are preempted by their pool in their first 0.25 s (an episode of
     # this small run takes about 0.2 s), as a node running short of memory would: an episode
     # cut after its first turn moves to the other worker and is replayed there.
     steps = 6
     faults = ["faults.preempt_sandboxes=0.7", "faults.fault_within_s=0.25"]
-    cfg = load_config(None, [*RAY_RUN, f"run.steps={steps}", *faults])
+    cfg = load_config(None, [*warm_started_small, *ON_TWO_ENGINES, f"run.steps={steps}", *faults])
     metrics = asyncio.run(train(cfg, tmp_path))
     assert [m["step"] for m in metrics] == list(range(steps))
     report = json.loads((tmp_path / "cluster.json").read_text())

@@ -32,9 +32,9 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
 
 @pytest.mark.parametrize(("start_bound", "train_bound"), [(0, None), (1, None), (1, 2)])
 def test_train_writes_one_metrics_line_per_step_within_the_staleness_bound(
-    tmp_path: Path, start_bound: int, train_bound: int | None
+    tmp_path: Path, warm_started_small: list[str], start_bound: int, train_bound: int | None
 ) -> None:
-    overrides = [*SMALL, f"rollout.max_staleness={start_bound}"]
+    overrides = [*warm_started_small, f"rollout.max_staleness={start_bound}"]
     if train_bound is not None:
         overrides.append(f"rollout.max_train_staleness={train_bound}")
     staleness = start_bound if train_bound is None else train_bound
@@ -73,12 +73,12 @@ def test_train_writes_one_metrics_line_per_step_within_the_staleness_bound(
 
 
 def test_kill_9_mid_run_then_resume_completes_with_every_step_once(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, warm_started_small: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     run = tmp_path / "run"
     cmd = [
         sys.executable, "-m", "venusrl.cli", "train", "--run-dir", str(run),
-        "run.steps=8", "run.checkpoint_every=1", *SMALL[1:],
+        *warm_started_small, "run.steps=8", "run.checkpoint_every=1",
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     metrics = run / "metrics.jsonl"
@@ -92,9 +92,9 @@ def test_kill_9_mid_run_then_resume_completes_with_every_step_once(
     proc.wait()
     assert (run / "checkpoints").exists()
     # The resumed run takes its settings from the run's config.yaml, not from the command line.
-    resume = [*cmd[:6], "--resume"]
-    resumed = subprocess.run(resume, capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    # (`venusrl train --resume` in this process: nothing of the killed one is left in it.)
+    capsys.readouterr()
+    assert cli.main([*cmd[3:6], "--resume"]) == 0, capsys.readouterr().err[-2000:]
     lines = [json.loads(x) for x in metrics.read_text().splitlines()]
     assert [m["step"] for m in lines] == list(range(8))
     assert [m["weight_version"] for m in lines] == list(range(1, 9))
@@ -153,7 +153,9 @@ def test_a_resume_keeps_its_overrides_and_gets_past_a_torn_line_and_a_damaged_ch
         asyncio.run(train(longer, tmp_path, resume=True))
 
 
-def test_killed_sandboxes_and_failed_engine_calls_are_replaced_or_masked(tmp_path: Path) -> None:
+def test_killed_sandboxes_and_failed_engine_calls_are_replaced_or_masked(
+    tmp_path: Path, warm_started_small: list[str]
+) -> None:
     # Rates well above the issue's 10 % / 5 %: this small run's episodes are a few engine calls
     # and milliseconds of sandbox time, and the test must see failures happen.
     faults = [
@@ -161,7 +163,7 @@ def test_killed_sandboxes_and_failed_engine_calls_are_replaced_or_masked(tmp_pat
         "faults.engine_errors=0.5",
         "rollout.max_infra_retries=8",
     ]
-    cfg = load_config(None, [*SMALL, *faults])
+    cfg = load_config(None, [*warm_started_small, *faults])
     metrics = asyncio.run(train(cfg, tmp_path))
     assert [m["step"] for m in metrics] == [0, 1, 2]
     assert sum(m["infra_failures"] for m in metrics) > 0
@@ -171,12 +173,12 @@ def test_killed_sandboxes_and_failed_engine_calls_are_replaced_or_masked(tmp_pat
 
 
 def test_dropped_groups_give_their_place_back_so_a_synchronous_run_completes(
-    tmp_path: Path,
+    tmp_path: Path, warm_started_small: list[str]
 ) -> None:
     # No retries: a member whose engine call fails is masked, and a group of 2 with a masked
     # member is dropped. With max_staleness=0 the batch must be filled by new groups.
     faults = ["faults.engine_errors=0.3", "rollout.max_infra_retries=0", "rollout.max_staleness=0"]
-    cfg = load_config(None, [*SMALL, "run.steps=2", *faults])
+    cfg = load_config(None, [*warm_started_small, "run.steps=2", *faults])
     metrics = asyncio.run(asyncio.wait_for(train(cfg, tmp_path), 240))
     assert [m["step"] for m in metrics] == [0, 1]
     assert all(m["groups"] == 2 for m in metrics)
@@ -383,9 +385,12 @@ class RewardRaises(GuessNumber):
 """
 
 
-def test_a_task_stream_that_repeats_an_id_stops_the_run_saying_so(tmp_path: Path) -> None:
+def test_a_task_stream_that_repeats_an_id_stops_the_run_saying_so(
+    tmp_path: Path, warm_started_small: list[str]
+) -> None:
     (tmp_path / "buggy.py").write_text(BUGGY)
-    cfg = load_config(None, [*SMALL, f"rollout.env={tmp_path}/buggy.py:RepeatsIds"])
+    env = f"rollout.env={tmp_path}/buggy.py:RepeatsIds"
+    cfg = load_config(None, [*warm_started_small, env])
     # Six groups of the three tasks would start before the first batch: the fourth draw stops it.
     with pytest.raises(ValueError, match="repeats_ids: task id 'guess-0-0' came twice"):
         asyncio.run(asyncio.wait_for(train(cfg, tmp_path / "run"), 120))
@@ -437,7 +442,9 @@ def test_a_warm_start_with_no_demonstrator_in_the_mix_is_refused(tmp_path: Path)
         asyncio.run(train(cfg, tmp_path))
 
 
-def test_admission_control_bounds_the_episodes_running_at_once(tmp_path: Path) -> None:
+def test_admission_control_bounds_the_episodes_running_at_once(
+    tmp_path: Path, warm_started_small: list[str]
+) -> None:
     # A window of one that never gets to move (its first control period outlasts the run):
     # episodes run one at a time, though 2 groups x 2 members are open at once.
     admission = [
@@ -445,7 +452,7 @@ def test_admission_control_bounds_the_episodes_running_at_once(tmp_path: Path) -
         "rollout.admission_initial_window=1",
         "rollout.admission_period_s=3600",
     ]
-    cfg = load_config(None, [*SMALL, "run.steps=2", *admission])
+    cfg = load_config(None, [*warm_started_small, "run.steps=2", *admission])
     metrics = asyncio.run(asyncio.wait_for(train(cfg, tmp_path), 300))
     assert [m["step"] for m in metrics] == [0, 1]
     assert all(m["admission_window"] == 1 and m["episodes_active"] <= 1 for m in metrics)
