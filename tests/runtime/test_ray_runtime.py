@@ -4,6 +4,7 @@ agent loops each) as actors of a real Ray cluster of two nodes (two raylets on t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import tempfile
@@ -23,6 +24,7 @@ from venusrl.envs.builtin.treasure_hunt import TreasureHunt
 from venusrl.runtime.cluster.ray_cluster import RayCluster, check_reachable
 from venusrl.runtime.cluster.workers import RemoteGroup, RolloutFleet
 from venusrl.runtime.record import read_records
+from venusrl.runtime.roles import start_fleet
 from venusrl.runtime.train import train
 from venusrl.trainer.trainer import GRPOTrainer
 from venusrl.types import Finish, SamplingParams, Trajectory
@@ -140,11 +142,16 @@ def test_an_environment_in_a_file_outside_any_package_runs_on_the_workers(
 
 
 def test_engines_the_cluster_cannot_hold_are_refused_before_any_actor_starts(
-    two_nodes: Cluster, tmp_path: Path
+    two_nodes: Cluster,
 ) -> None:
     cfg = load_config(None, [*RAY_RUN, "runtime.engines=3"])
+
+    async def start() -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(start_fleet(cfg, stack))
+
     with pytest.raises(ValueError, match=r"engine_cpus=1\.0 needs 3 CPUs; the cluster has 2"):
-        asyncio.run(train(cfg, tmp_path))
+        asyncio.run(start())
     assert ray.util.list_named_actors() == []
 
 

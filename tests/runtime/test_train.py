@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import math
@@ -21,11 +22,18 @@ import pytest
 from tests.runtime import SMALL
 from venusrl import cli
 from venusrl.config import load_config
+from venusrl.coordinator.agent_loop import ChatFormat
 from venusrl.coordinator.coordinator import EpisodesFailing
 from venusrl.engine.model_dir import init_model_dir
+from venusrl.engine.tokenizer import CHATML_TEMPLATE, Tokenizer, build_byte_level_tokenizer
+from venusrl.envs.pool import SandboxPool
+from venusrl.envs.types import GiB
 from venusrl.runtime.plots import plot_run
 from venusrl.runtime.record import read_metrics, read_records
+from venusrl.runtime.roles import environment_mix, open_sandboxes
+from venusrl.runtime.run_dir import prepare_run_dir
 from venusrl.runtime.train import train
+from venusrl.runtime.warm_start import play_demonstrations
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
 
@@ -141,16 +149,16 @@ def test_a_resume_keeps_its_overrides_and_gets_past_a_torn_line_and_a_damaged_ch
     assert (saved.run.steps, saved.rollout.temperature) == (5, 0.9)
     # ... and says so when there is nothing left to train.
     with pytest.raises(ValueError, match="nothing to train"):
-        asyncio.run(train(saved, tmp_path, resume=True))
+        prepare_run_dir(saved, tmp_path, resume=True, say=messages.append)
     # The checkpoints are of the run's model: another shape is a new run, not a resume.
     other = load_config(tmp_path / "config.yaml", ["run.steps=9", "run.preset=tiny"])
     with pytest.raises(ValueError, match=r"run\.preset cannot change on resume"):
-        asyncio.run(train(other, tmp_path, resume=True))
+        prepare_run_dir(other, tmp_path, resume=True, say=messages.append)
     # Without the warm-started policy, the KL penalty would hold it to the initial model.
     shutil.rmtree(tmp_path / "start-model")
     longer = load_config(tmp_path / "config.yaml", ["run.steps=9"])
     with pytest.raises(ValueError, match="start-model is missing, and the run warm-started"):
-        asyncio.run(train(longer, tmp_path, resume=True))
+        prepare_run_dir(longer, tmp_path, resume=True, say=messages.append)
 
 
 def test_killed_sandboxes_and_failed_engine_calls_are_replaced_or_masked(
@@ -293,7 +301,7 @@ def test_a_model_path_that_is_not_a_model_directory_is_refused_and_left_alone(
     missing = tmp_path / "no-model"
     cfg = load_config(None, SMALL, {"model": str(missing)})
     with pytest.raises(ValueError, match="is not a model directory"):
-        asyncio.run(train(cfg, tmp_path / "run"))
+        prepare_run_dir(cfg, tmp_path / "run", resume=False, say=pytest.fail)
     assert not missing.exists()  # no random model written where the user's was expected
 
 
@@ -417,14 +425,19 @@ def test_an_environment_whose_reward_raises_loses_those_episodes_not_the_run(
     assert all(math.isfinite(m["loss"]) for m in metrics)
 
 
-def test_a_python_tool_the_template_does_not_define_is_refused_before_training(
+def test_a_python_tool_the_template_does_not_define_is_refused_as_the_run_opens_its_sandboxes(
     tmp_path: Path,
 ) -> None:
     (tmp_path / "buggy.py").write_text(BUGGY)
     cfg = load_config(None, [*SMALL, f"rollout.env={tmp_path}/buggy.py:ToolTypo"])
+
+    async def open_them() -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            await open_sandboxes(cfg, environment_mix(cfg), stack)
+
+    # (`train` opens its sandboxes before it loads a model or plays a demonstration.)
     with pytest.raises(ValueError, match=r"tool_typo: .* no function for the tools \['gues'\]"):
-        asyncio.run(asyncio.wait_for(train(cfg, tmp_path / "run"), 120))
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+        asyncio.run(asyncio.wait_for(open_them(), 120))
 
 
 def test_a_run_whose_every_group_fails_stops_with_the_last_failure(tmp_path: Path) -> None:
@@ -436,10 +449,17 @@ def test_a_run_whose_every_group_fails_stops_with_the_last_failure(tmp_path: Pat
         asyncio.run(asyncio.wait_for(train(cfg, tmp_path / "run"), 240))
 
 
-def test_a_warm_start_with_no_demonstrator_in_the_mix_is_refused(tmp_path: Path) -> None:
+def test_a_warm_start_with_no_demonstrator_in_the_mix_is_refused() -> None:
     cfg = load_config(None, [*SMALL, "rollout.env=swe_mini"])
+    byte_level = build_byte_level_tokenizer()
+    chat = ChatFormat(Tokenizer(byte_level, chat_template=CHATML_TEMPLATE, eos_token="<|im_end|>"))
+
+    async def warm_start() -> None:
+        async with SandboxPool(int(cfg.sandbox.memory_budget_gib * GiB)) as pool:
+            await play_demonstrations(cfg, environment_mix(cfg), pool, chat, cfg.rollout)
+
     with pytest.raises(ValueError, match="no demonstrator for swe_mini"):
-        asyncio.run(train(cfg, tmp_path))
+        asyncio.run(warm_start())
 
 
 def test_admission_control_bounds_the_episodes_running_at_once(
