@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tests.benchmarks import run_benchmark
+from tests.benchmarks import refused, run_benchmark
 from tests.runtime import SMALL
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
@@ -31,5 +31,5 @@ def test_it_times_both_runtimes_on_the_same_steps_and_reports_the_overhead() -> 
 
 
 def test_a_timing_window_with_no_step_is_refused() -> None:
-    proc = run_benchmark("runtime_overhead.py", "--steps", "2", "--skip", "2")
-    assert proc.returncode != 0 and "--steps > --skip + 1" in proc.stderr
+    code, stderr = refused("runtime_overhead.py", "--steps", "2", "--skip", "2")
+    assert code != 0 and "--steps > --skip + 1" in stderr

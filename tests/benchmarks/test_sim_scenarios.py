@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.benchmarks import refused
 from tests.sim.test_cli import SMALL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,9 +41,6 @@ def test_it_prints_every_policy_per_seed_with_sources_and_speedup_ranges(tmp_pat
 
 
 def test_a_json_out_it_cannot_write_is_refused_before_simulating(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "sim_scenarios.py"), "--scenarios",
-         "math-python", "--json-out", str(tmp_path / "missing" / "out.json")],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert proc.returncode == 2 and "--json-out: cannot write" in proc.stderr
+    out = str(tmp_path / "missing" / "out.json")
+    code, stderr = refused("sim_scenarios.py", "--scenarios", "math-python", "--json-out", out)
+    assert code == 2 and "--json-out: cannot write" in stderr

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tests.benchmarks import run_benchmark
+from tests.benchmarks import refused, run_benchmark
 from tests.runtime import SMALL
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
@@ -32,5 +32,5 @@ def test_every_run_completes_its_steps_once_and_no_failed_member_is_scored() -> 
 
 
 def test_steps_that_do_not_hold_two_windows_are_refused() -> None:
-    proc = run_benchmark("train_robustness.py", "--steps", "5", "--window", "3")
-    assert proc.returncode != 0 and "--steps must hold two windows" in proc.stderr
+    code, stderr = refused("train_robustness.py", "--steps", "5", "--window", "3")
+    assert code != 0 and "--steps must hold two windows" in stderr

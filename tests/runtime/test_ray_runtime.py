@@ -4,6 +4,7 @@ agent loops each) as actors of a real Ray cluster of two nodes (two raylets on t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import tempfile
@@ -23,6 +24,7 @@ from venusrl.envs.builtin.treasure_hunt import TreasureHunt
 from venusrl.runtime.cluster.ray_cluster import RayCluster, check_reachable
 from venusrl.runtime.cluster.workers import RemoteGroup, RolloutFleet
 from venusrl.runtime.record import read_records
+from venusrl.runtime.roles import start_fleet
 from venusrl.runtime.train import train
 from venusrl.trainer.trainer import GRPOTrainer
 from venusrl.types import Finish, SamplingParams, Trajectory
@@ -71,10 +73,12 @@ class KillAfterFirstStep(threading.Thread):
             time.sleep(0.01)
 
 
-def run_killing(actor: str, run_dir: Path, steps: int = 10) -> tuple[list[dict], dict]:
-    """A run in which `actor` is killed after the first step; it must complete every step.
-    Its metrics and `cluster.json`."""
-    cfg = load_config(None, [*RAY_RUN, f"run.steps={steps}"])
+def run_killing(
+    actor: str, run_dir: Path, warm_started_small: list[str], steps: int = 10
+) -> tuple[list[dict], dict]:
+    """A run from SMALL's warm-started policy in which `actor` is killed after the first step;
+    it must complete every step. Its metrics and `cluster.json`."""
+    cfg = load_config(None, [*warm_started_small, *ON_TWO_ENGINES, f"run.steps={steps}"])
     killer = KillAfterFirstStep(run_dir, actor)
     metrics = asyncio.run(train(cfg, run_dir))
     killer.join()
@@ -138,11 +142,16 @@ def test_an_environment_in_a_file_outside_any_package_runs_on_the_workers(
 
 
 def test_engines_the_cluster_cannot_hold_are_refused_before_any_actor_starts(
-    two_nodes: Cluster, tmp_path: Path
+    two_nodes: Cluster,
 ) -> None:
     cfg = load_config(None, [*RAY_RUN, "runtime.engines=3"])
+
+    async def start() -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(start_fleet(cfg, stack))
+
     with pytest.raises(ValueError, match=r"engine_cpus=1\.0 needs 3 CPUs; the cluster has 2"):
-        asyncio.run(train(cfg, tmp_path))
+        asyncio.run(start())
     assert ray.util.list_named_actors() == []
 
 
@@ -170,10 +179,10 @@ def sandboxes_left(before: set[int], timeout_s: float = 10.0) -> set[int]:
 
 
 def test_a_killed_rollout_worker_costs_its_episodes_as_infra_failures_and_the_run_completes(
-    two_nodes: Cluster, tmp_path: Path
+    two_nodes: Cluster, tmp_path: Path, warm_started_small: list[str]
 ) -> None:
     before = sandbox_processes()
-    metrics, report = run_killing("rollout-0", tmp_path)
+    metrics, report = run_killing("rollout-0", tmp_path, warm_started_small)
     restarted, other = report["workers"]
     assert (restarted["restarts"], other["restarts"]) == (1, 0)
     # The episodes worker 0 held were replaced, not scored.
@@ -191,14 +200,14 @@ def test_a_killed_rollout_worker_costs_its_episodes_as_infra_failures_and_the_ru
 
 
 def test_an_episode_whose_sandbox_is_preempted_moves_to_the_other_worker_and_goes_on_there(
-    two_nodes: Cluster, tmp_path: Path
+    two_nodes: Cluster, tmp_path: Path, warm_started_small: list[str]
 ) -> None:
     # 70 % of the sandboxes are preempted by their pool in their first 0.25 s (an episode of
     # this small run takes about 0.2 s), as a node running short of memory would: an episode
     # cut after its first turn moves to the other worker and is replayed there.
     steps = 6
     faults = ["faults.preempt_sandboxes=0.7", "faults.fault_within_s=0.25"]
-    cfg = load_config(None, [*RAY_RUN, f"run.steps={steps}", *faults])
+    cfg = load_config(None, [*warm_started_small, *ON_TWO_ENGINES, f"run.steps={steps}", *faults])
     metrics = asyncio.run(train(cfg, tmp_path))
     assert [m["step"] for m in metrics] == list(range(steps))
     report = json.loads((tmp_path / "cluster.json").read_text())
