@@ -56,7 +56,6 @@ def run_venusrl(model_dir: Path, threads: int) -> Callable[[list[dict[str, Any]]
     """Load our engine once; each call runs the workload from a cold prefix cache."""
     from venusrl.engine.config import EngineConfig
     from venusrl.engine.engine import Engine
-    from venusrl.engine.kv_manager import EngineStats
     from venusrl.types import SamplingParams
 
     engine = Engine.from_model_dir(model_dir, EngineConfig(threads=threads, device_kv_pages=8192))
@@ -64,7 +63,7 @@ def run_venusrl(model_dir: Path, threads: int) -> Callable[[list[dict[str, Any]]
 
     def run(requests: list[dict[str, Any]]) -> dict[str, Any]:
         engine.flush_cache()
-        engine.stats = EngineStats()
+        before = engine.counters()
         params = [
             SamplingParams(max_tokens=r["max_tokens"], temperature=0, ignore_eos=True)
             for r in requests
@@ -72,12 +71,13 @@ def run_venusrl(model_dir: Path, threads: int) -> Callable[[list[dict[str, Any]]
         start = time.perf_counter()
         outs = engine.generate([r["prompt_token_ids"] for r in requests], params)
         elapsed = time.perf_counter() - start
+        counted = {k: v - before[k] for k, v in engine.counters().items()}  # this run only
         return {
             "elapsed_s": elapsed,
             "generated_tokens": sum(len(o.token_ids) for o in outs),
-            "prefix_hit_ratio": engine.stats.prefix_hit_ratio,
-            "steps": engine.stats.steps,
-            "preemptions": engine.stats.preemptions,
+            "prefix_hit_ratio": counted["cached_prompt_tokens"] / counted["prompt_tokens"],
+            "steps": counted["steps"],
+            "preemptions": counted["preemptions"],
             "outputs": [o.token_ids for o in outs],
         }
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up .venv/ with the dev extras, then lint, type-check and run the tests.
-#   scripts/test.sh            the default suite (under 15 minutes on 2 cores)
+#   scripts/test.sh            the default suite (under 10 minutes on 2 cores)
 #   scripts/test.sh --slow     only the tests marked slow
 # Extra arguments go to pytest.
 set -euo pipefail

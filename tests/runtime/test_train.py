@@ -240,16 +240,16 @@ def test_the_warm_start_imitates_poor_demonstrations_written_in_a_tokenizer_lear
     tmp_path: Path,
 ) -> None:
     """The default warm start's promises (`warm_start.json`) on a tenth of its demonstrations;
-    the learning test below checks them at full size. 20 epochs of 24 demonstrations: NLL
-    6.9 -> 0.5 (the careless follower's slips keep it near 0.6 for a while; at full size it
+    the learning test below checks them at full size. 12 epochs of 24 demonstrations: NLL
+    6.9 -> 0.3 (the careless follower's slips keep it near 0.6 for a while; at full size it
     ends near 0.1)."""
-    warm = ["run.warm_start_episodes=24", "run.warm_start_epochs=20", "run.steps=1"]
+    warm = ["run.warm_start_episodes=24", "run.warm_start_epochs=12", "run.steps=1"]
     asyncio.run(train(load_config(None, [*SMALL, *warm]), tmp_path))
     info = json.loads((tmp_path / "warm_start.json").read_text())
     assert info["episodes"] == 24
     assert 0.3 < info["demo_reward_mean"] < 0.7  # poor demonstrations: room for RL to improve
     assert info["nll_last"] < info["nll_first"] / 10
-    assert info["demo_tokens_mean"] < 200  # the learnt tokenizer: ~1,500 bytes in ~140 tokens
+    assert info["demo_tokens_mean"] < 600  # the learnt tokenizer: ~1,500 bytes in ~500 tokens
     assert (tmp_path / "start-model" / "model.safetensors").exists()
 
 

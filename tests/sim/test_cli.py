@@ -10,6 +10,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from venusrl import cli
+
 SMALL = """\
 base: swe-short
 rollout_gpus: 2
@@ -55,15 +59,18 @@ def test_sim_prints_one_json_object_with_speedups_per_policy(tmp_path: Path) -> 
     assert table.returncode == 0 and "speedup_vs_sync" in table.stdout
 
 
-def test_sim_names_a_bad_policy_scenario_or_job_count() -> None:
-    proc = sim("--scenario", "swe-longg")
-    assert proc.returncode == 2 and "swe-longg" in proc.stderr and "swe-long" in proc.stderr
-    proc = sim("--scenario", "swe-long", "--policies", "sync,fastest")
-    assert proc.returncode == 2 and "fastest" in proc.stderr
-    proc = sim("--scenario", "swe-long", "--policies", "venus@two")
-    assert proc.returncode == 2 and "venus@two" in proc.stderr and "staleness bound" in proc.stderr
-    proc = sim("--scenario", "swe-long", "--jobs", "0")
-    assert proc.returncode == 2 and "--jobs must be >= 1, got 0" in proc.stderr
+def test_sim_names_a_bad_policy_scenario_or_job_count(capsys: pytest.CaptureFixture[str]) -> None:
+    # In the test's process: each refusal comes before any work.
+    def refused(*args: str) -> str:
+        assert cli.main(["sim", *args]) == 2
+        return capsys.readouterr().err
+
+    err = refused("--scenario", "swe-longg")
+    assert "swe-longg" in err and "swe-long" in err
+    assert "fastest" in refused("--scenario", "swe-long", "--policies", "sync,fastest")
+    err = refused("--scenario", "swe-long", "--policies", "venus@two")
+    assert "venus@two" in err and "staleness bound" in err
+    assert "--jobs must be >= 1, got 0" in refused("--scenario", "swe-long", "--jobs", "0")
 
 
 def test_ctrl_c_ends_a_simulation_with_one_line_and_no_traceback() -> None:
