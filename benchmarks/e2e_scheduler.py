@@ -58,12 +58,12 @@ from venusrl.runtime.record import read_records  # noqa: E402
 from venusrl.sim.executor import quantile  # noqa: E402
 
 POLICIES: dict[str, list[str]] = {
-    "fifo": ["rollout.max_staleness=0", "rollout.priorities=fifo", "engine.cache.retention=lru"],
-    "overlap": ["rollout.max_staleness=1", "rollout.priorities=fifo", "engine.cache.retention=lru"],
+    "fifo": ["rollout.max_staleness=0", "rollout.priorities=fifo", "engine.retention=lru"],
+    "overlap": ["rollout.max_staleness=1", "rollout.priorities=fifo", "engine.retention=lru"],
     "venus": [
         "rollout.max_staleness=1",
         "rollout.priorities=critical",
-        "engine.cache.retention=trajectory",
+        "engine.retention=trajectory",
     ],
 }
 ASYNC = ("overlap", "venus")  # the policies `--train-staleness` applies to

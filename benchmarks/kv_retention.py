@@ -7,7 +7,7 @@ LN(0.4 s, 0.8), scaled by `--tool-scale` for a CPU (the model is far faster to w
 run than a real one). The device KV pool holds `--capacity` (about a third) of the pages that
 all trajectories' final contexts need; the host tier holds all of them.
 
-The same workload runs through the same engine class twice, once per `engine.cache.retention`:
+The same workload runs through the same engine class twice, once per `engine.retention`:
 
 - `lru`: a plain radix cache (SGLang-like): least recently used first, dropped;
 - `trajectory`: each turn's request tells the engine the tool wait that follows

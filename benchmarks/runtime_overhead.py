@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from venusrl.types import SamplingParams, TurnMeta
+
 FROZEN = "trainer.lr=1e-12"  # the trainer steps and publishes; the policy stays where it started
 
 
@@ -69,7 +71,7 @@ def run(
 
 
 class _Echo:
-    async def generate(self, prompt_ids: list[int], params: Any, metadata: dict[str, Any]) -> int:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, meta: TurnMeta) -> int:
         return len(prompt_ids)
 
 
@@ -80,13 +82,11 @@ def actor_call_cost(calls: int = 2000) -> dict[str, float]:
 
     import ray
 
-    from venusrl.types import SamplingParams
-
     ray.init(include_dashboard=False, logging_level="WARNING")
     try:
         echo = ray.remote(_Echo).options(num_cpus=0).remote()
         prompt, params = list(range(300)), SamplingParams()
-        meta = {"trajectory_id": "g1-m0-1", "group_id": "g1", "priority": 1}
+        meta = TurnMeta(priority=1, trajectory_id="g1-m0-1", group_id="g1", expected_wait_s=5.0)
 
         async def burst() -> tuple[float, float]:
             await echo.generate.remote(prompt, params, meta)

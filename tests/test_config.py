@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -80,3 +82,10 @@ def test_an_empty_api_key_is_refused_rather_than_turning_auth_off() -> None:
     """`--api-key "$KEY"` with KEY unset must not serve without a key."""
     with pytest.raises(ConfigError, match=r"server\.api_key"):
         load_config(None, [], {"server.api_key": ""})
+
+
+def test_reading_a_config_loads_no_torch() -> None:
+    """`venusrl sim`, `plot`, `--help` and every config error answer without torch's seconds of
+    importing."""
+    check = "import sys, venusrl.cli, venusrl.config; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", check]).returncode == 0

@@ -8,10 +8,14 @@ import math
 import secrets
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, TYPE_CHECKING, Any
 
 from venusrl.config import ConfigError, load_config
+
+if TYPE_CHECKING:  # rich is imported by the commands that print with it
+    from rich.console import Console
 
 # Seconds `venusrl serve` waits for requests in flight when told to stop, before it cuts them.
 SHUTDOWN_GRACE_S = 10
@@ -173,7 +177,7 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _console(file: Any = None) -> Any:
+def _console(file: IO[str] | None = None) -> Console:
     """The run's console on stderr: a log file (stderr redirected) gets whole lines, not lines
     wrapped at 80 columns."""
     from rich.console import Console
@@ -185,7 +189,7 @@ class _StepLine:
     """A trainer step on the console: where the run is (`step i/N`, and when it will end at the
     pace of its recent steps), what the batch scored and what failed since the last step."""
 
-    def __init__(self, steps: int, print_line: Any) -> None:
+    def __init__(self, steps: int, print_line: Callable[[str], object]) -> None:
         self.steps, self.print_line = steps, print_line
         self.walls: list[float] = []  # wall_s of the steps seen, for the pace
 

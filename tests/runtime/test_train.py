@@ -329,7 +329,9 @@ def test_a_run_trains_on_an_environment_of_the_users_own_named_by_its_file(
     tmp_path: Path,
 ) -> None:
     example = Path(__file__).resolve().parents[2] / "examples" / "custom_env" / "arithmetic.py"
-    own = [f"rollout.env={example}:Arithmetic", "rollout.max_context=1536", "run.steps=2"]
+    # Its calculate calls take 27-31 tokens (as in examples/custom-environment.yaml)
+    own = [f"rollout.env={example}:Arithmetic", "rollout.max_tokens_per_turn=48", "run.steps=2"]
+    own.append("rollout.max_context=1536")
     metrics = asyncio.run(train(load_config(None, [*SMALL, *own]), tmp_path))
     assert [m["step"] for m in metrics] == [0, 1]
     assert sum(m["infra_failures"] for m in metrics) == 0

@@ -98,7 +98,7 @@ def test_several_updates_per_batch_move_the_policy_further_and_publish_one_versi
         TrainerConfig(updates_per_batch=0)
 
 
-def test_a_kl_penalty_needs_a_reference_and_holds_the_policy_near_it(model_dir: Path) -> None:
+def test_a_kl_penalty_holds_the_policy_near_the_weights_it_started_from(model_dir: Path) -> None:
     def moved(kl_coef: float) -> float:
         model = load_model(model_dir)
         # (At lr 1e-2 five steps overshoot and swing either way; the test once passed there only
@@ -117,9 +117,14 @@ def test_a_kl_penalty_needs_a_reference_and_holds_the_policy_near_it(model_dir: 
         )
 
     assert 0 < moved(1.0) < moved(0.0)
-    trainer = GRPOTrainer(load_model(model_dir), TrainerConfig(kl_coef=0.1))
-    with pytest.raises(ValueError, match="reference"):
-        trainer.step([record([5, 6], [7], [0.0])], [1.0])
+    # Given no reference, the first step freezes the weights it starts from.
+    model = load_model(model_dir)
+    start = {k: v.clone() for k, v in model.hf_state_dict().items()}
+    trainer = GRPOTrainer(model, TrainerConfig(kl_coef=0.1))
+    trainer.step([record([5, 6], [7], [0.0]), record([5, 6], [8], [0.0])], [1.0, -1.0])
+    assert trainer.reference is not None
+    reference = trainer.reference.hf_state_dict()
+    assert all(torch.equal(start[k], reference[k]) for k in start)
 
 
 def test_the_warm_start_leaves_the_rl_optimizer_state_empty(model_dir: Path) -> None:

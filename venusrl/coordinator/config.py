@@ -82,11 +82,11 @@ class RolloutConfig(Section):
     reward_timeout_s: float = Field(
         120.0, gt=0, description="the longest an environment may take to score an episode"
     )
-    tool_wait_pin_s: float = Field(
+    tool_wait_pin_s: float | None = Field(
         5.0,
         ge=0,
         description="how long the engine keeps a trajectory's KV for it while it waits on a tool"
-        " (engine.retention=trajectory)",
+        " (engine.retention=trajectory); None: no pin",
     )
     admission: Literal["none", "aimd"] = Field(
         "none",

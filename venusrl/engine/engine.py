@@ -76,7 +76,6 @@ class Engine:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cfg = cfg = config or EngineConfig()
-        self.clock = clock
         if cfg.threads is not None:
             torch.set_num_threads(cfg.threads)
         if torch.device(cfg.device).type == "cpu":
@@ -87,8 +86,7 @@ class Engine:
         mc = model.config
         self.device = torch.device(cfg.device)
         self.page_size = cfg.page_size
-        self.stats = EngineStats()
-        self.cache = KVManager(cfg, mc, self.stats, clock)
+        self.cache = KVManager(cfg, mc, EngineStats(), clock)
         self.max_context = min(
             cfg.max_context or mc.max_position_embeddings, mc.max_position_embeddings
         )
@@ -114,6 +112,16 @@ class Engine:
         self.waiting: list[Request] = []  # sorted by the scheduler's queue order
         self.running: list[Request] = []
         self._arrivals = itertools.count()
+
+    @property
+    def stats(self) -> EngineStats:
+        """The counters since the engine started (`counters()` flattens them); one object, the
+        KV manager's: read-only, so that no caller splits it in two."""
+        return self.cache.stats
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self.cache.clock
 
     @classmethod
     def from_model_dir(

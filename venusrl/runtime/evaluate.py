@@ -43,6 +43,8 @@ async def play_policy(
         raise ValueError(f"{model_dir} needs a tokenizer with a chat template to play episodes")
     fmt = ChatFormat(tokenizer)
     slots = asyncio.Semaphore(concurrency)  # sandboxes at a time
+    # Only these episodes run on this engine: no pin needed to keep KV from other work.
+    rollout = cfg.rollout.model_copy(update={"tool_wait_pin_s": None})
     async with SandboxPool(4 * GiB) as pool:
         await pool.prepare_template(env.template)
         engine = LocalEngine(model_dir, cfg, 0)
@@ -53,7 +55,7 @@ async def play_policy(
                 try:
                     return await run_episode(
                         env(task, sandbox), engine.generate, fmt,
-                        SamplingParams(temperature=temperature), cfg.rollout,
+                        SamplingParams(temperature=temperature), rollout,
                         f"e{i}", f"g{i}", task.id,
                     )  # fmt: skip
                 finally:

@@ -38,7 +38,7 @@ from venusrl.runtime.roles import (
 )
 from venusrl.runtime.run_dir import RunStart, prepare_run_dir
 from venusrl.runtime.step_metrics import admission_metrics, since, step_metrics
-from venusrl.runtime.warm_start import prepare_model, reference_policy, warm_start
+from venusrl.runtime.warm_start import OnTrainer, prepare_model, reference_policy, warm_start
 from venusrl.trainer.checkpoint import save_checkpoint
 from venusrl.trainer.grpo import group_advantages
 from venusrl.trainer.trainer import GRPOTrainer, StepStats
@@ -79,6 +79,7 @@ async def train(
             prepared = await prepare_model(cfg, start, mix, sandboxes.source)
             trainer = new_trainer(cfg, start, sampling)
             side = await start_rollouts(cfg, start, sandboxes, prepared.fmt, sampling, stack)
+            stack.callback(_cancel, side.background)
             if sandboxes.fleet is not None:
                 stack.push_async_callback(_write_cluster_report, sandboxes, run_dir)
             if prepared.demos:
@@ -93,13 +94,10 @@ async def train(
                 cfg.rollout,
                 weight_version=lambda: trainer.version,
             )
-            stack.push_async_callback(_stop, side, coordinator)
+            stack.push_async_callback(coordinator.close)
             coordinator.start()
             run = _Run(cfg, run_dir, start, mix, trainer, sandboxes, side, coordinator, on_trainer)
             return await run.steps(on_step, say)
-
-
-OnTrainer = Callable[..., Any]
 
 
 @contextlib.contextmanager
@@ -117,10 +115,9 @@ def _trainer_thread() -> Iterator[OnTrainer]:
         thread.shutdown()
 
 
-async def _stop(side: RolloutSide, coordinator: Coordinator) -> None:
-    for task in side.background:
+def _cancel(tasks: list[asyncio.Task[None]]) -> None:
+    for task in tasks:
         task.cancel()
-    await coordinator.close()
 
 
 async def _write_cluster_report(sandboxes: Sandboxes, run_dir: Path) -> None:

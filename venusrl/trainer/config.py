@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, field_validator
 
 from venusrl.sections import Section, torch_device
-from venusrl.trainer.grpo import LossAggregation
+
+LossAggregation = Literal["token_mean", "seq_mean"]
+"""How the per-token objective is averaged over a batch.
+
+`token_mean`: every model token of the batch weighs the same (DAPO, Dr. GRPO), so long trajectories
+are not down-weighted. `seq_mean`: each trajectory weighs the same, its tokens share its weight
+(the original GRPO). The difference matters when length goes with the reward: on guess_number the
+losers are the long episodes (all six guesses), so under `token_mean` the tokens that every
+episode writes (the tool-call syntax) collect more negative advantage from the losers than positive
+from the winners, and a fast learning rate wrecks the format; under `seq_mean` a trajectory's
+weight does not grow with its length, so on those tokens a group's advantages (which sum to zero)
+roughly cancel."""
 
 
 class TrainerConfig(Section):

@@ -23,9 +23,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
+
+from venusrl.trainer.config import LossAggregation
 
 
 def group_advantages(rewards: Sequence[float | None], eps: float = 1e-6) -> list[float | None]:
@@ -37,19 +38,6 @@ def group_advantages(rewards: Sequence[float | None], eps: float = 1e-6) -> list
     if std < eps:
         return [None if r is None else 0.0 for r in rewards]
     return [None if r is None else (r - mean) / (std + eps) for r in rewards]
-
-
-LossAggregation = Literal["token_mean", "seq_mean"]
-"""How the per-token objective is averaged over a batch.
-
-`token_mean`: every model token of the batch weighs the same (DAPO, Dr. GRPO), so long trajectories
-are not down-weighted. `seq_mean`: each trajectory weighs the same, its tokens share its weight
-(the original GRPO). The difference matters when length goes with the reward: on guess_number the
-losers are the long episodes (all six guesses), so under `token_mean` the tokens that every
-episode writes (the tool-call syntax) collect more negative advantage from the losers than positive
-from the winners, and a fast learning rate wrecks the format; under `seq_mean` a trajectory's
-weight does not grow with its length, so on those tokens a group's advantages (which sum to zero)
-roughly cancel."""
 
 
 def row_weights(model_tokens: Sequence[int], aggregation: LossAggregation) -> list[float]:

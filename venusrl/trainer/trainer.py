@@ -48,11 +48,11 @@ class GRPOTrainer:
         reference: CausalLM | None = None,
         temperature: float = 1.0,
     ):
-        """`reference`: the frozen policy of the KL penalty, needed when `kl_coef > 0`
-        (`freeze_reference` makes one of the current weights). `temperature`: what the engine
-        sampled at (1 for greedy): its behaviour logprobs are those of softmax(logits /
-        temperature), so the trainer's must be too, or the importance ratio is off 1 on-policy
-        and the clip silences tokens that never moved."""
+        """`reference`: the frozen policy of the KL penalty (`kl_coef > 0`); without one, the
+        first step freezes the weights it starts from (`freeze_reference`). `temperature`: what
+        the engine sampled at (1 for greedy): its behaviour logprobs are those of
+        softmax(logits / temperature), so the trainer's must be too, or the importance ratio is
+        off 1 on-policy and the clip silences tokens that never moved."""
         if not temperature > 0:
             raise ValueError(f"the trainer's temperature must be > 0, got {temperature}")
         self.model = model
@@ -85,7 +85,7 @@ class GRPOTrainer:
         if len(trajectories) != len(advantages):
             raise ValueError("one advantage per trajectory")
         if self.config.kl_coef and self.reference is None:
-            raise ValueError("trainer.kl_coef > 0 needs a reference policy (freeze_reference)")
+            self.freeze_reference()  # the KL penalty holds the policy near where RL started
         # A zero advantage (a group whose members all scored the same) carries no policy
         # gradient; leaving it in would let the entropy bonus alone push those tokens toward
         # uniform (measured: 15 such steps at lr 2e-3 turned a warm-started policy into noise).
