@@ -18,7 +18,6 @@ request is therefore the same as prefilling it, served mostly from the prefix ca
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import itertools
 import math
 import time
@@ -32,16 +31,14 @@ from venusrl.engine.batch import BatchBuilder
 from venusrl.engine.config import EngineConfig
 from venusrl.engine.host_malloc import keep_freed_memory_in_heap
 from venusrl.engine.kv_manager import DTYPES, REPREFILL_CAUSES, EngineStats, KVManager
-from venusrl.engine.model import CausalLM, ModelConfigError
-from venusrl.engine.model_dir import iter_safetensors, load_model, read_model_config
+from venusrl.engine.model import CausalLM
+from venusrl.engine.model_dir import check_same_model, iter_safetensors, load_model
 from venusrl.engine.request import Request, Status
 from venusrl.engine.sampler import sample
+from venusrl.engine.snapshot import snapshot
 from venusrl.engine.tokenizer import Tokenizer
-from venusrl.policy.critical_groups import HIGH
 from venusrl.policy.engine_schedule import (
-    EngineSnapshot,
     PriorityScheduler,
-    RequestView,
     queue_order,
 )
 from venusrl.types import GenerationOutput, SamplingParams, TurnMeta
@@ -280,7 +277,7 @@ class Engine:
         """Run one forward pass; returns the requests that finished in it."""
         began = time.perf_counter()
         self.cache.apply_residency(self.running, self.waiting, self.cfg.max_running)
-        plan = self.scheduler.schedule(self._snapshot())
+        plan = self.scheduler.schedule(snapshot(self.running, self.waiting, self.cache, self.cfg))
         for rid in plan.preempt:
             self._preempt(self.requests[rid])
         self.cache.make_room_for_running([(self.requests[rid], n) for rid, n in plan.run])
@@ -329,61 +326,6 @@ class Engine:
         r.status = Status.RUNNING
         self.running.append(r)
         return loaded
-
-    def _snapshot(self) -> EngineSnapshot:
-        """The queues and the KV occupancy, as the scheduler sees them."""
-        ps = self.page_size
-        running = [
-            RequestView(
-                r.request_id,
-                r.priority,
-                r.arrival,
-                r.num_computed,
-                r.tokens_to_compute,
-                pages_held=len(r.pages),
-                pages_releasable=self.cache.releasable_pages(r),
-            )
-            for r in self.running
-        ]
-        prefilling = [r for r in self.running if r.tokens_to_compute > 1]
-        waiting = []
-        for r in self.waiting[: 2 * self.cfg.max_running]:
-            on_device, on_host, idle = self.cache.cached_prefix(r)
-            cached = (on_device + on_host) * ps
-            key, in_flight = None, False
-            if self.cfg.prefix_cache and r.num_tokens - cached > ps:
-                head = r.all_ids[: cached + ps]
-                key = (r.namespace, tuple(head))
-                in_flight = any(
-                    o.namespace == r.namespace
-                    and o.num_computed <= cached
-                    and o.all_ids[: cached + ps] == head
-                    for o in prefilling
-                )
-            waiting.append(
-                RequestView(
-                    r.request_id,
-                    r.priority,
-                    r.arrival,
-                    cached,
-                    r.num_tokens - cached,
-                    pages_held=on_device,  # host pages need device pages to load into
-                    pages_releasable=0,
-                    pages_idle=idle,
-                    prefix_key=key,
-                    prefix_in_flight=in_flight,
-                )
-            )
-        return EngineSnapshot(
-            running=running,
-            waiting=waiting,
-            free_pages=self.cache.free_pages(),
-            page_size=ps,
-            token_budget=self.cfg.token_budget,
-            max_running=self.cfg.max_running,
-            reserved_pages=self.cache.reserved_pages(running, waiting),
-            reserve_priority=HIGH,
-        )
 
     def _postprocess(
         self, work: Sequence[tuple[Request, int]], logits: torch.Tensor
@@ -470,7 +412,7 @@ class Engine:
         twice (a second run against the same server) still salts each load apart.
         """
         if isinstance(weights, str | Path):
-            self._check_same_model(Path(weights))
+            check_same_model(Path(weights), self.model.config)
             weights = iter_safetensors(weights)
         self.model.load_weights(weights)
         self.weights_loaded += 1
@@ -478,23 +420,6 @@ class Engine:
         if flush_cache:
             self.flush_cache()
         return self.weight_version
-
-    def _check_same_model(self, model_dir: Path) -> None:
-        """Weights from a directory whose config.json describes another model (another RoPE,
-        another norm epsilon) would load without an error and compute something else."""
-        if not (model_dir / "config.json").exists():
-            return
-        given, served = read_model_config(model_dir), self.model.config
-        differ = [
-            f"{f.name} {getattr(given, f.name)!r} (served: {getattr(served, f.name)!r})"
-            for f in dataclasses.fields(served)
-            if f.name != "eos_token_ids" and getattr(given, f.name) != getattr(served, f.name)
-        ]
-        if differ:
-            raise ModelConfigError(
-                f"{model_dir / 'config.json'} describes another model than the one served: "
-                + ", ".join(differ)
-            )
 
     def flush_cache(self) -> int:
         """Drop every cached prefix no request holds, on both tiers; returns the number of device

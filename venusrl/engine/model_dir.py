@@ -8,6 +8,7 @@ preset or a given config, for tests, demos and benchmarks.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -57,6 +58,24 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
         return ModelConfig.from_hf(hf)
     except ModelConfigError as e:  # name the file: a run may load several model directories
         raise ModelConfigError(f"{Path(model_dir) / 'config.json'}: {e}") from None
+
+
+def check_same_model(model_dir: Path, served: ModelConfig) -> None:
+    """Weights from a directory whose config.json describes another model (another RoPE,
+    another norm epsilon) would load without an error and compute something else."""
+    if not (model_dir / "config.json").exists():
+        return
+    given = read_model_config(model_dir)
+    differ = [
+        f"{f.name} {getattr(given, f.name)!r} (served: {getattr(served, f.name)!r})"
+        for f in dataclasses.fields(served)
+        if f.name != "eos_token_ids" and getattr(given, f.name) != getattr(served, f.name)
+    ]
+    if differ:
+        raise ModelConfigError(
+            f"{model_dir / 'config.json'} describes another model than the one served: "
+            + ", ".join(differ)
+        )
 
 
 def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
