@@ -313,6 +313,26 @@ def test_swe_mini_tests_that_cannot_be_restored_score_zero():
     assert with_pool(SweMini, body) == 0.0
 
 
+def test_swe_mini_a_fix_that_prints_past_the_output_cap_still_scores() -> None:
+    task = next(SweMini.tasks(0))
+    path, buggy, correct = (task.reference[k] for k in ("path", "buggy", "correct"))
+
+    async def body(pool: SandboxPool) -> tuple[float, str]:
+        sandbox = await pool.create(SweMini.template.name, files=task.files)
+        try:
+            env = SweMini(task, sandbox)
+            fixed = (await sandbox.read_file(path)).decode().replace(buggy, correct)
+            await sandbox.write_file(path, (fixed + "\nprint('x' * 200_000)\n").encode())
+            run = await env.step(call("bash", command="python -m unittest"))
+            return await env.reward(), run.observation or ""
+        finally:
+            await sandbox.close()
+
+    reward, observation = with_pool(SweMini, body)
+    assert "[exit code 137]" in observation  # the tool's command stopped at the cap...
+    assert reward == 1.0  # ...but the tests pass, and the reward reads only their status
+
+
 def test_agent_workload_runs_its_drawn_turns_and_tool_latencies_whatever_the_model_writes() -> None:
     task = next(AgentWorkload.tasks(seed=3))
     assert next(AgentWorkload.tasks(seed=3)).reference == task.reference  # seeded

@@ -214,6 +214,21 @@ def test_output_flood_stops_the_command_at_the_cap() -> None:
     in_sandbox(check)
 
 
+def test_output_flood_stops_python_code_at_the_cap() -> None:
+    async def check(sb: Sandbox) -> None:
+        t0 = time.monotonic()
+        flood = "n = 0\nwhile True:\n    try: print('y' * 100); n += 1\n    except Exception: pass"
+        r = await sb.run_python(flood, timeout_s=60, max_output_bytes=64 << 10)
+        assert time.monotonic() - t0 < 5  # seconds, not the 60 s timeout
+        assert r.truncated and not r.timed_out and r.exit_code == 137
+        assert len(r.stdout) == 64 << 10
+        assert (await sb.run_python("print(n)")).stdout == b"648\n"  # stopped where it passed
+        r = await sb.run_python("raise ValueError('x' * 100_000)", max_output_bytes=1000)
+        assert r.exit_code == 1 and r.truncated and len(r.stderr) == 1000  # a traceback is cut
+
+    in_sandbox(check)
+
+
 def test_timeout_kills_background_setsid_and_double_forked_children() -> None:
 
     async def check(sb: Sandbox) -> None:

@@ -255,11 +255,18 @@ def _run_leader(req: dict[str, Any], stdin: bytes) -> bytes:
 # --- the Python interpreter ---------------------------------------------------------------------
 
 
+class _Flood(BaseException):
+    """Raised in `run_python` code whose output passes the cap, so a print loop stops there as a
+    command's flood does (`_collect`), not at its timeout; a BaseException for the same reason as
+    `_Timeout`."""
+
+
 class _CappedText(io.TextIOBase):
     def __init__(self, cap: int) -> None:
         self.buf = bytearray()
         self.cap = cap
         self.truncated = False
+        self.armed = True  # raise _Flood at the cap while the sandboxed code runs
 
     def writable(self) -> bool:
         return True
@@ -267,9 +274,11 @@ class _CappedText(io.TextIOBase):
     def write(self, s: str) -> int:
         data = s.encode(errors="replace")
         room = self.cap - len(self.buf)
+        self.buf += data[: max(room, 0)]
         if len(data) > room:
             self.truncated = True
-        self.buf += data[: max(room, 0)]
+            if self.armed:
+                raise _Flood
         return len(s)
 
 
@@ -290,10 +299,13 @@ def _run_python(req: dict[str, Any], env: dict[str, Any]) -> tuple[dict[str, Any
         exec(compile(req["code"], "<sandbox>", "exec"), env)
     except _Timeout:
         timed_out, code = True, 124
+    except _Flood:
+        code = 137  # what a command stopped at the cap reports
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:
         code = 1
+        err.armed = False  # the traceback is cut at the cap, not raised from
         traceback.print_exc(file=err)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
