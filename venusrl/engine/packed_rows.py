@@ -8,6 +8,7 @@ into it: the same logits and gradients up to float rounding, on ~40% fewer token
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -64,22 +65,28 @@ def packed_attention(
     heads, dim = q.shape[1], q.shape[2]
     group = heads // k.shape[1]
     kv = torch.cat([k, v], dim=1)  # [N, 2 * kv_heads, d]: one gather of a row's keys and values
+    scale = 1.0 / math.sqrt(dim)
 
     def attend(queries: slice, keys: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         kh = keys.transpose(0, 1)  # [2 * kv_heads, keys, d]
         if group > 1:
             kh = kh.repeat_interleave(group, dim=0)
-        out = F.scaled_dot_product_attention(
-            q[queries].transpose(0, 1), kh[:heads], kh[heads:], attn_mask=mask,
-            is_causal=mask is None,
-        )  # fmt: skip
+        qh = q[queries].transpose(0, 1)
+        if mask is None:
+            out = F.scaled_dot_product_attention(qh, kh[:heads], kh[heads:], is_causal=True)
+        else:  # SDPA with a mask runs its math path, ~10% slower here (NaN guards for empty rows)
+            scores = torch.baddbmm(mask, qh, kh[:heads].transpose(1, 2), alpha=scale)
+            out = torch.bmm(torch.softmax(scores, dim=-1), kh[heads:])
         return out.transpose(0, 1).reshape(-1, heads * dim)
 
     prefix = rows.prefix_len
     parts = [attend(slice(0, prefix), kv[:prefix], None)] if prefix else []
-    # A row's token j (position prefix + j) attends keys 0 .. prefix + j of [prefix; own tokens].
+    # A row's token j (position prefix + j) attends keys 0 .. prefix + j of [prefix; own tokens]
+    # (never none: a softmax row is never all -inf).
     longest = max(rows.row_lens)
-    mask = torch.ones(longest, prefix + longest, dtype=torch.bool, device=q.device).tril(prefix)
+    allowed = torch.ones(longest, prefix + longest, dtype=torch.bool, device=q.device).tril(prefix)
+    mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
+    mask.masked_fill_(~allowed, -math.inf)
     for start, length in zip(rows.row_starts, rows.row_lens, strict=True):
         if length:
             own = slice(start, start + length)
