@@ -9,7 +9,9 @@ import torch
 
 from venusrl.engine.config import EngineConfig
 from venusrl.engine.engine import Engine
+from venusrl.engine.model import CausalLM
 from venusrl.engine.model_dir import init_model_dir, load_model
+from venusrl.engine.packed_rows import PackedRows
 from venusrl.trainer.config import TrainerConfig
 from venusrl.trainer.trainer import GRPOTrainer
 from venusrl.types import SamplingParams, Trajectory
@@ -28,11 +30,17 @@ def record(prompt: list[int], out: list[int], logprobs: list[float]) -> Trajecto
     return t
 
 
-def dense_logprobs(model: torch.nn.Module, t: Trajectory) -> list[float]:
-    ids = torch.tensor([t.token_ids])
+def row_logits(model: CausalLM, token_ids: list[int]) -> torch.Tensor:
+    """The training path's logits at every position of one row."""
+    rows = PackedRows.pack([token_ids], torch.device("cpu"))
+    return model.forward_rows(rows, torch.arange(len(token_ids)))
+
+
+def dense_logprobs(model: CausalLM, t: Trajectory) -> list[float]:
+    ids = torch.tensor(t.token_ids)
     with torch.no_grad():
-        logp = torch.log_softmax(model.forward_dense(ids[:, :-1]), -1)[0]  # type: ignore[operator]
-    picked = logp.gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
+        logp = torch.log_softmax(row_logits(model, t.token_ids[:-1]), -1)
+    picked = logp.gather(-1, ids[1:, None]).squeeze(-1).tolist()
     return [picked[i - 1] for i, m in enumerate(t.mask) if m]
 
 
@@ -149,10 +157,9 @@ def test_after_a_step_a_no_grad_forward_reads_the_new_weights(model_dir: Path) -
     t = record([5, 6, 7], [20, 21, 22], [0.0] * 3)
     t.logprobs[3:] = dense_logprobs(model, t)
     trainer.step([t, record([5, 6, 7], [30], [0.0])], [1.0, -1.0])
-    ids = torch.tensor([t.token_ids])
     with torch.no_grad():
-        inference = model.forward_dense(ids)
-    assert torch.allclose(inference, model.forward_dense(ids).detach(), atol=1e-5)
+        inference = row_logits(model, t.token_ids)
+    assert torch.allclose(inference, row_logits(model, t.token_ids).detach(), atol=1e-5)
 
 
 def test_tokens_sampled_below_temperature_one_are_on_policy_for_a_trainer_told_the_temperature(

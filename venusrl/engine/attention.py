@@ -180,9 +180,12 @@ def _read_host_layer(
 
 
 def _gather(layer_kv: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-    """K and V of `pages` ([n] or [b, n]) as [2, kv_heads, (b,) n * page_size, dim]."""
-    _, kv_heads, _, _, dim = layer_kv.shape
-    kv = layer_kv.index_select(2, pages.reshape(-1))
+    """K and V of `pages` ([n] or [b, n]) as [2, kv_heads, (b,) n * page_size, dim]. Pages are
+    selected from a 3-D view, each page one row: `index_select` along the middle dimension of the
+    5-D layer was 1.6-2.5x slower (measured for 500-3,000 pages, one thread)."""
+    _, kv_heads, num_pages, page_size, dim = layer_kv.shape
+    rows = layer_kv.view(2 * kv_heads, num_pages, page_size * dim)
+    kv = rows.index_select(1, pages.reshape(-1))
     return kv.view(2, kv_heads, *pages.shape[:-1], -1, dim)
 
 

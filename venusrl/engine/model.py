@@ -21,6 +21,7 @@ from torch import nn
 
 from venusrl.engine.attention import StepBatch, paged_attention
 from venusrl.engine.kv_cache import KVCache
+from venusrl.engine.packed_rows import PackedRows, packed_attention
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 SUPPORTED_ROPE_TYPES = ("default",)
@@ -270,19 +271,13 @@ class DecoderLayer(nn.Module):
         attn = paged_attention(q, k, v, kv.layer(i), batch, i, kv.host_layer(i))
         return self._residual_and_mlp(x, attn)
 
-    def forward_dense(self, x: torch.Tensor, rope: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """x: [batch, time, hidden], causal attention over each row: the training path."""
-        b, t, hidden = x.shape
-        q, k, v = self._qkv(x.reshape(b * t, hidden), rope)
-        group = self.num_heads // self.num_kv_heads
-        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        if group > 1:
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        attn = attn.transpose(1, 2).reshape(b * t, self.num_heads * self.head_dim)
-        return self._residual_and_mlp(x.reshape(b * t, hidden), attn).view(b, t, hidden)
+    def forward_rows(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, ...], rows: PackedRows
+    ) -> torch.Tensor:
+        """x: [tokens, hidden] of packed rows, causal attention within each row: the training
+        path."""
+        q, k, v = self._qkv(x, rope)
+        return self._residual_and_mlp(x, packed_attention(q, k, v, rows))
 
 
 class CausalLM(nn.Module):
@@ -306,16 +301,15 @@ class CausalLM(nn.Module):
         x = self.norm(x.index_select(0, batch.logits_rows))
         return self.lm_head(x).float()
 
-    def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits [batch, time, vocab] for right-padded rows of token ids, with autograd: what the
-        trainer runs. Same weights and arithmetic as the paged path, without a KV cache."""
-        b, t = input_ids.shape
-        x = self.embed_tokens(input_ids)
-        positions = torch.arange(t, device=input_ids.device).repeat(b)
-        rope = self.rotary.tables(positions, x.dtype)
+    def forward_rows(self, rows: PackedRows, wanted: torch.Tensor) -> torch.Tensor:
+        """Logits [len(wanted), vocab] at the packed tokens `wanted`, with autograd: what the
+        trainer runs. Same weights and arithmetic as the paged path, without a KV cache. Only the
+        tokens a loss reads are projected onto the vocabulary (a quarter of an episode's)."""
+        x = self.embed_tokens(rows.input_ids)
+        rope = self.rotary.tables(rows.positions, x.dtype)
         for layer in self.layers:
-            x = cast(DecoderLayer, layer).forward_dense(x, rope)
-        return self.lm_head(self.norm(x)).float()
+            x = cast(DecoderLayer, layer).forward_rows(x, rope, rows)
+        return self.lm_head(self.norm(x.index_select(0, wanted))).float()
 
     # -- weights in Hugging Face naming --------------------------------------------------------
 

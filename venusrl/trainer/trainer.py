@@ -1,11 +1,13 @@
 """One GRPO optimisation step over a batch of trajectories (token records).
 
-The model is the engine's own architecture (`CausalLM.forward_dense`, the autograd path), so the
+The model is the engine's own architecture (`CausalLM.forward_rows`, the autograd path), so the
 logprobs the trainer computes for a token are those the engine recorded when it sampled it, up to
-float error (tested): on-policy, the importance ratio is 1. Rows are right-padded, grouped into
-micro-batches under a token budget, and the loss is the mean over the model tokens of the step's
-trajectories with a non-zero advantage (token-level, so long trajectories are not down-weighted;
-`seq_mean` weighs trajectories alike instead), whatever the micro-batching. A trajectory whose
+float error (tested): on-policy, the importance ratio is 1. Rows are packed without padding, their
+common prefix once (`PackedRows`), and grouped into micro-batches under a token budget; only the
+positions that predict model tokens are projected onto the vocabulary. The loss is the mean over
+the model tokens of the step's trajectories with a non-zero advantage (token-level, so long
+trajectories are not down-weighted; `seq_mean` weighs trajectories alike instead), whatever the
+micro-batching. A trajectory whose
 advantage is 0 (its group scored alike) is left out, KL penalty included: it carries no policy
 gradient, and the entropy or KL terms alone would move its tokens.
 """
@@ -19,6 +21,7 @@ import torch
 
 from venusrl.engine.model import CausalLM
 from venusrl.engine.model_dir import build_model
+from venusrl.engine.packed_rows import PackedRows
 from venusrl.trainer.config import TrainerConfig
 from venusrl.trainer.grpo import policy_loss, row_weights
 from venusrl.types import Trajectory
@@ -124,21 +127,21 @@ class GRPOTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         sums = {"loss": 0.0, "clip": 0.0, "ratio": 0.0, "entropy": 0.0, "kl": 0.0}
         reference = self.reference if self.config.kl_coef > 0 else None
-        for batch in self._micro_batches(rows):
-            ids, behaviour, weights, adv = _pad(batch, self.device)
+        for rows_in_batch in self._micro_batches(rows):
+            batch = _pack(rows_in_batch, self.device)
             reference_logprobs = None
             if reference is not None:
                 with torch.no_grad():
-                    ref_logits = reference.forward_dense(ids[:, :-1]) / self.temperature
+                    ref_logits = reference.forward_rows(batch.rows, batch.wanted) / self.temperature
                     ref = torch.log_softmax(ref_logits, dim=-1)
-                    reference_logprobs = ref.gather(-1, ids[:, 1:, None]).reshape(-1)
-            logits = self.model.forward_dense(ids[:, :-1]) / self.temperature
+                    reference_logprobs = ref.gather(-1, batch.tokens[:, None]).squeeze(-1)
+            logits = self.model.forward_rows(batch.rows, batch.wanted) / self.temperature
             loss, stats = policy_loss(
-                logits.reshape(-1, logits.shape[-1]),
-                ids[:, 1:].reshape(-1),
-                behaviour[:, 1:].reshape(-1),
-                adv[:, None].expand(-1, ids.shape[1] - 1).reshape(-1),
-                weights[:, 1:].reshape(-1),
+                logits,
+                batch.tokens,
+                batch.behaviour,
+                batch.advantages,
+                batch.weights,
                 self.config.clip_eps,
                 self.config.entropy_coef,
                 reference_logprobs,
@@ -175,11 +178,11 @@ class GRPOTrainer:
         self.model.train()
         self._imitation.zero_grad(set_to_none=True)
         nll = 0.0
-        for batch in self._micro_batches(rows):
-            ids, _, weights, _ = _pad(batch, self.device)
-            logp = torch.log_softmax(self.model.forward_dense(ids[:, :-1]), dim=-1)
-            picked = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
-            loss = -(picked * (weights[:, 1:] > 0)).sum() / max(total, 1)
+        for rows_in_batch in self._micro_batches(rows):
+            batch = _pack(rows_in_batch, self.device)
+            logp = torch.log_softmax(self.model.forward_rows(batch.rows, batch.wanted), dim=-1)
+            picked = logp.gather(-1, batch.tokens[:, None])
+            loss = -picked.sum() / max(total, 1)
             loss.backward()
             nll += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
@@ -189,33 +192,55 @@ class GRPOTrainer:
         return nll
 
     def _micro_batches(self, rows: list[_Row]) -> list[list[_Row]]:
-        """Rows sorted by length, cut so that rows x longest row stays within the token budget."""
+        """Rows in turn, cut so that their tokens stay within the token budget."""
         batches: list[list[_Row]] = []
         current: list[_Row] = []
-        for row in sorted(rows, key=lambda r: len(r[0].token_ids)):
-            longest = len(row[0].token_ids)
-            if current and (len(current) + 1) * longest > self.config.micro_batch_tokens:
+        tokens = 0
+        for row in rows:
+            n = len(row[0].token_ids)
+            if current and tokens + n > self.config.micro_batch_tokens:
                 batches.append(current)
-                current = []
+                current, tokens = [], 0
             current.append(row)
+            tokens += n
         if current:
             batches.append(current)
         return batches
 
 
-def _pad(
-    rows: list[_Row], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Token ids, behaviour logprobs, token weights (the row's weight on its model tokens, 0
-    elsewhere) and advantages, right-padded, on `device`."""
-    width = max(len(t.token_ids) for t, _, _ in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    behaviour = torch.zeros(len(rows), width)
-    weights = torch.zeros(len(rows), width)
-    for i, (t, _, w) in enumerate(rows):
-        n = len(t.token_ids)
-        ids[i, :n] = torch.tensor(t.token_ids)
-        behaviour[i, :n] = torch.tensor(t.logprobs)
-        weights[i, :n] = torch.tensor(t.mask, dtype=torch.float32) * w
-    adv = torch.tensor([a for _, a, _ in rows], dtype=torch.float32)
-    return ids.to(device), behaviour.to(device), weights.to(device), adv.to(device)
+@dataclass(frozen=True)
+class _Batch:
+    """Rows packed (`PackedRows`), and what the loss reads at their trained tokens: the packed
+    index of the token before each (whose logits predicted it), the token, its behaviour logprob,
+    its weight and its row's advantage."""
+
+    rows: PackedRows
+    wanted: torch.Tensor
+    tokens: torch.Tensor
+    behaviour: torch.Tensor
+    weights: torch.Tensor
+    advantages: torch.Tensor
+
+
+def _pack(rows: list[_Row], device: torch.device) -> _Batch:
+    packed = PackedRows.pack([t.token_ids[:-1] for t, _, _ in rows], device)
+    wanted: list[int] = []
+    tokens: list[int] = []
+    behaviour: list[float] = []
+    weights: list[float] = []
+    advantages: list[float] = []
+    for i, (t, a, w) in enumerate(rows):
+        trained = [p for p in range(1, len(t.token_ids)) if t.mask[p]]
+        wanted += packed.index(i, [p - 1 for p in trained])
+        tokens += [t.token_ids[p] for p in trained]
+        behaviour += [t.logprobs[p] for p in trained]
+        weights += [w] * len(trained)
+        advantages += [a] * len(trained)
+    return _Batch(
+        packed,
+        torch.tensor(wanted, dtype=torch.long, device=device),
+        torch.tensor(tokens, dtype=torch.long, device=device),
+        torch.tensor(behaviour, dtype=torch.float32, device=device),
+        torch.tensor(weights, dtype=torch.float32, device=device),
+        torch.tensor(advantages, dtype=torch.float32, device=device),
+    )

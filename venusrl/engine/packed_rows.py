@@ -1,0 +1,95 @@
+"""Rows of token ids packed for the training forward: no padding, and their common prefix once.
+
+Every episode of a run starts with the same system prompt (on treasure_hunt ~190 of a ~500-token
+episode), so right-padded rows computed it once per row. Packed, the prefix is computed once,
+each row's own tokens attend it and, causally, themselves, and autograd sums every row's gradient
+into it: the same logits and gradients up to float rounding, on ~40% fewer tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    input_ids: torch.Tensor  # [N]: the common prefix, then each row's tokens after it in turn
+    positions: torch.Tensor  # [N]
+    prefix_len: int
+    row_starts: tuple[int, ...]  # where each row's own tokens start in the packing
+    row_lens: tuple[int, ...]  # how many there are
+
+    @classmethod
+    def pack(cls, rows: Sequence[Sequence[int]], device: torch.device) -> PackedRows:
+        prefix = common_prefix_len(rows)
+        ids, positions = list(rows[0][:prefix]), list(range(prefix))
+        starts, lens = [], []
+        for row in rows:
+            starts.append(len(ids))
+            lens.append(len(row) - prefix)
+            ids += row[prefix:]
+            positions += range(prefix, len(row))
+        return cls(
+            torch.tensor(ids, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device),
+            prefix,
+            tuple(starts),
+            tuple(lens),
+        )
+
+    def index(self, row: int, positions: Sequence[int]) -> list[int]:
+        """Where the tokens at `positions` of row `row` are in the packing."""
+        shift = self.row_starts[row] - self.prefix_len
+        return [p if p < self.prefix_len else p + shift for p in positions]
+
+
+def common_prefix_len(rows: Sequence[Sequence[int]]) -> int:
+    shortest = min(len(row) for row in rows)
+    for i in range(shortest):
+        token = rows[0][i]
+        if any(row[i] != token for row in rows):
+            return i
+    return shortest
+
+
+def packed_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: PackedRows
+) -> torch.Tensor:
+    """Causal attention within each row of the packing. q: [N, heads, d]; k, v: [N, kv_heads, d]
+    -> [N, heads * d]."""
+    heads, dim = q.shape[1], q.shape[2]
+    group = heads // k.shape[1]
+    kv = torch.cat([k, v], dim=1)  # [N, 2 * kv_heads, d]: one gather of a row's keys and values
+    scale = 1.0 / math.sqrt(dim)
+
+    def attend(queries: slice, keys: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        kh = keys.transpose(0, 1)  # [2 * kv_heads, keys, d]
+        if group > 1:
+            kh = kh.repeat_interleave(group, dim=0)
+        qh = q[queries].transpose(0, 1)
+        if mask is None:
+            out = F.scaled_dot_product_attention(qh, kh[:heads], kh[heads:], is_causal=True)
+        else:  # SDPA with a mask runs its math path, ~10% slower here (NaN guards for empty rows)
+            scores = torch.baddbmm(mask, qh, kh[:heads].transpose(1, 2), alpha=scale)
+            out = torch.bmm(torch.softmax(scores, dim=-1), kh[heads:])
+        return out.transpose(0, 1).reshape(-1, heads * dim)
+
+    prefix = rows.prefix_len
+    parts = [attend(slice(0, prefix), kv[:prefix], None)] if prefix else []
+    # A row's token j (position prefix + j) attends keys 0 .. prefix + j of [prefix; own tokens]
+    # (never none: a softmax row is never all -inf).
+    longest = max(rows.row_lens)
+    allowed = torch.ones(longest, prefix + longest, dtype=torch.bool, device=q.device).tril(prefix)
+    mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
+    mask.masked_fill_(~allowed, -math.inf)
+    for start, length in zip(rows.row_starts, rows.row_lens, strict=True):
+        if length:
+            own = slice(start, start + length)
+            keys = torch.cat([kv[:prefix], kv[own]])
+            parts.append(attend(own, keys, mask[:length, : prefix + length]))
+    return torch.cat(parts)
