@@ -29,10 +29,13 @@ from typing import Protocol
 class CacheSignal:
     """What one engine's KV cache did during the last control period."""
 
-    occupancy: float  # device KV of live trajectories / capacity, at the end of the period
+    # Device KV of the trajectories admitted (running or between turns; not finished, not
+    # paused: theirs is only cached) / capacity, at the end of the period.
+    occupancy: float
     reprefill_tokens: int  # tokens computed again because their KV had been evicted
     # Tokens of context that returning turns had cached when they last ran (found again on the
-    # device or host, or lost: `reprefill_tokens` of them).
+    # device or host, or lost: `reprefill_tokens` of them); turns resumed after a pause are
+    # left out (what they lost is the pause's cost, not congestion).
     reusable_tokens: int = 0
 
     @property

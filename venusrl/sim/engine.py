@@ -411,8 +411,9 @@ class SimEngine:
                     continue
                 used += growth
             if admitted is not None:
-                self.reprefill_evicted_tokens += kv.count_admission(req, admitted)
-                if not req.resumed:
+                lost = kv.count_admission(req, admitted)
+                if req.in_cache_signal and not req.resumed:
+                    self.reprefill_evicted_tokens += lost
                     self.reusable_tokens += req.traj.expected_cached
             if not decodes:
                 prefill, reprefill = self._planner.prefill_seconds(req, tokens, req.computed)

@@ -329,7 +329,9 @@ class Simulation:
             return
         self._submit_turn(t)
 
-    def _submit_turn(self, t: SimTrajectory) -> None:
+    def _submit_turn(self, t: SimTrajectory, resumed: bool = False) -> None:
+        """The turn's request goes to its engine (`resumed`: after admission control paused
+        its trajectory)."""
         assert t.engine is not None
         action = t.plan.turns[t.turn].action_tokens
         priority = self.book.priority(t.group.gid)
@@ -337,6 +339,7 @@ class Simulation:
                          lambda: self.turn_done(t))  # fmt: skip
         if t.turn:
             req.tool_returned_at = self.clock.now
+        req.in_cache_signal = not resumed
         if self.submissions is not None:
             last = t.turn in (len(t.plan.turns) - 1, t.plan.infra_failure_turn)
             self.submissions.append(
@@ -412,7 +415,7 @@ class Simulation:
             return
         for engine, paused in zip(self.engines, self._paused, strict=True):
             while paused and admission.admits(self._active(engine), engine.window):
-                self._submit_turn(paused.popleft())
+                self._submit_turn(paused.popleft(), resumed=True)
         while self._not_admitted and self._route() is not None:
             self._request_turn(self._not_admitted.popleft())
 
@@ -428,8 +431,11 @@ class Simulation:
         admission = self.policy.admission
         assert admission is not None
         self._control_due = False
-        for e in self.engines:
-            occupancy = e.live_pages() / max(e.capacity, 1)
+        for e, paused in zip(self.engines, self._paused, strict=True):
+            # The KV of the agents it admits: a paused trajectory's is only cached (evictable).
+            idle = e.kv.idle
+            paused_tokens = sum(idle[t.tid].device for t in paused if t.tid in idle)
+            occupancy = (e.live_pages() - paused_tokens // e.page_size) / max(e.capacity, 1)
             signal = CacheSignal(occupancy, e.reprefill_evicted_tokens, e.reusable_tokens)
             e.window = admission.next_window(e.window, signal, self._active(e))
             e.reprefill_evicted_tokens = e.reusable_tokens = 0
