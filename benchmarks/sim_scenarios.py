@@ -3,14 +3,16 @@
 Runs `venusrl.sim` (the real policies on virtual time, WORKLOADS.md's cost model and workloads)
 for each scenario, seed and policy, side by side on the same seeded workload, and prints one JSON
 object: per scenario the workload's parameters and their sources, per seed each policy's figures
-(with its knobs and `speedup_vs_<policy>`), and per policy the mean step time and the smallest and
-largest speedup over the seeds. `--markdown` prints the table instead.
+(with its knobs and `speedup_vs_<policy>`), and per policy the mean over the seeds of each figure
+and, for its step time and its speedups, each seed's, the median and the worst
+(`venusrl.sim.report`). `--markdown` prints the table instead.
 
     python benchmarks/sim_scenarios.py [--scenarios swe-short,search-short] [--seeds 0,1,2]
                                        [--policies sync,async,concur,venus] [--steps 4]
-                                       [--markdown] [--json-out FILE] [--workload FILE]
+                                       [--markdown] [--json-out FILE] [--workload FILE] [--jobs N]
 
-A policy NAME@N runs with a staleness bound of N versions (`--policies async@2,venus@2`).
+A policy NAME@N runs with a staleness bound of N versions (`--policies async@2,venus@2`);
+NAME+offload is a baseline with the host tier ours has (`--policies async,async+offload`).
 
 Simulated time is not wall time: a full `swe-long` run takes minutes of this machine per policy.
 """
@@ -25,10 +27,10 @@ import time
 from typing import Any
 
 from venusrl.sim.executor import SimConfig, SimPolicy, sim_policies, simulate
+from venusrl.sim.report import over_seeds, parse_seeds
 from venusrl.workloads import SCENARIOS, Workload, load_workload
 
-FIGURES = (
-    "mean_step_s",
+FIGURES = (  # their means over the seeds; the step time and speedups by seed
     "gpu_busy",
     "reprefill_tokens",
     "group_completion_p99_s",
@@ -38,27 +40,25 @@ FIGURES = (
 
 
 def run_scenario(
-    workload: Workload, seeds: list[int], policies: list[SimPolicy], steps: int
+    workload: Workload,
+    seeds: list[int],
+    policies: list[SimPolicy],
+    steps: int,
+    jobs: int | None = None,
 ) -> dict[str, Any]:
     started = time.monotonic()
-    runs = {seed: simulate(workload, policies, seed, SimConfig(steps=steps)) for seed in seeds}
-    names = [p.name for p in policies]
-    summary: dict[str, Any] = {}
-    for i, name in enumerate(names):
+    config = SimConfig(steps=steps)
+    runs = {seed: simulate(workload, policies, seed, config, jobs) for seed in seeds}
+    summary = over_seeds(runs)
+    for i, name in enumerate(p.name for p in policies):
         per_seed = [runs[s][i] for s in seeds]
-        row: dict[str, Any] = {
-            f: statistics.fmean(r[f] for r in per_seed if r[f] is not None) for f in FIGURES
-        }
+        row = summary[name]
+        for f in FIGURES:
+            row[f] = statistics.fmean(r[f] for r in per_seed if r[f] is not None)
         row["rollout_gpu_time"] = {
             k: statistics.fmean(r["rollout_gpu_time"][k] for r in per_seed)
             for k in per_seed[0]["rollout_gpu_time"]
         }
-        for other in names:
-            key = f"speedup_vs_{other}"
-            values = [r[key] for r in per_seed if key in r]
-            if values:
-                row[key] = {"min": min(values), "max": max(values)}
-        summary[name] = row
     params = {
         k: (repr(v) if not isinstance(v, int | float | str | dict) else v)
         for k, v in dataclasses.asdict(workload).items()
@@ -72,6 +72,8 @@ def run_scenario(
 
 
 def markdown(results: dict[str, Any], policies: list[str]) -> str:
+    """Step time and speedups: the median over the seeds (the worst in brackets); the other
+    columns: means over the seeds."""
     speedups = [f"vs {p}" for p in policies]
     head = ["scenario", "policy", "step (s)", "GPU busy", "re-prefill tokens",
             "GPU time re-prefilling", "GPU idle", "train (s/step)", "group p99 (s)", "staleness",
@@ -83,7 +85,7 @@ def markdown(results: dict[str, Any], policies: list[str]) -> str:
             cells = [
                 scenario,
                 name,
-                f"{row['mean_step_s']:.0f}",
+                f"{row['mean_step_s']['median']:.0f} ({row['mean_step_s']['worst']:.0f})",
                 f"{row['gpu_busy']:.0%}",
                 f"{row['reprefill_tokens']:.3g}",
                 f"{row['rollout_gpu_time']['reprefill']:.0%}",
@@ -94,7 +96,7 @@ def markdown(results: dict[str, Any], policies: list[str]) -> str:
             ]
             for other in policies:
                 s = row.get(f"speedup_vs_{other}")
-                cells.append(f"{s['min']:.2f}-{s['max']:.2f}x" if s else "")
+                cells.append(f"{s['median']:.2f}x ({s['worst']:.2f}x)" if s else "")
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -108,6 +110,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--json-out", help="also write the JSON object to this file")
+    p.add_argument("--jobs", type=int, help="policies simulated at once (default: all)")
     args = p.parse_args()
     try:
         policies = sim_policies(args.policies)
@@ -122,11 +125,11 @@ def main() -> None:
         except OSError as e:
             p.error(f"--json-out: cannot write {args.json_out}: {e.strerror}")
     try:
-        seeds = [int(s) for s in args.seeds.split(",")]
-    except ValueError:
-        p.error(f"--seeds: comma-separated integers, got {args.seeds!r}")
-    if len(set(seeds)) < len(seeds):
-        p.error(f"--seeds: a seed listed twice in {args.seeds!r} would count its run twice")
+        seeds = parse_seeds(args.seeds)
+    except ValueError as e:
+        p.error(str(e))
+    if args.jobs is not None and args.jobs < 1:
+        p.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.steps < 2:
         p.error("--steps must be >= 2 (the first step only fills the pipeline)")
     try:
@@ -137,7 +140,7 @@ def main() -> None:
         )
     except (ValueError, OSError) as e:
         p.error(f"--workload: {e}")
-    results = {w.name: run_scenario(w, seeds, policies, args.steps) for w in workloads}
+    results = {w.name: run_scenario(w, seeds, policies, args.steps, args.jobs) for w in workloads}
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(results, f)

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
 import pytest
 
-from venusrl.workloads import SCENARIOS, LogNormal, Mixture, WorkloadSampler, load_workload
+from venusrl.workloads import (
+    SCENARIOS,
+    Constant,
+    LogNormal,
+    Mixture,
+    ToolLatency,
+    WorkloadSampler,
+    load_workload,
+)
 
 
 def test_the_same_seed_draws_the_same_trajectories_whatever_the_order() -> None:
@@ -103,3 +112,31 @@ def test_a_scaled_tool_latency_scales_every_duration_and_keeps_every_probability
     draws = [(tool.sample(a, 3.0), quarter.sample(b, 3.0)) for _ in range(2000)]
     assert all(q == pytest.approx(t / 4) for t, q in draws)
     assert any(t > 10 for t, _ in draws)  # the heavy tail was drawn, and scaled
+
+
+def test_the_caps_bound_the_heavy_and_hang_probabilities_of_a_slow_task() -> None:
+    capped = ToolLatency(
+        Constant(0.1), heavy_p=0.02, heavy=Constant(20.0), hang_p=0.001, hang_s=450.0,
+        heavy_p_max=0.2, hang_p_max=0.01,
+    )  # fmt: skip
+    uncapped = dataclasses.replace(capped, heavy_p_max=1.0, hang_p_max=1.0)
+    rng, n = random.Random(5), 20_000
+    for multiplier, heavy_p, hang_p in ((2.0, 0.04, 0.002), (50.0, 0.2, 0.01)):
+        assert capped.probabilities(multiplier) == pytest.approx((heavy_p, hang_p))
+        draws = [capped.sample(rng, multiplier) for _ in range(n)]
+        # Binomial: within about 4.5 standard deviations of the capped probabilities.
+        for value, p in ((20.0, heavy_p), (450.0, hang_p)):
+            share = draws.count(value) / n
+            assert abs(share - p) < 4.5 * (p * (1 - p) / n) ** 0.5 + 1 / n
+    # Uncapped, the slow task's calls are all heavy or hung.
+    assert all(uncapped.sample(rng, 50.0) > 1 for _ in range(1000))
+
+
+def test_a_workload_file_sets_the_caps_and_refuses_a_cap_above_one(tmp_path: Path) -> None:
+    f = tmp_path / "capped.yaml"
+    f.write_text("tool_s: {body: 1, heavy_p: 0.02, heavy: 30, heavy_p_max: 0.1, hang_p_max: 0}\n")
+    tool = load_workload(f).tool_s
+    assert (tool.heavy_p_max, tool.hang_p_max) == (0.1, 0.0)
+    f.write_text("tool_s: {body: 1, hang_p_max: 1.5}\n")
+    with pytest.raises(ValueError, match="hang_p_max are probabilities"):
+        load_workload(f)

@@ -89,12 +89,17 @@ def main(argv: list[str] | None = None) -> int:
         "--policies",
         default="sync,async,venus",
         help=(
-            "comma-separated: sync, async, concur, venus, venus+window;"
-            " NAME@N sets a staleness bound of N, NAME@N:L also lets a group be trained up"
-            " to L versions after it started"
+            "comma-separated: sync, async, concur, async+window, venus, venus+window;"
+            " NAME+offload gives a baseline the host tier ours has; NAME@N sets a staleness"
+            " bound of N, NAME@N:L also lets a group be trained up to L versions after it"
+            " started"
         ),
     )
-    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument(
+        "--seeds",
+        default="0",
+        help="comma-separated workload seeds: figures per seed, their median and the worst",
+    )
     sim.add_argument("--steps", type=int, default=4, help="trainer steps per policy")
     sim.add_argument(
         "--jobs",
@@ -317,6 +322,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _sim(args: argparse.Namespace) -> int:
     from venusrl.sim.executor import SimConfig, sim_policies, simulate
+    from venusrl.sim.report import over_seeds, parse_seeds
     from venusrl.workloads import SCENARIOS, load_workload
 
     if args.workload:
@@ -329,26 +335,43 @@ def _sim(args: argparse.Namespace) -> int:
         policies = sim_policies(args.policies)
     except ValueError as e:
         raise ValueError(f"--policies: {e}") from None
+    seeds = parse_seeds(args.seeds)
     if args.steps < 2:
         raise ValueError("--steps must be >= 2 (the first step only fills the pipeline)")
     if args.jobs is not None and args.jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     started = time.monotonic()
     config = SimConfig(args.steps, decide_every_iteration=args.decide_every_iteration)
-    results = simulate(workload, policies, args.seed, config, args.jobs)
-    out = {
+    runs = {seed: simulate(workload, policies, seed, config, args.jobs) for seed in seeds}
+    summary = over_seeds(runs)
+    out: dict[str, Any] = {
         "workload": workload.name,
-        "seed": args.seed,
+        "seeds": seeds,
         "wall_s": round(time.monotonic() - started, 1),
-        "results": results,
+        "runs": {str(seed): results for seed, results in runs.items()},
+        "summary": summary,
     }
     if args.json:
         print(json.dumps(out))
         return 0
+    print(f"{workload.name}, seeds {args.seeds}, {args.steps} steps ({out['wall_s']} s)")
+    for seed, results in runs.items():
+        _print_seed(seed, results)
+    names = [p.name for p in policies]
+    print("over the seeds: step (s) and speedups, median (worst)")
+    print("  ".join(f"{c:>16}" for c in ["policy", "mean_step_s", *names]))
+    for name, row in summary.items():
+        cells = [row.get(k) for k in ["mean_step_s", *(f"speedup_vs_{n}" for n in names)]]
+        shown = [f"{c['median']:.4g} ({c['worst']:.4g})" if c else "" for c in cells]
+        print(f"{name:>16}  " + "  ".join(f"{c:>16}" for c in shown))
+    return 0
+
+
+def _print_seed(seed: int, results: list[dict[str, Any]]) -> None:
     cols = ["policy", "mean_step_s", "gpu_busy", "reprefill_tokens", "offloaded_bytes",
             "group_completion_p50_s", "group_completion_p99_s", "staleness_mean"]  # fmt: skip
     cols += sorted({k for r in results for k in r if k.startswith("speedup_vs_")})
-    print(f"{workload.name}, seed {args.seed}, {args.steps} steps ({out['wall_s']} s)")
+    print(f"seed {seed}")
     print("  ".join(f"{c:>14}" for c in cols))
     for r in results:
         cells = [r.get(c) for c in cols]
@@ -360,7 +383,6 @@ def _sim(args: argparse.Namespace) -> int:
         cells = [r["train_s_per_step"], r["weight_sync_s_per_step"]]
         cells += [100 * r["rollout_gpu_time"][k] for k in shares]
         print(f"{r['policy']:>14}  " + "  ".join(f"{c:>14.4g}" for c in cells))
-    return 0
 
 
 if __name__ == "__main__":

@@ -142,7 +142,9 @@ class Turns:
 class ToolLatency:
     """Seconds of one tool call: the body, rare heavy calls and hangs. With `per_prompt_sigma`,
     a prompt's multiplier m ~ LN(1, per_prompt_sigma) scales the heavy and hang probabilities
-    (some tasks have slow tests)."""
+    (some tasks have slow tests), each capped: min(heavy_p m, heavy_p_max) and
+    min(hang_p m, hang_p_max), so that a task with a large m is slow, not made of heavy calls
+    only (at sigma 1.3 one task in a hundred has m > 20)."""
 
     body: Dist
     heavy_p: float = 0.0
@@ -150,12 +152,19 @@ class ToolLatency:
     hang_p: float = 0.0
     hang_s: float = 0.0
     per_prompt_sigma: float = 0.0
+    heavy_p_max: float = 1.0
+    hang_p_max: float = 1.0
 
     def __post_init__(self) -> None:
         if not (0 <= self.heavy_p <= 1 and 0 <= self.hang_p <= 1 - self.heavy_p):
             raise ValueError(
                 f"tool_s: heavy_p and hang_p are probabilities (their sum at most 1), got "
                 f"{self.heavy_p}, {self.hang_p}"
+            )
+        if not (0 <= self.heavy_p_max <= 1 and 0 <= self.hang_p_max <= 1):
+            raise ValueError(
+                f"tool_s: heavy_p_max and hang_p_max are probabilities, got "
+                f"{self.heavy_p_max}, {self.hang_p_max}"
             )
         if not (0 <= self.hang_s < math.inf and 0 <= self.per_prompt_sigma < math.inf):
             raise ValueError(
@@ -166,11 +175,19 @@ class ToolLatency:
     def prompt_level(self, rng: random.Random) -> float:
         return LogNormal(1.0, self.per_prompt_sigma).sample(rng) if self.per_prompt_sigma else 1.0
 
+    def probabilities(self, multiplier: float) -> tuple[float, float]:
+        """A call's chances of being heavy and of hanging, on a prompt of that multiplier."""
+        return (
+            min(self.heavy_p * multiplier, self.heavy_p_max),
+            min(self.hang_p * multiplier, self.hang_p_max),
+        )
+
     def sample(self, rng: random.Random, multiplier: float) -> float:
+        heavy_p, hang_p = self.probabilities(multiplier)
         u = rng.random()
-        if u < self.hang_p * multiplier:
+        if u < hang_p:
             return self.hang_s
-        if u < (self.hang_p + self.heavy_p) * multiplier:
+        if u < hang_p + heavy_p:
             return self.heavy.sample(rng)
         return self.body.sample(rng)
 

@@ -69,3 +69,14 @@ def test_the_engine_share_is_taken_of_each_groups_longest_member(tmp_path: Path)
     ]
     (tmp_path / "trajectories.jsonl").write_text("\n".join(lines) + "\n")
     assert critical_generation_share(tmp_path) == pytest.approx((2 + 3) / (10 + 10))
+
+
+def test_an_offload_baseline_is_its_plain_form_with_the_host_tier_and_no_priorities() -> None:
+    from benchmarks.e2e_scheduler import knobs
+
+    plain, offload = knobs("overlap", 4), knobs("overlap+offload", 4)
+    assert "engine.retention=trajectory" in offload and "engine.retention=lru" not in offload
+    assert set(plain) - set(offload) == {"engine.retention=lru"}
+    assert "rollout.priorities=fifo" in offload and "rollout.max_train_staleness=4" in offload
+    code, stderr = refused("e2e_scheduler.py", "--policies", "venus,venus+offload")
+    assert code != 0 and "venus+offload" in stderr

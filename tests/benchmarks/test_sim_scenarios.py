@@ -23,7 +23,7 @@ def bench(*args: str) -> str:
     return proc.stdout
 
 
-def test_it_prints_every_policy_per_seed_with_sources_and_speedup_ranges(tmp_path: Path) -> None:
+def test_it_prints_every_policy_per_seed_with_sources_medians_and_worst(tmp_path: Path) -> None:
     workload = tmp_path / "small.yaml"
     workload.write_text(SMALL)
     common = ["--workload", str(workload), "--seeds", "0,1", "--policies", "sync,venus"]
@@ -33,9 +33,13 @@ def test_it_prints_every_policy_per_seed_with_sources_and_speedup_ranges(tmp_pat
     assert set(res["runs"]) == {"0", "1"}
     per_seed = [res["runs"][s][1]["speedup_vs_sync"] for s in ("0", "1")]
     assert res["summary"]["venus"]["speedup_vs_sync"] == {
-        "min": min(per_seed),
-        "max": max(per_seed),
+        "per_seed": per_seed,
+        "median": sum(per_seed) / 2,
+        "worst": min(per_seed),
     }
+    assert res["summary"]["sync"]["mean_step_s"]["worst"] == max(
+        res["runs"][s][0]["mean_step_s"] for s in ("0", "1")
+    )
     table = bench(*common, "--steps", "2", "--markdown")
     assert table.startswith("| scenario | policy |") and "| small | venus |" in table
 

@@ -36,27 +36,47 @@ def test_sim_prints_one_json_object_with_speedups_per_policy(tmp_path: Path) -> 
     proc = sim("--workload", str(workload), "--policies", "sync,venus", "--steps", "3", "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert out["workload"] == "small"
-    sync, ours = out["results"]
+    assert out["workload"] == "small" and out["seeds"] == [0]
+    sync, ours = out["runs"]["0"]
     assert ours["policy"] == "venus" and ours["steps"] == 3
     assert ours["speedup_vs_sync"] == sync["mean_step_s"] / ours["mean_step_s"]
     assert ours["knobs"]["priorities"] == "critical"  # the knobs are printed with the results
     # Asking the scheduler at every iteration gives the same steps, with more decisions.
     args = ("--policies", "sync,venus", "--steps", "3", "--decide-every-iteration", "--json")
-    decided = json.loads(sim("--workload", str(workload), *args).stdout)["results"]
+    decided = json.loads(sim("--workload", str(workload), *args).stdout)["runs"]["0"]
     assert [r["mean_step_s"] for r in decided] == [sync["mean_step_s"], ours["mean_step_s"]]
     assert decided[1]["decisions"] > ours["decisions"]
     proc = sim(
         "--workload", str(workload), "--policies", "async@2,venus@2", "--steps", "2", "--json"
     )
     assert proc.returncode == 0, proc.stderr
-    baseline, ours = json.loads(proc.stdout)["results"]
+    baseline, ours = json.loads(proc.stdout)["runs"]["0"]
     assert ours["policy"] == "venus@2" and ours["knobs"]["max_staleness"] == 2
     assert baseline["knobs"]["max_staleness"] == 2 and "speedup_vs_async@2" in ours
     table = sim(
         "--workload", str(workload), "--policies", "sync,venus", "--steps", "2", "--jobs", "1"
     )
     assert table.returncode == 0 and "speedup_vs_sync" in table.stdout
+
+
+def test_sim_over_several_seeds_prints_each_seed_the_median_and_the_worst(tmp_path: Path) -> None:
+    workload = tmp_path / "small.yaml"
+    workload.write_text(SMALL)
+    args = ("--policies", "async,async+offload", "--steps", "2", "--seeds", "0,1,2")
+    out = json.loads(sim("--workload", str(workload), *args, "--json").stdout)
+    assert out["seeds"] == [0, 1, 2] and set(out["runs"]) == {"0", "1", "2"}
+    steps = [out["runs"][s][1]["mean_step_s"] for s in ("0", "1", "2")]
+    speedups = [out["runs"][s][1]["speedup_vs_async"] for s in ("0", "1", "2")]
+    row = out["summary"]["async+offload"]
+    assert row["mean_step_s"] == {
+        "per_seed": steps,
+        "median": sorted(steps)[1],
+        "worst": max(steps),
+    }
+    assert row["speedup_vs_async"]["worst"] == min(speedups)
+    assert row["speedup_vs_async"]["median"] == sorted(speedups)[1]
+    table = sim("--workload", str(workload), *args).stdout
+    assert "seed 2" in table and "median (worst)" in table
 
 
 def test_sim_names_a_bad_policy_scenario_or_job_count(capsys: pytest.CaptureFixture[str]) -> None:
@@ -71,6 +91,7 @@ def test_sim_names_a_bad_policy_scenario_or_job_count(capsys: pytest.CaptureFixt
     err = refused("--scenario", "swe-long", "--policies", "venus@two")
     assert "venus@two" in err and "staleness bound" in err
     assert "--jobs must be >= 1, got 0" in refused("--scenario", "swe-long", "--jobs", "0")
+    assert "listed twice" in refused("--scenario", "swe-long", "--seeds", "1,1")
 
 
 def test_ctrl_c_ends_a_simulation_with_one_line_and_no_traceback() -> None:

@@ -174,14 +174,42 @@ def test_offloading_stops_at_the_host_memory_and_what_does_not_fit_is_dropped() 
     assert full_host["gpu_busy"] > roomy_host["gpu_busy"]
 
 
-def test_admission_control_holds_trajectories_back_and_thrashes_less_than_lru_alone() -> None:
-    sim = Simulation(SMALL, POLICIES["concur"], 0, SimConfig(steps=3), TIGHT)
-    concur = sim.run()
+@pytest.mark.parametrize("policy", ["concur", "async+window"])
+def test_admission_control_holds_trajectories_back_and_thrashes_less_than_lru_alone(
+    policy: str,
+) -> None:
+    sim = Simulation(SMALL, POLICIES[policy], 0, SimConfig(steps=3), TIGHT)
+    admitted = sim.run()
     lru = run("async", cost=TIGHT)
-    assert concur["steps"] == 3
-    assert 0 < concur["reprefill_evicted_tokens"] < lru["reprefill_evicted_tokens"]
+    assert admitted["steps"] == 3
+    assert 0 < admitted["reprefill_evicted_tokens"] < lru["reprefill_evicted_tokens"]
     assert all(e.window >= 1 for e in sim.engines)
-    assert concur["knobs"]["admission"]["initial_window"] == 8  # its knobs are printed
+    assert admitted["knobs"]["admission"]["initial_window"] == 8  # its knobs are printed
+
+
+def test_concur_pauses_agents_over_its_window_at_turn_boundaries_and_resumes_them_all() -> None:
+    concur, window = run("concur", cost=TIGHT), run("async+window", cost=TIGHT)
+    assert concur["admission_pauses"] > 0 == window["admission_pauses"]
+    # Every paused trajectory came back: the run trained every step's groups.
+    assert concur["steps"] == 3 and concur["groups_dropped"] == 0
+    assert concur["reprefill_evicted_tokens"] < window["reprefill_evicted_tokens"]
+
+
+@pytest.mark.parametrize("baseline", ["sync", "async", "concur"])
+def test_a_baseline_with_a_host_tier_re_prefills_less_than_without(baseline: str) -> None:
+    plain, offload = run(baseline, cost=TIGHT), run(f"{baseline}+offload", cost=TIGHT)
+    assert plain["reprefill_evicted_tokens"] > 0 and plain["offloaded_bytes"] == 0
+    assert offload["reprefill_tokens"] < plain["reprefill_tokens"]
+    assert offload["offloaded_bytes"] > 0 and offload["host_hit_tokens"] > 0
+    # A host tier and nothing else: the same priorities, bound and admission.
+    knobs = {**offload["knobs"], "name": baseline, "retention": "lru"}
+    assert knobs == plain["knobs"] and offload["knobs"]["retention"] == "trajectory"
+
+
+def test_a_policy_that_already_offloads_takes_no_offload_suffix() -> None:
+    assert sim_policy("concur+offload@2").max_staleness == 2
+    with pytest.raises(ValueError, match="venus already offloads to the host tier"):
+        sim_policy("venus+offload")
 
 
 def test_policies_run_side_by_side_in_processes_give_the_figures_of_one_process() -> None:

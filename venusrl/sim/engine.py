@@ -146,7 +146,9 @@ class SimEngine:
         self.waiting: list[SimRequest] = []  # in the scheduler's queue order (`_enqueue`)
         self.peak_pages = 0  # the most device pages in use when an iteration was planned
         self.trajectories = 0  # routed here and not finished (the router's load)
-        self.reprefill_evicted_tokens = 0  # tokens, for admission control's cache signal
+        # For admission control's cache signal, since its last control period: tokens of
+        # evicted KV computed again, and of context admitted requests had cached before.
+        self.reprefill_evicted_tokens = self.reusable_tokens = 0
         self.window = window
         self.busy = False  # an iteration is in flight or a decision is due
         self.busy_s = 0.0
@@ -409,7 +411,10 @@ class SimEngine:
                     continue
                 used += growth
             if admitted is not None:
-                self.reprefill_evicted_tokens += kv.count_admission(req, admitted)
+                lost = kv.count_admission(req, admitted)
+                if req.in_cache_signal and not req.resumed:
+                    self.reprefill_evicted_tokens += lost
+                    self.reusable_tokens += req.traj.expected_cached
             if not decodes:
                 prefill, reprefill = self._planner.prefill_seconds(req, tokens, req.computed)
                 split["prefill"] += prefill

@@ -31,7 +31,12 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 from venusrl.coordinator.group_book import GroupBook
-from venusrl.policy.agent_admission import AimdAdmission, CacheSignal
+from venusrl.policy.agent_admission import (
+    AgentAdmission,
+    AimdAdmission,
+    CacheSignal,
+    ConcurAdmission,
+)
 from venusrl.policy.critical_groups import TurnRates
 from venusrl.policy.engine_schedule import (
     PriorityScheduler,
@@ -58,7 +63,7 @@ class SimPolicy:
     max_staleness: int = 1
     retention: Literal["lru", "trajectory"] = "lru"
     pin_s: float = 5.0  # retention pin while a trajectory waits on a tool (trajectory retention)
-    admission: AimdAdmission | None = None  # agent-level admission control (Concur-like)
+    admission: AgentAdmission | None = None  # agent-level admission control (Concur)
     max_train_staleness: int | None = None  # policy.staleness; None: max_staleness
 
 
@@ -68,32 +73,47 @@ POLICIES = {
     "sync": SimPolicy("sync", "fifo", 0, "lru"),
     # AReaL / ROLL Flash-like: rollout runs ahead of the trainer by at most one version.
     "async": SimPolicy("async", "fifo", 1, "lru"),
-    # Concur-like: one version of staleness, LRU KV, and active trajectories per engine bounded
-    # by a congestion window on cache signals (policy.agent_admission).
-    "concur": SimPolicy("concur", "fifo", 1, "lru", admission=AimdAdmission()),
+    # Concur: one version of staleness, LRU KV, and active trajectories per engine bounded by the
+    # paper's congestion window on KV occupancy and hit rate (policy.agent_admission).
+    "concur": SimPolicy("concur", "fifo", 1, "lru", admission=ConcurAdmission()),
+    # Our first Concur-like window, which only paces the start of trajectories (the `concur` of
+    # BENCHMARKS.md's tables to 2026-12-04).
+    "async+window": SimPolicy("async+window", "fifo", 1, "lru", admission=AimdAdmission()),
     # Ours: critical groups first, tool-waiting KV kept or offloaded, never silently dropped.
     "venus": SimPolicy("venus", "critical", 1, "trajectory"),
-    # Ours under concur's admission window, with the same AIMD knobs (`venusrl train` with
+    # Ours under the start window, with the same AIMD knobs (`venusrl train` with
     # rollout.admission=aimd; one engine only so far).
     "venus+window": SimPolicy(
         "venus+window", "critical", 1, "trajectory", admission=AimdAdmission()
     ),
 }
+# `NAME+offload`: a baseline given the host tier ours has (the same size), as SGLang's HiCache or
+# LMCache give a plain server: trajectory retention (idle KV offloaded, not dropped; finished KV
+# first to go), with no priorities.
+OFFLOAD = "+offload"
 
 
 MAX_STALENESS = 64
 
 
 def sim_policy(name: str) -> SimPolicy:
-    """A policy by name; `NAME@N` is that policy with a staleness bound of N versions, so that
-    policies compare at the same bound (`async@2,venus@2`; `venus@0` is synchronous), and
-    `NAME@N:L` also lets a group be trained up to L versions after it started
-    (`max_train_staleness`: batches need not wait for a straggler)."""
+    """A policy by name; `NAME+offload` is that baseline with a host tier (`OFFLOAD`); `NAME@N`
+    is that policy with a staleness bound of N versions, so that policies compare at the same
+    bound (`async@2,venus@2`; `venus@0` is synchronous), and `NAME@N:L` also lets a group be
+    trained up to L versions after it started (`max_train_staleness`: batches need not wait for
+    a straggler)."""
+    known = f"known: {', '.join(POLICIES)}, NAME{OFFLOAD} or NAME@BOUND"
     base, at, bounds = name.partition("@")
-    if base not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}, or NAME@BOUND")
+    offload = base.endswith(OFFLOAD) and base[: -len(OFFLOAD)] in POLICIES
+    policy = POLICIES.get(base[: -len(OFFLOAD)] if offload else base)
+    if policy is None:
+        raise ValueError(f"unknown policy {name!r}; {known}")
+    if offload:
+        if policy.retention != "lru":
+            raise ValueError(f"policy {name!r}: {policy.name} already offloads to the host tier")
+        policy = replace(policy, name=base, retention="trajectory")
     if not at:
-        return POLICIES[base]
+        return policy
     start, colon, train = bounds.partition(":")
     if not all(b.isascii() and b.isdigit() for b in (start, *([train] if colon else []))):
         raise ValueError(
@@ -101,7 +121,7 @@ def sim_policy(name: str) -> SimPolicy:
             " optionally ':' and how many versions late a group may be trained"
         )
     policy = replace(
-        POLICIES[base],
+        policy,
         name=name,
         max_staleness=int(start),
         max_train_staleness=int(train) if colon else None,
@@ -210,8 +230,11 @@ class Simulation:
         self.sandbox_gb_s = 0.0
         self.infra_failures = 0
         self._arrivals = itertools.count()
-        # First turns held back by admission control.
+        # First turns held back by admission control, and per engine the trajectories it paused
+        # at a turn boundary (oldest first).
         self._not_admitted: deque[SimTrajectory] = deque()
+        self._paused: list[deque[SimTrajectory]] = [deque() for _ in self.engines]
+        self.admission_pauses = 0
         self._control_due = False  # a control period of admission control is scheduled
         # What the group ranking assumes of a trajectory: its decode speed on a loaded engine
         # (a batch of its share of the trajectories, each at half its final context on average)
@@ -300,12 +323,23 @@ class Simulation:
                 return
             t.engine = engine
             t.engine.trajectories += 1
+        elif self._over_window(t.engine):  # paused at this turn boundary, resumed with room
+            self._paused[t.engine.index].append(t)
+            self.admission_pauses += 1
+            return
+        self._submit_turn(t)
+
+    def _submit_turn(self, t: SimTrajectory, resumed: bool = False) -> None:
+        """The turn's request goes to its engine (`resumed`: after admission control paused
+        its trajectory)."""
+        assert t.engine is not None
         action = t.plan.turns[t.turn].action_tokens
         priority = self.book.priority(t.group.gid)
         req = SimRequest(f"{t.tid}-t{t.turn}", t, next(self._arrivals), priority, action,
                          lambda: self.turn_done(t))  # fmt: skip
         if t.turn:
             req.tool_returned_at = self.clock.now
+        req.in_cache_signal = not resumed
         if self.submissions is not None:
             last = t.turn in (len(t.plan.turns) - 1, t.plan.infra_failure_turn)
             self.submissions.append(
@@ -351,17 +385,37 @@ class Simulation:
         self._admit_waiting()
         self.sandbox_gb_s += t.plan.sandbox_rss_gb * (self.clock.now - t.started_at)
 
+    def _active(self, engine: SimEngine) -> int:
+        """Trajectories routed to `engine`, not finished and not paused."""
+        return engine.trajectories - len(self._paused[engine.index])
+
+    def _over_window(self, engine: SimEngine) -> bool:
+        admission = self.policy.admission
+        return admission is not None and admission.pauses and self._active(engine) > engine.window
+
     def _route(self) -> SimEngine | None:
         """The engine a new trajectory goes to: the least loaded, if admission control admits
-        one more trajectory there (None: it waits)."""
-        engine = self.engines[least_loaded([e.trajectories for e in self.engines])]
-        admission = self.policy.admission
-        if admission is not None and not admission.admits(engine.trajectories, engine.window):
+        one more trajectory there (None: it waits). A controller that pauses agents (Concur's)
+        sends it to the least loaded of those with room."""
+        engines, admission = self.engines, self.policy.admission
+        if admission is not None and admission.pauses:
+            engines = [e for e in engines if admission.admits(self._active(e), e.window)]
+            if not engines:
+                return None
+        engine = engines[least_loaded([e.trajectories for e in engines])]
+        if admission is not None and not admission.admits(self._active(engine), engine.window):
             return None
         return engine
 
     def _admit_waiting(self) -> None:
-        """Trajectories held back by admission control start, oldest first, while they fit."""
+        """Paused trajectories resume, oldest first, while their engines have room; then those
+        held back before their first turn start, oldest first, while they fit."""
+        admission = self.policy.admission
+        if admission is None:
+            return
+        for engine, paused in zip(self.engines, self._paused, strict=True):
+            while paused and admission.admits(self._active(engine), engine.window):
+                self._submit_turn(paused.popleft(), resumed=True)
         while self._not_admitted and self._route() is not None:
             self._request_turn(self._not_admitted.popleft())
 
@@ -377,11 +431,14 @@ class Simulation:
         admission = self.policy.admission
         assert admission is not None
         self._control_due = False
-        for e in self.engines:
-            occupancy = e.live_pages() / max(e.capacity, 1)
-            signal = CacheSignal(occupancy, e.reprefill_evicted_tokens)
-            e.window = admission.next_window(e.window, signal)
-            e.reprefill_evicted_tokens = 0
+        for e, paused in zip(self.engines, self._paused, strict=True):
+            # The KV of the agents it admits: a paused trajectory's is only cached (evictable).
+            idle = e.kv.idle
+            paused_tokens = sum(idle[t.tid].device for t in paused if t.tid in idle)
+            occupancy = (e.live_pages() - paused_tokens // e.page_size) / max(e.capacity, 1)
+            signal = CacheSignal(occupancy, e.reprefill_evicted_tokens, e.reusable_tokens)
+            e.window = admission.next_window(e.window, signal, self._active(e))
+            e.reprefill_evicted_tokens = e.reusable_tokens = 0
         self._admit_waiting()
         if self._not_admitted or any(e.trajectories for e in self.engines):
             self._schedule_control()
@@ -473,6 +530,7 @@ class Simulation:
             "sandbox_gb_s": self.sandbox_gb_s,
             "infra_failures": self.infra_failures,
             "groups_dropped": self.book.groups_dropped,
+            "admission_pauses": self.admission_pauses,  # turns admission control held back
             **asdict(self.counters),
             "simulated_s": self.clock.now,
         }

@@ -97,6 +97,9 @@ class SimRequest:
     # When it arrived, for a turn after a tool call, until its first token is sampled.
     tool_returned_at: float | None = None
     lost_until: int = 0  # its prefill below this recomputes KV that was lost (a re-prefill)
+    # Admission control reads where its context was found (not for a turn resumed after the
+    # control paused its trajectory: what that lost is the pause's cost, not congestion).
+    in_cache_signal: bool = True
     # The scheduler's view of it while it runs, updated in place at every decision (building
     # one for every running request at every decision was a tenth of the simulator's time).
     view: RequestView = field(init=False, repr=False)

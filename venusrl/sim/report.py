@@ -1,0 +1,42 @@
+"""Figures over seeds: each seed's, their median and the worst, so that one favourable seed cannot
+carry a claim (`venusrl sim --seeds`, `benchmarks/sim_scenarios.py`)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+
+def spread(values: Sequence[float], worst: Callable[[Sequence[float]], float]) -> dict[str, Any]:
+    """`values` by seed, in order, their median and the `worst` of them."""
+    return {"per_seed": list(values), "median": statistics.median(values), "worst": worst(values)}
+
+
+def over_seeds(runs: Mapping[Any, Sequence[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per policy, from `runs` (seed -> `simulate`'s results, the policies in the same order):
+    its mean step time (the worst: the longest) and its speedup over every other policy (the
+    worst: the smallest), for each seed, with the median and the worst."""
+    seeds = list(runs)
+    names = [r["policy"] for r in runs[seeds[0]]]
+    summary: dict[str, dict[str, Any]] = {}
+    for i, name in enumerate(names):
+        per_seed = [runs[s][i] for s in seeds]
+        row = {"mean_step_s": spread([r["mean_step_s"] for r in per_seed], max)}
+        for other in names:
+            key = f"speedup_vs_{other}"
+            if other != name and all(key in r for r in per_seed):
+                row[key] = spread([r[key] for r in per_seed], min)
+        summary[name] = row
+    return summary
+
+
+def parse_seeds(text: str) -> list[int]:
+    """Comma-separated workload seeds, each once (a seed twice would count its run twice)."""
+    try:
+        seeds = [int(s) for s in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--seeds: comma-separated integers, got {text!r}") from None
+    if len(set(seeds)) < len(seeds):
+        raise ValueError(f"--seeds: a seed listed twice in {text!r} would count its run twice")
+    return seeds
