@@ -1,4 +1,4 @@
-"""`venusrl` command line: train | serve | sim | plot | model init | generate."""
+"""`venusrl` command line: train | serve | sim | plot | show | model init | generate."""
 
 from __future__ import annotations
 
@@ -79,6 +79,15 @@ def main(argv: list[str] | None = None) -> int:
     plot = sub.add_parser("plot", help="draw a run's reward, timeline and staleness plots")
     plot.add_argument("run_dir", help="the run directory of `venusrl train`")
 
+    show = sub.add_parser("show", help="print a run's trajectories as decoded transcripts")
+    show.add_argument("run_dir", help="the run directory of `venusrl train`")
+    which = show.add_mutually_exclusive_group()
+    which.add_argument(
+        "--step", type=int, help="the trainer step whose batch to show (default: the last)"
+    )
+    which.add_argument("--trajectory", help="one trajectory, by its trajectory_id")
+    show.add_argument("--limit", type=int, default=4, help="trajectories shown at most (default 4)")
+
     sim = sub.add_parser("sim", help="compare schedulers at cluster scale in simulation")
     what = sim.add_mutually_exclusive_group()
     what.add_argument(
@@ -128,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             return _model_init(args)
         if args.command == "plot":
             return _plot(args)
+        if args.command == "show":
+            return _show(args)
         return _generate(args)
     except (ConfigError, ValueError, OSError) as e:
         print(f"venusrl {args.command}: error: {e}", file=sys.stderr)
@@ -176,9 +187,12 @@ def _train(args: argparse.Namespace) -> int:
     console.print(f"run directory {run_dir}")
     asyncio.run(train(cfg, run_dir, on_step=show, resume=args.resume, on_message=console.print))
     console.print(f"metrics in {run_dir / 'metrics.jsonl'}")
+    if "tensorboard" in cfg.run.loggers:
+        console.print(f"TensorBoard: tensorboard --logdir {run_dir / 'tensorboard'}")
     from venusrl.runtime.plots import plot_run
 
     console.print("plots: " + ", ".join(str(p) for p in plot_run(run_dir)))
+    console.print(f"transcripts of the last step's trajectories: venusrl show {run_dir}")
     return 0
 
 
@@ -232,6 +246,23 @@ def _plot(args: argparse.Namespace) -> int:
     from venusrl.runtime.plots import plot_run
 
     print(json.dumps({"plots": [str(p) for p in plot_run(Path(args.run_dir))]}))
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from venusrl.runtime.transcripts import Selection, select, transcripts
+
+    if args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    run_dir = Path(args.run_dir)
+    records, matched = select(run_dir, Selection(args.step, args.trajectory, args.limit))
+    console = Console(soft_wrap=True)
+    for panel in transcripts(run_dir, records):
+        console.print(panel)
+    if matched > len(records):
+        console.print(f"{len(records)} of {matched} trajectories shown (--limit {matched} for all)")
     return 0
 
 

@@ -10,6 +10,12 @@ from pydantic import Field, field_validator
 from venusrl.engine.presets import PRESETS
 from venusrl.sections import Section
 
+LoggerName = Literal["jsonl", "tensorboard", "wandb"]
+
+
+def _record_only() -> list[LoggerName]:
+    return ["jsonl"]
+
 
 class RunConfig(Section):
     steps: int = Field(150, ge=1, description="trainer steps")
@@ -25,6 +31,30 @@ class RunConfig(Section):
     engine_url: str | None = Field(
         None, description="train against `venusrl serve` at this URL instead of in-process"
     )
+    loggers: list[LoggerName] = Field(
+        default_factory=_record_only,
+        description=(
+            "where each step's metrics go: jsonl (metrics.jsonl, always), tensorboard"
+            " (RUN/tensorboard/), wandb (RUN/wandb/)"
+        ),
+    )
+    wandb_project: str = Field("venusrl", min_length=1, description="W&B project")
+    wandb_name: str | None = Field(None, description="W&B run name (default: the run directory's)")
+    wandb_mode: Literal["online", "offline", "disabled"] | None = Field(
+        None, description="W&B mode (default: WANDB_MODE, else online); offline: `wandb sync` later"
+    )
+
+    @field_validator("loggers")
+    @classmethod
+    def _keeps_the_record(cls, loggers: list[str]) -> list[str]:
+        if "jsonl" not in loggers:
+            raise ValueError(
+                "must keep jsonl: metrics.jsonl is the run's record, which --resume, plots and"
+                f" `venusrl show` read (e.g. run.loggers=[jsonl,{','.join(loggers) or 'wandb'}])"
+            )
+        if len(set(loggers)) != len(loggers):
+            raise ValueError(f"names a logger twice: {loggers}")
+        return loggers
 
     @field_validator("preset")
     @classmethod

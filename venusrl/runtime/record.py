@@ -9,8 +9,10 @@ or replayed in the simulator afterwards. An object holds:
 - `token_ids` and `turn_starts` (the whole token record; `mask` follows from the turns, see
   `turns`), `versions`: how many model tokens each weight version produced (`{"3": 41}`);
 - `turns`: per turn the model's tokens (`action_tokens`), the observation's (`observation_tokens`,
-  0 after the last turn), and when it happened in seconds since the run's start: `requested` (sent
-  to the engine), `generated` (tokens back) and `acted` (the environment done, tool calls included).
+  0 after the last turn), the weight versions that sampled the model's tokens (`weight_versions`,
+  one unless new weights came mid-turn), and when it happened in seconds since the run's start:
+  `requested` (sent to the engine), `generated` (tokens back) and `acted` (the environment done,
+  tool calls included).
 """
 
 from __future__ import annotations
@@ -35,7 +37,11 @@ def trajectory_record(traj: Trajectory, step: int, env: str, t0: float) -> dict[
     turns = []
     for i, (start, end) in enumerate(itertools.pairwise(bounds)):
         action = next((k for k in range(start, end) if not traj.mask[k]), end) - start
-        turn: dict[str, Any] = {"action_tokens": action, "observation_tokens": end - start - action}
+        turn: dict[str, Any] = {
+            "action_tokens": action,
+            "observation_tokens": end - start - action,
+            "weight_versions": sorted(set(traj.versions[start : start + action])),
+        }
         if i < len(traj.turn_times):
             times = traj.turn_times[i]
             turn |= {

@@ -3,6 +3,7 @@ start policy a fresh run writes there (`start-model/`), RL's starting point and 
 
     config.yaml  metrics.jsonl  trajectories.jsonl  checkpoints/step-NNNNNN/
     initial-model/ (a run without `model`)  start-model/ (after a warm start)  warm_start.json
+    tensorboard/  wandb/  wandb-run-id (with `run.loggers`)
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from venusrl.config import Config
 from venusrl.coordinator.coordinator import Coordinator, GroupResult
 from venusrl.coordinator.mixing import EnvShare, mixed_tasks, task_key
 from venusrl.runtime import record
+from venusrl.runtime.loggers import RunLoggers, open_loggers
 from venusrl.runtime.roles import (
     RolloutSide,
     Sandboxes,
@@ -75,6 +76,7 @@ async def train(
     sampling = SamplingParams(temperature=cfg.rollout.temperature, seed=None)
     with _trainer_thread() as on_trainer:
         async with contextlib.AsyncExitStack() as stack:
+            loggers = stack.enter_context(open_loggers(cfg, run_dir, start.state.step + 1, say))
             sandboxes = await open_sandboxes(cfg, mix, stack)
             prepared = await prepare_model(cfg, start, mix, sandboxes.source)
             trainer = new_trainer(cfg, start, sampling)
@@ -96,7 +98,9 @@ async def train(
             )
             stack.push_async_callback(coordinator.close)
             coordinator.start()
-            run = _Run(cfg, run_dir, start, mix, trainer, sandboxes, side, coordinator, on_trainer)
+            run = _Run(
+                cfg, run_dir, start, mix, trainer, sandboxes, side, coordinator, on_trainer, loggers
+            )
             return await run.steps(on_step, say)
 
 
@@ -140,6 +144,7 @@ class _Run:
     side: RolloutSide
     coordinator: Coordinator
     on_trainer: OnTrainer
+    loggers: RunLoggers
 
     async def steps(
         self, on_step: Callable[[dict[str, Any]], None] | None, say: Callable[[str], None]
@@ -160,7 +165,8 @@ class _Run:
             line = self._line(step, batch, stats, time.monotonic() - started, engine)
             line["since_last_step"] = failures.since_last_step()
             untrained.observe(line)
-            self._record(step, batch, line, started)
+            self._record(step, batch, started)
+            self.loggers.log(line)  # metrics.jsonl first; a failing TensorBoard or W&B is dropped
             metrics.append(line)
             if (step + 1) % cfg.run.checkpoint_every == 0 or step == cfg.run.steps - 1:
                 await asyncio.to_thread(
@@ -210,21 +216,25 @@ class _Run:
             "episodes_resumed": self.side.rollouts.resumed_episodes,
             **admission_metrics(self.side.window),
             "engine": engine,
+            **self._pool_counters(),
         }
         version = self.trainer.version
         return step_metrics(step, batch, version, wall_s, extra, by_env=len(self.mix) > 1)
 
-    def _record(
-        self, step: int, batch: list[GroupResult], line: dict[str, Any], started: float
-    ) -> None:
-        """The batch's trajectories and the step's metrics on disk; the state the next
-        checkpoint saves."""
+    def _pool_counters(self) -> dict[str, Any]:
+        """The sandbox pool's totals (`PoolStats`): an in-process pool's only."""
+        pool = self.sandboxes.pool
+        if pool is None:
+            return {}
+        stats = pool.stats().as_dict()
+        return {"pool": {k: v for k, v in stats.items() if not isinstance(v, bool)}}
+
+    def _record(self, step: int, batch: list[GroupResult], started: float) -> None:
+        """The batch's trajectories on disk; the state the next checkpoint saves."""
         records = (
             record.trajectory_record(t, step, g.env, started) for g in batch for t in g.trajectories
         )
         record.append_records(self.run_dir, records)
-        with (self.run_dir / "metrics.jsonl").open("a") as f:
-            f.write(json.dumps(line) + "\n")
         state = self.start.state
         state.consumed_tasks += [task_key(g.env, g.task.id) for g in batch]
         state.step, state.weight_version = step, self.trainer.version
