@@ -20,7 +20,7 @@ from rich.console import Console
 from venusrl import cli
 from venusrl.config import ConfigError, load_config
 from venusrl.engine.tokenizer import CHATML_TEMPLATE, Tokenizer, build_byte_level_tokenizer
-from venusrl.runtime.loggers import JsonlLogger, RunLoggers, open_loggers
+from venusrl.runtime.loggers import JsonlLogger, RunLoggers, TensorBoardLogger, open_loggers
 from venusrl.runtime.record import read_metrics, read_records
 from venusrl.runtime.train import train
 from venusrl.runtime.transcripts import transcript
@@ -242,3 +242,25 @@ def test_a_logger_failing_mid_run_is_dropped_and_metrics_jsonl_keeps_every_step(
     assert len(said) == 1 and "tensorboard logger failed at step 1" in said[0]
     assert "No space left on device" in said[0] and failing.closed
     assert list(loggers.loggers) == ["jsonl"]
+
+
+@root
+def test_a_logger_failing_mid_run_costs_no_step_metrics_line_or_checkpoint(
+    tmp_path: Path, warm_started_small: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def disk_full(self: TensorBoardLogger, line: dict[str, Any]) -> None:
+        if line["step"] == 1:
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(TensorBoardLogger, "log", disk_full)
+    loggers = ["run.loggers=[jsonl,tensorboard]", "run.checkpoint_every=1"]
+    said: list[str] = []
+    cfg = load_config(None, [*warm_started_small, *loggers])
+    metrics = asyncio.run(train(cfg, tmp_path, on_message=said.append))
+    assert [m["step"] for m in read_metrics(tmp_path)] == [m["step"] for m in metrics] == [0, 1, 2]
+    checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*"))
+    assert checkpoints == ["step-000001", "step-000002"]  # the last two, the failing step's too
+    assert [m for m in said if "logger failed" in m] == [
+        "warning: the tensorboard logger failed at step 1 (OSError: [Errno 28] No space left on"
+        " device); the run goes on without it (metrics.jsonl has every step)"
+    ]
