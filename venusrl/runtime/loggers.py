@@ -119,6 +119,7 @@ class WandbLogger:
                 config=cfg.model_dump(),
                 id=id_file.read_text().strip(),
                 resume="allow",
+                allow_val_change=True,  # a resume may change keys (run.steps=N to train longer)
             )
         except Exception as e:
             raise ValueError(

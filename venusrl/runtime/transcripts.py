@@ -105,7 +105,7 @@ def transcript(r: dict[str, Any], tokenizer: Tokenizer, trained_at: int | None) 
     parts: list[Rule | Text] = [
         Rule(title, align="left"),
         Text.assemble(
-            ("reward ", "bold"), reward, ("  finish ", "bold"), str(r["finish"]),
+            ("reward ", "bold"), reward, ("  finish ", "bold"), r["finish"] or "-",
             ("  tool calls ", "bold"), str(r["tool_calls"]),
             ("  trained at version ", "bold"), "-" if trained_at is None else str(trained_at),
         ),
