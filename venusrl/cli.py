@@ -259,8 +259,8 @@ def _show(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     records, matched = select(run_dir, Selection(args.step, args.trajectory, args.limit))
     console = Console(soft_wrap=True)
-    for panel in transcripts(run_dir, records):
-        console.print(panel)
+    for shown in transcripts(run_dir, records):
+        console.print(shown)
     if matched > len(records):
         console.print(f"{len(records)} of {matched} trajectories shown (--limit {matched} for all)")
     return 0
