@@ -1,4 +1,4 @@
-"""`venusrl` command line: train | serve | sim | plot | model init | generate."""
+"""`venusrl` command line: train | eval | serve | sim | plot | model init | generate."""
 
 from __future__ import annotations
 
@@ -40,6 +40,38 @@ def main(argv: list[str] | None = None) -> int:
         help="one process (default), or engines and sandbox pools as Ray actors (runtime.kind)",
     )
     _config_args(train)
+
+    ev = sub.add_parser(
+        "eval",
+        help="play a model or checkpoint on an environment's held-out tasks: reward, pass@k",
+    )
+    ev.add_argument(
+        "model",
+        metavar="MODEL_OR_CHECKPOINT",
+        help="a model directory, a run's checkpoints/step-N, or a run (its newest checkpoint)",
+    )
+    ev.add_argument(
+        "--env", metavar="NAME", help="built-in or path.py:Class (default: the run's rollout.env)"
+    )
+    ev.add_argument("--episodes", metavar="N", type=int, default=32, help="tasks (default 32)")
+    ev.add_argument("--k", metavar="K", type=int, default=1, help="pass@1 and pass@K (default 1)")
+    ev.add_argument("--samples", metavar="N", type=int, help="episodes per task, >= K (default K)")
+    how = ev.add_mutually_exclusive_group()
+    how.add_argument(
+        "--temperature", metavar="T", type=float, help="default: the config's rollout.temperature"
+    )
+    how.add_argument("--greedy", action="store_true", help="temperature 0 (one sample per task)")
+    ev.add_argument(
+        "--seed",
+        metavar="S",
+        type=int,
+        help="task stream and sampling seed (default: run.seed, engine.seed)",
+    )
+    ev.add_argument("--json", action="store_true", help="print one JSON object")
+    ev.add_argument(
+        "--out", metavar="FILE", help="write one JSON line per episode, its transcript decoded"
+    )
+    _config_args(ev)
 
     serve = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible + /generate)")
     serve.add_argument("--model", help="Hugging Face-format model directory")
@@ -122,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
             return _sim(args)
         if args.command == "train":
             return _train(args)
+        if args.command == "eval":
+            return _eval(args)
         if args.command == "serve":
             return _serve(args)
         if args.command == "model":
@@ -180,6 +214,94 @@ def _train(args: argparse.Namespace) -> int:
 
     console.print("plots: " + ", ".join(str(p) for p in plot_run(run_dir)))
     return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from venusrl.engine.tokenizer import Tokenizer
+    from venusrl.envs.loading import environment_class
+    from venusrl.runtime import evaluate
+
+    samples = args.k if args.samples is None else args.samples
+    evaluate.check_k(args.k, samples)
+    if args.episodes < 1:
+        raise ValueError(f"--episodes must be >= 1, got {args.episodes}")
+    model_dir, run_dir = evaluate.resolve_model(Path(args.model))
+    config = args.config or (run_dir / "config.yaml" if run_dir else None)
+    values = {} if args.seed is None else {"run.seed": args.seed, "engine.seed": args.seed}
+    cfg = load_config(config, args.overrides, values)
+    temperature = 0.0 if args.greedy else args.temperature
+    if temperature is None:
+        temperature = cfg.rollout.temperature
+    if temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {temperature}")
+    if temperature == 0 and samples > 1:
+        raise ValueError(
+            "greedy sampling (temperature 0) plays a task the same way every time: --k and"
+            " --samples > 1 need a --temperature > 0"
+        )
+    if args.env is not None:
+        try:
+            env = environment_class(args.env)
+        except ValueError as e:
+            raise ValueError(f"--env: {e}") from None
+    elif cfg.rollout.mix:
+        names = ", ".join(entry.env for entry in cfg.rollout.mix)
+        raise ValueError(f"the run mixes environments ({names}): choose one with --env")
+    else:
+        env = environment_class(cfg.rollout.env)
+    if args.out:  # refused now, not after the episodes
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+
+    tasks = evaluate.evaluation_tasks(env, cfg.run.seed, args.episodes)
+    started = time.monotonic()
+    played = asyncio.run(evaluate.play_policy(model_dir, env, tasks, cfg, temperature, samples))
+    report = {
+        "model": str(model_dir),
+        "env": env.name,
+        "temperature": temperature,
+        "seed": cfg.run.seed,
+        **evaluate.summarize(played, samples, args.k),
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+    if args.out:
+        tokenizer = Tokenizer.load(model_dir)
+        assert tokenizer is not None  # resolve_model checked it
+        with Path(args.out).open("w") as f:
+            for i, traj in enumerate(played):
+                record = evaluate.episode_record(traj, i % samples, tokenizer)
+                f.write(json.dumps(record) + "\n")
+        report["out"] = args.out
+    if args.json:
+        print(json.dumps(report))
+    else:
+        _print_eval(report)
+    return 0
+
+
+def _print_eval(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def shown(value: Any) -> str:
+        if value is None:
+            return "-"
+        if isinstance(value, float):
+            return f"{value:.3f}"
+        if isinstance(value, dict):
+            return ", ".join(f"{k} {v}" for k, v in value.items()) or "none"
+        return str(value)
+
+    console = Console()
+    console.print(f"{report['model']} on {report['env']}", soft_wrap=True)
+    table = Table("figure", "value")
+    for key, value in report.items():
+        if key not in ("model", "env", "failure_examples"):
+            table.add_row(key, shown(value))
+    for message in report["failure_examples"]:
+        table.add_row("failure", message)
+    console.print(table)
 
 
 def _console(file: IO[str] | None = None) -> Console:
