@@ -53,7 +53,19 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument(
         "--env", metavar="NAME", help="built-in or path.py:Class (default: the run's rollout.env)"
     )
-    ev.add_argument("--episodes", metavar="N", type=int, default=32, help="tasks (default 32)")
+    ev.add_argument(
+        "--episodes", metavar="N", type=int, help="tasks (default 32; of --tasks: all of them)"
+    )
+    ev.add_argument(
+        "--tasks", metavar="FILE", help="play the tasks of a JSONL file, in order, not the stream"
+    )
+    ev.add_argument(
+        "--field",
+        action="append",
+        default=[],
+        metavar="NAME=COLUMN",
+        help="a --tasks line's field to read a task's NAME from, e.g. --field prompt=question",
+    )
     ev.add_argument("--k", metavar="K", type=int, default=1, help="pass@1 and pass@K (default 1)")
     ev.add_argument("--samples", metavar="N", type=int, help="episodes per task, >= K (default K)")
     how = ev.add_mutually_exclusive_group()
@@ -148,7 +160,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     sim.add_argument("--json", action="store_true", help="print one JSON object")
 
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    # argparse takes the positionals of `eval MODEL --json k=v` in one run: overrides after an
+    # option come back unparsed.
+    if rest and hasattr(args, "overrides") and all("=" in a and a[0] != "-" for a in rest):
+        args.overrides += rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         if args.command == "sim":
             return _sim(args)
@@ -221,12 +239,15 @@ def _eval(args: argparse.Namespace) -> int:
 
     from venusrl.engine.tokenizer import Tokenizer
     from venusrl.envs.loading import environment_class
+    from venusrl.envs.task_file import parse_fields, read_task_file
     from venusrl.runtime import evaluate
 
     samples = args.k if args.samples is None else args.samples
     evaluate.check_k(args.k, samples)
-    if args.episodes < 1:
+    if args.episodes is not None and args.episodes < 1:
         raise ValueError(f"--episodes must be >= 1, got {args.episodes}")
+    if args.field and not args.tasks:
+        raise ValueError("--field maps the fields of a --tasks file: give the file")
     model_dir, run_dir = evaluate.resolve_model(Path(args.model))
     config = args.config or (run_dir / "config.yaml" if run_dir else None)
     values = {} if args.seed is None else {"run.seed": args.seed, "engine.seed": args.seed}
@@ -254,7 +275,10 @@ def _eval(args: argparse.Namespace) -> int:
     if args.out:  # refused now, not after the episodes
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
 
-    tasks = evaluate.evaluation_tasks(env, cfg.run.seed, args.episodes)
+    if args.tasks:
+        tasks = read_task_file(Path(args.tasks), env, parse_fields(args.field))[: args.episodes]
+    else:
+        tasks = evaluate.evaluation_tasks(env, cfg.run.seed, args.episodes or 32)
     started = time.monotonic()
     played = asyncio.run(evaluate.play_policy(model_dir, env, tasks, cfg, temperature, samples))
     report = {
@@ -262,6 +286,7 @@ def _eval(args: argparse.Namespace) -> int:
         "env": env.name,
         "temperature": temperature,
         "seed": cfg.run.seed,
+        **({"task_file": args.tasks} if args.tasks else {}),
         **evaluate.summarize(played, samples, args.k),
         "wall_s": round(time.monotonic() - started, 1),
     }
@@ -297,7 +322,9 @@ def _print_eval(report: dict[str, Any]) -> None:
     console.print(f"{report['model']} on {report['env']}", soft_wrap=True)
     table = Table("figure", "value")
     for key, value in report.items():
-        if key not in ("model", "env", "failure_examples"):
+        if key == "wall_s":
+            table.add_row(key, f"{value:.1f} s")
+        elif key not in ("model", "env", "failure_examples"):
             table.add_row(key, shown(value))
     for message in report["failure_examples"]:
         table.add_row("failure", message)

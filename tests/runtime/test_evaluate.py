@@ -20,6 +20,7 @@ from venusrl.runtime.evaluate import check_k, pass_at_k, resolve_model, summariz
 from venusrl.runtime.train import train
 from venusrl.types import Failure, FailureKind, Finish, Trajectory
 
+ROOT = Path(__file__).resolve().parents[2]
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
 
 
@@ -132,6 +133,8 @@ def test_an_unknown_environment_or_greedy_sampling_of_several_samples_is_refused
     assert "temperature 0) plays a task the same way every time" in capsys.readouterr().err
     assert cli.main(["eval", str(model), "--k", "3", "--samples", "2"]) == 2
     assert "pass@3 needs at least 3 samples per task" in capsys.readouterr().err
+    assert cli.main(["eval", str(model), "--field", "prompt=question"]) == 2
+    assert "--field maps the fields of a --tasks file" in capsys.readouterr().err
     mixed = "rollout.mix=[{env: treasure_hunt}, {env: guess_number}]"
     assert cli.main(["eval", str(model), mixed]) == 2
     assert "mixes environments (treasure_hunt, guess_number): choose one with --env" in (
@@ -172,3 +175,27 @@ def test_eval_prints_pass_at_k_and_writes_transcripts_holding_the_tool_calls(
     assert report["model"] == str(tool_calling_run / "checkpoints" / "step-000000")
     assert report["env"] == "treasure_hunt" and report["temperature"] == 0.0
     assert report["episodes"] == 1 and report["pass@1"] in (0.0, 1.0)
+
+
+@needs_root
+def test_eval_plays_the_tasks_of_a_file_in_its_order(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = init_model_dir(tmp_path / "model", "micro")
+    file = tmp_path / "sums.jsonl"
+    rows = [
+        {"key": "b", "question": "What is 4 * 6?", "expression": "4 * 6", "answer": 24},
+        {"key": "a", "question": "What is 2 + 3?", "expression": "2 + 3", "answer": 5},
+    ]
+    file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "episodes.jsonl"
+    env = f"{ROOT}/examples/custom_env/arithmetic.py:Arithmetic"
+    args = ["eval", str(model), "--env", env, "--tasks", str(file), "--json", "--out", str(out)]
+    fields = ["--field", "prompt=question", "--field", "id=key"]
+    assert cli.main([*args, *fields, "rollout.max_tokens_per_turn=8"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["env"] == "arithmetic" and report["task_file"] == str(file)
+    assert report["tasks"] == 2 and report["episodes"] == 2
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["task_id"] for r in records] == ["b", "a"]
+    assert "What is 4 * 6?" in records[0]["transcript"][0]["text"]
