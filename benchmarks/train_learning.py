@@ -14,9 +14,10 @@ A window of 5 steps holds only 20 groups, and a group's reward depends on its ta
 its trail, its secret) as much as on the policy, so `gain` is noisy (about +-0.1 between runs).
 With `--eval-episodes N` (default 256) each run's start policy (`start-model/`, after the warm
 start) and its final checkpoint also play the same N tasks of the run's environment
-(`venusrl.runtime.evaluate`), after the run and outside its wall time, sampled at the run's
-temperature (`eval_start`, `eval_final`, `eval_gain`) and greedy (the same keys with `_greedy`):
-what reinforcement learning changed, measured on identical tasks.
+(`venusrl.runtime.evaluate`, as `venusrl eval` does: the share of the tasks won, pass@1, an
+episode the platform failed left out), after the run and outside its wall time, sampled at the
+run's temperature (`eval_start`, `eval_final`, `eval_gain`) and greedy (the same keys with
+`_greedy`): what reinforcement learning changed, measured on identical tasks.
 
     python benchmarks/train_learning.py [--seeds 0,1,2] [--window 5] [--eval-episodes 256]
         [-- extra k=v overrides]
@@ -43,20 +44,20 @@ def evaluate(run_dir: Path, episodes: int) -> dict[str, Any]:
     environment, sampled at the run's temperature and greedy."""
     from venusrl.config import load_config
     from venusrl.envs.loading import environment_class
-    from venusrl.runtime.evaluate import evaluation_tasks, play_policy
+    from venusrl.runtime.evaluate import evaluation_tasks, play_policy, resolve_model, summarize
 
     cfg = load_config(run_dir / "config.yaml", [])
     if cfg.rollout.mix:
         raise SystemExit(f"{run_dir}: evaluating a run that mixes environments is not supported")
     env = environment_class(cfg.rollout.env)
     tasks = evaluation_tasks(env, cfg.run.seed, episodes)
-    final = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
+    final, _ = resolve_model(run_dir)  # as `venusrl eval RUN_DIR` plays it
     out: dict[str, Any] = {"eval_episodes": episodes}
     for name, temperature in (("", cfg.rollout.temperature), ("_greedy", 0.0)):
         wins = {}
         for which, model in (("start", run_dir / "start-model"), ("final", final)):
             played = asyncio.run(play_policy(model, env, tasks, cfg, temperature))
-            wins[which] = sum(bool(t.reward) for t in played) / episodes
+            wins[which] = summarize(played, samples=1, k=1)["pass@1"] or 0.0
         out |= {
             f"eval_start{name}": round(wins["start"], 3),
             f"eval_final{name}": round(wins["final"], 3),

@@ -1,4 +1,4 @@
-"""`venusrl` command line: train | serve | sim | plot | show | model init | generate."""
+"""`venusrl` command line: train | eval | serve | sim | plot | show | model init | generate."""
 
 from __future__ import annotations
 
@@ -40,6 +40,50 @@ def main(argv: list[str] | None = None) -> int:
         help="one process (default), or engines and sandbox pools as Ray actors (runtime.kind)",
     )
     _config_args(train)
+
+    ev = sub.add_parser(
+        "eval",
+        help="play a model or checkpoint on an environment's held-out tasks: reward, pass@k",
+    )
+    ev.add_argument(
+        "model",
+        metavar="MODEL_OR_CHECKPOINT",
+        help="a model directory, a run's checkpoints/step-N, or a run (its newest checkpoint)",
+    )
+    ev.add_argument(
+        "--env", metavar="NAME", help="built-in or path.py:Class (default: the run's rollout.env)"
+    )
+    ev.add_argument(
+        "--episodes", metavar="N", type=int, help="tasks (default 32; of --tasks: all of them)"
+    )
+    ev.add_argument(
+        "--tasks", metavar="FILE", help="play the tasks of a JSONL file, in order, not the stream"
+    )
+    ev.add_argument(
+        "--field",
+        action="append",
+        default=[],
+        metavar="NAME=COLUMN",
+        help="a --tasks line's field to read a task's NAME from, e.g. --field prompt=question",
+    )
+    ev.add_argument("--k", metavar="K", type=int, default=1, help="pass@1 and pass@K (default 1)")
+    ev.add_argument("--samples", metavar="N", type=int, help="episodes per task, >= K (default K)")
+    how = ev.add_mutually_exclusive_group()
+    how.add_argument(
+        "--temperature", metavar="T", type=float, help="default: the config's rollout.temperature"
+    )
+    how.add_argument("--greedy", action="store_true", help="temperature 0 (one sample per task)")
+    ev.add_argument(
+        "--seed",
+        metavar="S",
+        type=int,
+        help="task stream and sampling seed (default: run.seed, engine.seed)",
+    )
+    ev.add_argument("--json", action="store_true", help="print one JSON object")
+    ev.add_argument(
+        "--out", metavar="FILE", help="write one JSON line per episode, its transcript decoded"
+    )
+    _config_args(ev)
 
     serve = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible + /generate)")
     serve.add_argument("--model", help="Hugging Face-format model directory")
@@ -125,12 +169,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     sim.add_argument("--json", action="store_true", help="print one JSON object")
 
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    # argparse takes the positionals of `eval MODEL --json k=v` in one run: overrides after an
+    # option come back unparsed.
+    if rest and hasattr(args, "overrides") and all("=" in a and a[0] != "-" for a in rest):
+        args.overrides += rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         if args.command == "sim":
             return _sim(args)
         if args.command == "train":
             return _train(args)
+        if args.command == "eval":
+            return _eval(args)
         if args.command == "serve":
             return _serve(args)
         if args.command == "model":
@@ -194,6 +246,103 @@ def _train(args: argparse.Namespace) -> int:
     console.print("plots: " + ", ".join(str(p) for p in plot_run(run_dir)))
     console.print(f"transcripts of the last step's trajectories: venusrl show {run_dir}")
     return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from venusrl.engine.tokenizer import Tokenizer
+    from venusrl.envs.loading import environment_class
+    from venusrl.envs.task_file import parse_fields, read_task_file
+    from venusrl.runtime import evaluate
+
+    samples = args.k if args.samples is None else args.samples
+    evaluate.check_k(args.k, samples)
+    if args.episodes is not None and args.episodes < 1:
+        raise ValueError(f"--episodes must be >= 1, got {args.episodes}")
+    if args.field and not args.tasks:
+        raise ValueError("--field maps the fields of a --tasks file: give the file")
+    model_dir, run_dir = evaluate.resolve_model(Path(args.model))
+    config = args.config or (run_dir / "config.yaml" if run_dir else None)
+    values = {} if args.seed is None else {"run.seed": args.seed, "engine.seed": args.seed}
+    cfg = load_config(config, args.overrides, values)
+    temperature = 0.0 if args.greedy else args.temperature
+    if temperature is None:
+        temperature = cfg.rollout.temperature
+    if temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {temperature}")
+    if temperature == 0 and samples > 1:
+        raise ValueError(
+            "greedy sampling (temperature 0) plays a task the same way every time: --k and"
+            " --samples > 1 need a --temperature > 0"
+        )
+    if args.env is not None:
+        try:
+            env = environment_class(args.env)
+        except ValueError as e:
+            raise ValueError(f"--env: {e}") from None
+    elif cfg.rollout.mix:
+        names = ", ".join(entry.env for entry in cfg.rollout.mix)
+        raise ValueError(f"the run mixes environments ({names}): choose one with --env")
+    else:
+        env = environment_class(cfg.rollout.env)
+    if args.out:  # refused now, not after the episodes
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+
+    if args.tasks:
+        tasks = read_task_file(Path(args.tasks), env, parse_fields(args.field))[: args.episodes]
+    else:
+        tasks = evaluate.evaluation_tasks(env, cfg.run.seed, args.episodes or 32)
+    started = time.monotonic()
+    played = asyncio.run(evaluate.play_policy(model_dir, env, tasks, cfg, temperature, samples))
+    report = {
+        "model": str(model_dir),
+        "env": env.name,
+        "temperature": temperature,
+        "seed": cfg.run.seed,
+        **({"task_file": args.tasks} if args.tasks else {}),
+        **evaluate.summarize(played, samples, args.k),
+        "wall_s": round(time.monotonic() - started, 1),
+    }
+    if args.out:
+        tokenizer = Tokenizer.load(model_dir)
+        assert tokenizer is not None  # resolve_model checked it
+        with Path(args.out).open("w") as f:
+            for i, traj in enumerate(played):
+                record = evaluate.episode_record(traj, i % samples, tokenizer)
+                f.write(json.dumps(record) + "\n")
+        report["out"] = args.out
+    if args.json:
+        print(json.dumps(report))
+    else:
+        _print_eval(report)
+    return 0
+
+
+def _print_eval(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def shown(value: Any) -> str:
+        if value is None:
+            return "-"
+        if isinstance(value, float):
+            return f"{value:.3f}"
+        if isinstance(value, dict):
+            return ", ".join(f"{k} {v}" for k, v in value.items()) or "none"
+        return str(value)
+
+    console = Console()
+    console.print(f"{report['model']} on {report['env']}", soft_wrap=True)
+    table = Table("figure", "value")
+    for key, value in report.items():
+        if key == "wall_s":
+            table.add_row(key, f"{value:.1f} s")
+        elif key not in ("model", "env", "failure_examples"):
+            table.add_row(key, shown(value))
+    for message in report["failure_examples"]:
+        table.add_row("failure", message)
+    console.print(table)
 
 
 def _console(file: IO[str] | None = None) -> Console:

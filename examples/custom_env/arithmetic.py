@@ -12,7 +12,8 @@ What each part is for:
   its return value (or the error it raised) is the observation.
 - `tasks(seed)` is an endless stream; each task's `setup` runs in its sandbox after the
   template's, and `reference` is ground truth the model never sees. Ids must be unique in the
-  stream: a resumed run skips the ids it has trained on.
+  stream: a resumed run skips the ids it has trained on. `reference_fields` lets tasks come
+  from a file too (`venusrl eval --tasks FILE`; `venusrl/envs/task_file.py`).
 - `reward()` reads the sandbox's state once the episode ends; `ended()` ends it early.
 - `demonstrator` is optional: a scripted policy the warm start imitates (`run.warm_start_episodes`;
   set it to 0 for an environment without one).
@@ -20,12 +21,14 @@ What each part is for:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from venusrl.envs.environment import Environment, Task, Tool
+from venusrl.envs.task_file import read_task_file
 from venusrl.envs.tool_calls import RESPONSE_CLOSE, RESPONSE_OPEN, format_tool_call
 from venusrl.envs.types import MiB, TemplateSpec
 
@@ -97,18 +100,16 @@ class Arithmetic(Environment):
     )
     max_turns = 4
 
+    reference_fields = ("expression", "answer")  # what a task of a file gives: --tasks FILE
+
     @classmethod
     def tasks(cls, seed: int) -> Iterator[Task]:
-        rows = [json.loads(line) for line in TASKS.read_text().splitlines() if line.strip()]
+        file_tasks = read_task_file(TASKS, cls, {"prompt": "question"})
         rng = random.Random(seed)
         epoch = 0
         while True:  # the file over and over, shuffled anew each time
-            for row in rng.sample(rows, len(rows)):
-                yield Task(
-                    id=f"{row['id']}-{epoch}",
-                    prompt=row["question"],
-                    reference={"expression": row["expression"], "answer": row["answer"]},
-                )
+            for task in rng.sample(file_tasks, len(file_tasks)):
+                yield dataclasses.replace(task, id=f"{task.id}-{epoch}")
             epoch += 1
 
     def ended(self, answers: list[str]) -> bool:

@@ -181,6 +181,9 @@ class Environment(ABC):
     max_tool_calls_per_turn: ClassVar[int] = 4  # bounds the tool time one turn can spend
     tool_timeout_s: ClassVar[float] = 10.0
     max_observation_chars: ClassVar[int] = 4096  # per tool response
+    # The `reference` keys a task read from a file gives (`envs/task_file.py`), beside its id and
+    # prompt; None: the tasks are made in code only (`tasks`).
+    reference_fields: ClassVar[tuple[str, ...] | None] = None
 
     def __init__(self, task: Task, sandbox: SandboxVerbs) -> None:
         self.task = task

@@ -110,6 +110,11 @@ def _check_class(reference: str, cls: object) -> None:
         problems.append("`tools` must be a tuple of venusrl.envs.environment.Tool")
     elif len({t.name for t in tools}) < len(tools):
         problems.append("two `tools` have one name (the model could call only the first)")
+    fields = getattr(cls, "reference_fields", None)
+    if fields is not None and not (
+        isinstance(fields, tuple) and all(isinstance(f, str) and f for f in fields)
+    ):
+        problems.append("`reference_fields` must be None or a tuple of field names")
     for method in ("reset", "step", "reward"):
         if not inspect.iscoroutinefunction(getattr(cls, method)):
             problems.append(f"`{method}` must be an async method")
