@@ -20,11 +20,43 @@ if TYPE_CHECKING:  # rich is imported by the commands that print with it
 # Seconds `venusrl serve` waits for requests in flight when told to stop, before it cuts them.
 SHUTDOWN_GRACE_S = 10
 
+# What `add_subparsers` returns: each `_add_*` adds its command to it.
+Subcommands = argparse._SubParsersAction
+
 
 def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    # argparse takes the positionals of `eval MODEL --json k=v` in one run: overrides after an
+    # option come back unparsed.
+    if rest and hasattr(args, "overrides") and all("=" in a and a[0] != "-" for a in rest):
+        args.overrides += rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        run: Callable[[argparse.Namespace], int] = args.run
+        return run(args)
+    except (ConfigError, ValueError, OSError) as e:
+        print(f"venusrl {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        # What ran has cleaned up on its way out (sandboxes, engines, the run's files); a
+        # traceback of where the signal landed would only hide that.
+        hint = " (--resume continues from the last checkpoint)" if args.command == "train" else ""
+        print(f"venusrl {args.command}: interrupted{hint}", file=sys.stderr)
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="venusrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_train, _add_eval, _add_serve, _add_model, _add_generate, _add_plot,
+                _add_show, _add_sim):  # fmt: skip
+        add(sub)
+    return parser
 
+
+def _add_train(sub: Subcommands) -> None:
     train = sub.add_parser("train", help="train an agent with GRPO on an environment")
     train.add_argument(
         "--model",
@@ -40,7 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         help="one process (default), or engines and sandbox pools as Ray actors (runtime.kind)",
     )
     _config_args(train)
+    train.set_defaults(run=_train)
 
+
+def _add_eval(sub: Subcommands) -> None:
     ev = sub.add_parser(
         "eval",
         help="play a model or checkpoint on an environment's held-out tasks: reward, pass@k",
@@ -84,14 +119,20 @@ def main(argv: list[str] | None = None) -> int:
         "--out", metavar="FILE", help="write one JSON line per episode, its transcript decoded"
     )
     _config_args(ev)
+    ev.set_defaults(run=_eval)
 
+
+def _add_serve(sub: Subcommands) -> None:
     serve = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible + /generate)")
     serve.add_argument("--model", help="Hugging Face-format model directory")
     serve.add_argument("--host", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8000)")
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
     _config_args(serve)
+    serve.set_defaults(run=_serve)
 
+
+def _add_model(sub: Subcommands) -> None:
     model = sub.add_parser("model", help="model directories")
     model_sub = model.add_subparsers(dest="model_command", required=True)
     init = model_sub.add_parser("init", help="write a random-weight Qwen3 model directory")
@@ -111,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     init.add_argument(
         "--force", action="store_true", help="write into a directory that is not empty"
     )
+    init.set_defaults(run=_model_init)
 
+
+def _add_generate(sub: Subcommands) -> None:
     gen = sub.add_parser("generate", help="generate from a prompt in-process and print JSON")
     gen.add_argument("--model", required=True)
     gen.add_argument("--prompt", required=True)
@@ -119,10 +163,16 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int)
     _config_args(gen)
+    gen.set_defaults(run=_generate)
 
+
+def _add_plot(sub: Subcommands) -> None:
     plot = sub.add_parser("plot", help="draw a run's reward, timeline and staleness plots")
     plot.add_argument("run_dir", help="the run directory of `venusrl train`")
+    plot.set_defaults(run=_plot)
 
+
+def _add_show(sub: Subcommands) -> None:
     show = sub.add_parser("show", help="print a run's trajectories as decoded transcripts")
     show.add_argument("run_dir", help="the run directory of `venusrl train`")
     which = show.add_mutually_exclusive_group()
@@ -131,7 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     which.add_argument("--trajectory", help="one trajectory, by its trajectory_id")
     show.add_argument("--limit", type=int, default=4, help="trajectories shown at most (default 4)")
+    show.set_defaults(run=_show)
 
+
+def _add_sim(sub: Subcommands) -> None:
     sim = sub.add_parser("sim", help="compare schedulers at cluster scale in simulation")
     what = sim.add_mutually_exclusive_group()
     what.add_argument(
@@ -168,39 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
     sim.add_argument("--json", action="store_true", help="print one JSON object")
-
-    args, rest = parser.parse_known_args(argv)
-    # argparse takes the positionals of `eval MODEL --json k=v` in one run: overrides after an
-    # option come back unparsed.
-    if rest and hasattr(args, "overrides") and all("=" in a and a[0] != "-" for a in rest):
-        args.overrides += rest
-    elif rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    try:
-        if args.command == "sim":
-            return _sim(args)
-        if args.command == "train":
-            return _train(args)
-        if args.command == "eval":
-            return _eval(args)
-        if args.command == "serve":
-            return _serve(args)
-        if args.command == "model":
-            return _model_init(args)
-        if args.command == "plot":
-            return _plot(args)
-        if args.command == "show":
-            return _show(args)
-        return _generate(args)
-    except (ConfigError, ValueError, OSError) as e:
-        print(f"venusrl {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        # What ran has cleaned up on its way out (sandboxes, engines, the run's files); a
-        # traceback of where the signal landed would only hide that.
-        hint = " (--resume continues from the last checkpoint)" if args.command == "train" else ""
-        print(f"venusrl {args.command}: interrupted{hint}", file=sys.stderr)
-        return 130
+    sim.set_defaults(run=_sim)
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
