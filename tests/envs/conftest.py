@@ -14,9 +14,11 @@ requires_root = pytest.mark.skipif(
 
 
 def our_processes() -> set[int]:
-    """Pids a test may have started: descendants of this process, and every process in a pid
-    namespace other than ours (each sandbox has its own). Counting every process on the host made
-    leak checks fail whenever something unrelated started on the shared CI machine."""
+    """Pids a test may have started: descendants of this process, and processes of another pid
+    namespace (each sandbox has its own) that were orphaned, i.e. whose nearest ancestor in our
+    namespace is init: a sandbox process that outlived its pool. Processes under another test
+    run's pool, on a shared machine, are neither (counting them failed leak checks whenever
+    another run started sandboxes)."""
     own_ns = os.readlink("/proc/self/ns/pid")
     parent: dict[int, int] = {}
     foreign: set[int] = set()
@@ -33,7 +35,7 @@ def our_processes() -> set[int]:
         if ns != own_ns:
             foreign.add(pid)
     me = os.getpid()
-    ours = set(foreign)
+    ours: set[int] = set()
     for pid in parent:
         seen: set[int] = set()
         p = pid
@@ -43,6 +45,12 @@ def our_processes() -> set[int]:
                 break
             seen.add(p)
             p = parent.get(p, 0)
+        else:
+            anchor = pid
+            while anchor in foreign:
+                anchor = parent.get(anchor, 0)
+            if pid in foreign and anchor <= 1:
+                ours.add(pid)
     ours.discard(me)
     return ours
 
