@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -17,6 +19,7 @@ from venusrl.sim.executor import (
     sim_policy,
     simulate,
 )
+from venusrl.sim.kv import SimKV
 from venusrl.workloads import SCENARIOS, LogNormal, Turns
 
 # swe-short's shape, small enough to simulate in a fraction of a second.
@@ -172,6 +175,30 @@ def test_offloading_stops_at_the_host_memory_and_what_does_not_fit_is_dropped() 
     assert full_host["offloaded_bytes"] == 0 and full_host["reprefill_tokens"] > 0
     # Computing the dropped KV again costs GPU time that loading it back did not.
     assert full_host["gpu_busy"] > roomy_host["gpu_busy"]
+
+
+@pytest.mark.parametrize("host", [True, False])
+def test_the_simulated_kv_keeps_its_books_through_every_offload_load_and_drop(
+    host: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    checks = 0
+
+    def checked(method: Callable[..., Any]) -> Callable[..., Any]:
+        def run_and_check(kv: SimKV, *args: Any, **kwargs: Any) -> Any:
+            nonlocal checks
+            out = method(kv, *args, **kwargs)
+            kv.check()
+            checks += 1
+            return out
+
+        return run_and_check
+
+    for name in ("load", "admit", "release", "make_room", "owner_finished"):
+        monkeypatch.setattr(SimKV, name, checked(getattr(SimKV, name)))
+    cost = TIGHT if host else dataclasses.replace(TIGHT, host_kv_bytes_per_gpu=0.0)
+    result = run("venus", cost=cost)
+    assert result["steps"] == 3 and checks > 1000
+    assert (result["offloaded_bytes"] > 0) == host and result["evictions"] > 0
 
 
 @pytest.mark.parametrize("policy", ["concur", "async+window"])

@@ -75,6 +75,24 @@ class SimKV:
         self.transfer_s = 0.0  # device-to-host copies made while planning this iteration
         self._ticks = 0  # the tree's access clock, for LRU
 
+    def check(self) -> None:
+        """The books agree with themselves (as `KVManager.check` for the engine): each idle path
+        is whole pages, split into a device part and a host suffix; the totals are the sums of
+        the paths; the host tier holds no more than it has."""
+        ps, device, host = self.page_size, 0, 0
+        for tid, e in self.idle.items():
+            assert e.tid == tid and e.segments, f"{tid}: an idle entry with no KV is kept"
+            assert all(t > 0 and t % ps == 0 for t in e.segments), f"{tid}: not whole pages"
+            assert 0 <= e.on_host <= len(e.segments), f"{tid}: {e.on_host} host nodes"
+            split = len(e.segments) - e.on_host
+            assert e.device == sum(e.segments[:split]), f"{tid}: device tokens miscounted"
+            assert e.host == sum(e.segments[split:]), f"{tid}: host tokens miscounted"
+            device, host = device + e.device, host + e.host
+        assert self.idle_device == device, f"idle device tokens {self.idle_device} != {device}"
+        assert self.host_used == host, f"host tokens {self.host_used} != {host}"
+        assert host <= self.host_capacity, f"host tier over capacity: {host}"
+        assert device // ps <= self.capacity, f"idle KV over the device: {device} tokens"
+
     # --- owners ----------------------------------------------------------------------------------
 
     def owner_returns(self, tid: str, priority: int) -> bool:
