@@ -57,7 +57,10 @@ def evaluate(run_dir: Path, episodes: int) -> dict[str, Any]:
         wins = {}
         for which, model in (("start", run_dir / "start-model"), ("final", final)):
             played = asyncio.run(play_policy(model, env, tasks, cfg, temperature))
-            wins[which] = summarize(played, samples=1, k=1)["pass@1"] or 0.0
+            share = summarize(played, samples=1, k=1)["pass@1"]
+            if share is None:
+                raise SystemExit(f"{model}: no evaluation episode was scored (all failed)")
+            wins[which] = share
         out |= {
             f"eval_start{name}": round(wins["start"], 3),
             f"eval_final{name}": round(wins["final"], 3),

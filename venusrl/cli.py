@@ -309,6 +309,7 @@ def _eval(args: argparse.Namespace) -> int:
         env = environment_class(cfg.rollout.env)
     if args.out:  # refused now, not after the episodes
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).open("a").close()
 
     if args.tasks:
         tasks = read_task_file(Path(args.tasks), env, parse_fields(args.field))[: args.episodes]

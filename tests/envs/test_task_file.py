@@ -56,6 +56,9 @@ def test_a_task_file_that_cannot_be_read_as_tasks_is_refused_naming_the_line(
         read_task_file(write(tmp_path / "t.jsonl", good, good), ARITHMETIC)
     with pytest.raises(ValueError, match=r"--field answr: arithmetic's tasks have the fields"):
         read_task_file(write(tmp_path / "t.jsonl", good), ARITHMETIC, {"answr": "x"})
+    chat = good | {"prompt": [{"role": "user", "content": "2 + 3?"}]}
+    with pytest.raises(ValueError, match=r"t.jsonl:1: the prompt \('prompt'\) must be a string"):
+        read_task_file(write(tmp_path / "t.jsonl", chat), ARITHMETIC)
     with pytest.raises(ValueError, match=r"holds no task"):
         read_task_file(write(tmp_path / "t.jsonl", "\n"), ARITHMETIC)
     with pytest.raises(ValueError, match=r"cannot read task file"):

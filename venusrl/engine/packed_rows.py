@@ -64,13 +64,14 @@ def packed_attention(
     -> [N, heads * d]."""
     heads, dim = q.shape[1], q.shape[2]
     group = heads // k.shape[1]
-    kv = torch.cat([k, v], dim=1)  # [N, 2 * kv_heads, d]: one gather of a row's keys and values
+    # [2 * heads, N, d]: keys and values head-major, each kv head repeated for its query heads,
+    # once per layer; the prefix branch and every row read slices of it.
+    kv = torch.cat([k, v], dim=1).transpose(0, 1)
+    if group > 1:
+        kv = kv.repeat_interleave(group, dim=0)
     scale = 1.0 / math.sqrt(dim)
 
-    def attend(queries: slice, keys: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        kh = keys.transpose(0, 1)  # [2 * kv_heads, keys, d]
-        if group > 1:
-            kh = kh.repeat_interleave(group, dim=0)
+    def attend(queries: slice, kh: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         qh = q[queries].transpose(0, 1)
         if mask is None:
             out = F.scaled_dot_product_attention(qh, kh[:heads], kh[heads:], is_causal=True)
@@ -80,7 +81,7 @@ def packed_attention(
         return out.transpose(0, 1).reshape(-1, heads * dim)
 
     prefix = rows.prefix_len
-    parts = [attend(slice(0, prefix), kv[:prefix], None)] if prefix else []
+    parts = [attend(slice(0, prefix), kv[:, :prefix], None)] if prefix else []
     # A row's token j (position prefix + j) attends keys 0 .. prefix + j of [prefix; own tokens]
     # (never none: a softmax row is never all -inf).
     longest = max(rows.row_lens)
@@ -90,6 +91,6 @@ def packed_attention(
     for start, length in zip(rows.row_starts, rows.row_lens, strict=True):
         if length:
             own = slice(start, start + length)
-            keys = torch.cat([kv[:prefix], kv[own]])
+            keys = torch.cat([kv[:, :prefix], kv[:, own]], dim=1)
             parts.append(attend(own, keys, mask[:length, : prefix + length]))
     return torch.cat(parts)

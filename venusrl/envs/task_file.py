@@ -68,8 +68,14 @@ def read_task_file(
         if task_id in seen:
             raise ValueError(f"{where}: task id {task_id!r} is taken by an earlier line")
         seen.add(task_id)
+        prompt = row[columns["prompt"]]
+        if not isinstance(prompt, str):
+            raise ValueError(
+                f"{where}: the prompt ({columns['prompt']!r}) must be a string, got"
+                f" {type(prompt).__name__}"
+            )
         reference = {name: row[columns[name]] for name in env.reference_fields}
-        tasks.append(Task(task_id, str(row[columns["prompt"]]), reference=reference))
+        tasks.append(Task(task_id, prompt, reference=reference))
     if not tasks:
         raise ValueError(f"task file {path} holds no task")
     return tasks

@@ -23,6 +23,7 @@ from venusrl.envs.environment import Environment, Task
 from venusrl.envs.pool import SandboxPool
 from venusrl.envs.types import GiB
 from venusrl.runtime.engines import LocalEngine
+from venusrl.runtime.step_metrics import won
 from venusrl.trainer.checkpoint import latest_checkpoint
 from venusrl.types import SamplingParams, Trajectory
 
@@ -119,11 +120,6 @@ async def play_policy(
             return list(await asyncio.gather(*episodes))
         finally:
             await engine.close()
-
-
-def won(traj: Trajectory) -> bool:
-    """A win as the training metrics count one (`wins`): a scored episode with reward > 0."""
-    return traj.reward is not None and traj.reward > 0
 
 
 def summarize(played: Sequence[Trajectory], samples: int, k: int) -> dict[str, Any]:

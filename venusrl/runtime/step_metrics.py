@@ -7,6 +7,12 @@ from typing import Any
 
 from venusrl.coordinator.admission import AdmissionWindow
 from venusrl.coordinator.coordinator import GroupResult
+from venusrl.types import Trajectory
+
+
+def won(traj: Trajectory) -> bool:
+    """A win, as training (`wins`) and `venusrl eval` count one: scored, reward > 0."""
+    return traj.reward is not None and traj.reward > 0
 
 
 def admission_metrics(window: AdmissionWindow | None) -> dict[str, int]:
@@ -32,7 +38,7 @@ def step_metrics(
     count (a mixed run)."""
     trajectories = [t for g in batch for t in g.trajectories]
     scored = [t.reward for t in trajectories if t.reward is not None]
-    wins = [t for t in trajectories if t.reward is not None and t.reward > 0]
+    wins = [t for t in trajectories if won(t)]
     model_versions = [v for t in trajectories for v, m in zip(t.versions, t.mask, strict=True) if m]
     durations = sorted(g.duration_s for g in batch)
     return {

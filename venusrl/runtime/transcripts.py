@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 from rich.console import Group
 from rich.rule import Rule
 from rich.text import Text
 
+from venusrl.config import load_config
 from venusrl.engine.tokenizer import Tokenizer
 from venusrl.envs.tool_calls import ToolCall, parse_tool_calls
 from venusrl.runtime import record
@@ -26,7 +26,7 @@ def run_tokenizer(run_dir: Path) -> Tokenizer:
     else its newest checkpoint, the `model` it was given, or the model it made
     (`initial-model/`)."""
     config = run_dir / "config.yaml"
-    given = (yaml.safe_load(config.read_text()) or {}).get("model") if config.exists() else None
+    given = load_config(config).model if config.exists() else None
     candidates = [
         run_dir / "start-model",
         *sorted((run_dir / "checkpoints").glob("step-*"), reverse=True),
