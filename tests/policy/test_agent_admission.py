@@ -12,8 +12,8 @@ HEALTHY = CacheSignal(occupancy=0.5, reprefill_tokens=0)
 
 def test_the_window_grows_by_a_constant_while_the_cache_is_healthy() -> None:
     policy = AimdAdmission(initial_window=8, increase=2)
-    assert policy.next_window(8, HEALTHY) == 10
-    assert policy.next_window(policy.max_window, HEALTHY) == policy.max_window
+    assert policy.next_window(8, HEALTHY, active=8) == 10
+    assert policy.next_window(policy.max_window, HEALTHY, active=8) == policy.max_window
 
 
 @pytest.mark.parametrize(
@@ -26,8 +26,8 @@ def test_the_window_grows_by_a_constant_while_the_cache_is_healthy() -> None:
 )
 def test_the_window_halves_when_the_cache_thrashes_or_is_full(signal: CacheSignal) -> None:
     policy = AimdAdmission(min_window=2)
-    assert policy.next_window(40, signal) == 20
-    assert policy.next_window(3, signal) == 2  # never below the floor
+    assert policy.next_window(40, signal, active=40) == 20
+    assert policy.next_window(3, signal, active=3) == 2  # never below the floor
 
 
 def test_a_trajectory_starts_only_below_the_window() -> None:

@@ -49,5 +49,5 @@ class AdmissionWindow:
             await asyncio.sleep(self.policy.period_s)
             signal = await self.signal()
             async with self._changed:
-                self.window = self.policy.next_window(self.window, signal)
+                self.window = self.policy.next_window(self.window, signal, self.active)
                 self._changed.notify_all()

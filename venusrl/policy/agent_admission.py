@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 
 @dataclass(frozen=True)
@@ -65,19 +65,35 @@ class AgentAdmission(Protocol):
     def admits(self, active: int, window: int) -> bool: ...
 
 
-def _check(
-    initial: int, least: int, most: int, decrease: float, increase: int, period_s: float
-) -> None:
-    if not 1 <= least <= initial <= most:
-        raise ValueError("need 1 <= min_window <= initial_window <= max_window")
-    if not 0 < decrease < 1:
-        raise ValueError(f"decrease must be in (0, 1), got {decrease}")
-    if increase < 1 or period_s <= 0:
-        raise ValueError("increase must be >= 1 and period_s > 0")
+@dataclass(frozen=True)
+class _Window:
+    """What both windows share: the bounds, the AIMD step sizes, the congestion mark, the period
+    and the admission rule (an agent runs while fewer than W do)."""
+
+    initial_window: int = 8
+    min_window: int = 1
+    max_window: int = 4096
+    increase: int = 1  # agents added per healthy period
+    decrease: float = 0.5  # factor applied when the cache thrashes
+    high_water: float = 0.95  # device KV occupancy above which the cache counts as congested
+    period_s: float = 5.0  # control period (about one agent turn: model turn plus tool call)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_window <= self.initial_window <= self.max_window:
+            raise ValueError("need 1 <= min_window <= initial_window <= max_window")
+        if not 0 < self.decrease < 1:
+            raise ValueError(f"decrease must be in (0, 1), got {self.decrease}")
+        if self.increase < 1 or self.period_s <= 0:
+            raise ValueError("increase must be >= 1 and period_s > 0")
+        if not 0 < self.high_water <= 1:
+            raise ValueError(f"high_water must be in (0, 1], got {self.high_water}")
+
+    def admits(self, active: int, window: int) -> bool:
+        return active < window
 
 
 @dataclass(frozen=True)
-class ConcurAdmission:
+class ConcurAdmission(_Window):
     """The paper's controller, per engine; W the window, A the agents active, U the occupancy,
     H the hit rate of the period (`CacheSignal`):
 
@@ -95,23 +111,15 @@ class ConcurAdmission:
     (min(W, A)), as TCP validates its congestion window (RFC 7661): an idle window neither runs
     away nor takes periods to come down."""
 
-    initial_window: int = 8
-    min_window: int = 1
-    max_window: int = 4096
-    increase: int = 1
-    decrease: float = 0.5
     low_water: float = 0.85
-    high_water: float = 0.95
     hit_floor: float = 0.95
-    period_s: float = 5.0
-    pauses: bool = True
+    pauses: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        _check(self.initial_window, self.min_window, self.max_window, self.decrease,
-               self.increase, self.period_s)  # fmt: skip
-        if not 0 < self.low_water <= self.high_water <= 1 or not 0 <= self.hit_floor <= 1:
+        super().__post_init__()
+        if not 0 < self.low_water <= self.high_water or not 0 <= self.hit_floor <= 1:
             raise ValueError(
-                "need 0 < low_water <= high_water <= 1 and hit_floor in [0, 1], got "
+                "need 0 < low_water <= high_water and hit_floor in [0, 1], got "
                 f"{self.low_water}, {self.high_water}, {self.hit_floor}"
             )
 
@@ -122,33 +130,16 @@ class ConcurAdmission:
             return min(self.max_window, window + self.increase)
         return window
 
-    def admits(self, active: int, window: int) -> bool:
-        return active < window
-
 
 @dataclass(frozen=True)
-class AimdAdmission:
+class AimdAdmission(_Window):
     """A start window: each period W' = max(min_window, floor(W / 2)) if any evicted KV was
     computed again or occupancy > high_water, else W + increase; a trajectory starts only while
     fewer than W run on its engine, and runs to its end once started."""
 
-    initial_window: int = 8
-    min_window: int = 1
-    max_window: int = 4096
-    increase: int = 1  # trajectories added per healthy period
-    decrease: float = 0.5  # factor applied when the cache thrashes
-    high_water: float = 0.95  # occupancy above which the cache counts as congested
-    period_s: float = 5.0  # control period (about one agent turn: model turn plus tool call)
-    pauses: bool = False
+    pauses: ClassVar[bool] = False
 
-    def __post_init__(self) -> None:
-        _check(self.initial_window, self.min_window, self.max_window, self.decrease,
-               self.increase, self.period_s)  # fmt: skip
-
-    def next_window(self, window: int, signal: CacheSignal, active: int = 0) -> int:
+    def next_window(self, window: int, signal: CacheSignal, active: int) -> int:
         if signal.reprefill_tokens > 0 or signal.occupancy > self.high_water:
             return max(self.min_window, math.floor(window * self.decrease))
         return min(self.max_window, window + self.increase)
-
-    def admits(self, active: int, window: int) -> bool:
-        return active < window
