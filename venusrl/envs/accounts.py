@@ -3,6 +3,7 @@ the pool's life (sandbox-seconds, the physical GB-seconds it held against what t
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -56,6 +57,36 @@ class PoolStats:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @staticmethod
+    def merge(pools: Sequence[PoolStats]) -> PoolStats:
+        """Several pools as one (the rollout workers of a Ray fleet): totals and integrals
+        summed, peaks and the wall time their largest, means weighted by the sandboxes each pool
+        created; seccomp only if every pool has it."""
+        if not pools:
+            raise ValueError("no pool statistics to merge")
+        created = sum(p.sandboxes_created for p in pools)
+
+        def weighted(mean: Callable[[PoolStats], float]) -> float:
+            return sum(mean(p) * p.sandboxes_created for p in pools) / created if created else 0.0
+
+        return PoolStats(
+            wall_s=max(p.wall_s for p in pools),
+            budget_bytes=sum(p.budget_bytes for p in pools),
+            sandboxes_created=created,
+            sandboxes_running=sum(p.sandboxes_running for p in pools),
+            mean_concurrent=sum(p.mean_concurrent for p in pools),
+            sandbox_seconds=sum(p.sandbox_seconds for p in pools),
+            physical_gb_seconds=sum(p.physical_gb_seconds for p in pools),
+            node_gb_seconds=sum(p.node_gb_seconds for p in pools),
+            peak_physical_bytes=max(p.peak_physical_bytes for p in pools),
+            mean_create_latency_s=weighted(lambda p: p.mean_create_latency_s),
+            mean_admission_wait_s=weighted(lambda p: p.mean_admission_wait_s),
+            max_admission_wait_s=max(p.max_admission_wait_s for p in pools),
+            preemptions=sum(p.preemptions for p in pools),
+            oom_kills=sum(p.oom_kills for p in pools),
+            seccomp=all(p.seccomp for p in pools),
+        )
 
 
 class PoolAccounts:

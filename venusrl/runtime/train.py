@@ -26,6 +26,7 @@ import torch
 from venusrl.config import Config
 from venusrl.coordinator.coordinator import Coordinator, GroupResult
 from venusrl.coordinator.mixing import EnvShare, mixed_tasks, task_key
+from venusrl.envs.accounts import PoolStats
 from venusrl.runtime import record
 from venusrl.runtime.loggers import RunLoggers, open_loggers
 from venusrl.runtime.roles import (
@@ -162,7 +163,8 @@ class _Run:
             await self.side.engine.publish(self.trainer, self.run_dir, self.start.model_dir)
             self.coordinator.version_changed()
             engine = since(counted, await self.side.engine.counters())
-            line = self._line(step, batch, stats, time.monotonic() - started, engine)
+            pool = await self._pool_counters()
+            line = self._line(step, batch, stats, time.monotonic() - started, engine, pool)
             line["since_last_step"] = failures.since_last_step()
             untrained.observe(line)
             self._record(step, batch, started)
@@ -197,6 +199,7 @@ class _Run:
         stats: StepStats,
         wall_s: float,
         engine: dict[str, float],
+        pool: dict[str, Any],
     ) -> dict[str, Any]:
         coordinator = self.coordinator
         extra = {
@@ -216,18 +219,22 @@ class _Run:
             "episodes_resumed": self.side.rollouts.resumed_episodes,
             **admission_metrics(self.side.window),
             "engine": engine,
-            **self._pool_counters(),
+            **pool,
         }
         version = self.trainer.version
         return step_metrics(step, batch, version, wall_s, extra, by_env=len(self.mix) > 1)
 
-    def _pool_counters(self) -> dict[str, Any]:
-        """The sandbox pool's totals (`PoolStats`): an in-process pool's only."""
-        pool = self.sandboxes.pool
-        if pool is None:
+    async def _pool_counters(self) -> dict[str, Any]:
+        """The sandbox pool's totals (`PoolStats`): the run's own pool, or a Ray fleet's
+        workers' pools as one."""
+        if self.sandboxes.pool is not None:
+            stats: PoolStats | None = self.sandboxes.pool.stats()
+        else:
+            assert self.sandboxes.fleet is not None
+            stats = await self.sandboxes.fleet.pool_stats()
+        if stats is None:
             return {}
-        stats = pool.stats().as_dict()
-        return {"pool": {k: v for k, v in stats.items() if not isinstance(v, bool)}}
+        return {"pool": {k: v for k, v in stats.as_dict().items() if not isinstance(v, bool)}}
 
     def _record(self, step: int, batch: list[GroupResult], started: float) -> None:
         """The batch's trajectories on disk; the state the next checkpoint saves."""

@@ -47,6 +47,7 @@ from venusrl.config import Config
 from venusrl.coordinator.agent_loop import ChatFormat
 from venusrl.coordinator.rollouts import LocalGroup, LocalRollouts, OnTurn, failed
 from venusrl.engine.tokenizer import Tokenizer
+from venusrl.envs.accounts import PoolStats
 from venusrl.envs.environment import Environment, Task
 from venusrl.envs.pool import SandboxPool
 from venusrl.envs.sandbox import Sandbox
@@ -171,6 +172,9 @@ class RolloutWorker:
 
     async def engine_counters(self) -> dict[str, float]:
         return {} if self.engine is None else await self.engine.counters()
+
+    def pool_stats(self) -> PoolStats:
+        return self._pool().stats()
 
     async def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
         assert self.engine is not None
@@ -513,6 +517,20 @@ class RolloutFleet:
         for _, counts in self._counters.values():
             _add(total, counts)
         return total
+
+    async def pool_stats(self) -> PoolStats | None:
+        """The pools of the workers up, as one (`PoolStats.merge`); a worker that restarted
+        counts from its restart. None while no worker answers."""
+
+        async def read(i: int) -> PoolStats | None:
+            try:
+                stats: PoolStats = await self.call(i, self.replicas.restarts[i], "pool_stats")
+            except InfraFailure:
+                return None
+            return stats
+
+        stats = [s for s in await asyncio.gather(*(read(i) for i in self.up())) if s is not None]
+        return PoolStats.merge(stats) if stats else None
 
     async def _load_weights(self, i: int) -> None:
         with contextlib.suppress(InfraFailure):  # it is being brought back with these weights
