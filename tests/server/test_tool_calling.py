@@ -14,24 +14,25 @@ from typing import Any
 import httpx
 import openai
 import pytest
+import torch
 
 from tests.conftest import write_hf_model
 from tests.server.process import serving
 from venusrl.engine.model_dir import load_model
+from venusrl.engine.packed_rows import PackedRows
 from venusrl.engine.tokenizer import (
     CHATML_TEMPLATE,
     Tokenizer,
     build_byte_level_tokenizer,
     write_byte_level_tokenizer,
 )
-from venusrl.envs.tool_calls import format_tool_call, render_tool_prompt
 from venusrl.server.bodies import ChatBody
 from venusrl.server.tool_calling import (
     CallRules,
     CallWatch,
-    HermesParser,
     knows_tools,
     template_input,
+    tool_parser,
 )
 from venusrl.trainer.checkpoint import write_model_dir
 from venusrl.trainer.config import TrainerConfig
@@ -49,8 +50,9 @@ TOOLS = [
     function("get_weather", "The weather in a city now.", "city"),
     function("get_time", "The local time in a city.", "city"),
 ]
+HERMES = tool_parser("hermes")
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
-CALL_TEXT = format_tool_call("get_weather", {"city": "Paris"})
+CALL_TEXT = HERMES.format_call("get_weather", {"city": "Paris"})
 RESULT = "sunny, 21 C"
 ANSWER = "It is sunny in Paris, 21 C."
 
@@ -92,13 +94,14 @@ def after_the_call(call_id: str) -> list[dict[str, Any]]:
 def chat_ids(tok: Tokenizer, messages: list[dict[str, Any]]) -> list[int]:
     """The prompt as the server renders it."""
     body = ChatBody.model_validate({"messages": messages, "tools": TOOLS})
-    rendered, tools = template_input(body, tok.chat_template, HermesParser())
+    rendered, tools = template_input(body, tok.chat_template, HERMES)
     return tok.encode_chat(rendered, tools=tools)
 
 
 def taught_model(root: Path, template: str) -> Path:
     """A tiny model that answers QUESTION with CALL_TEXT and the call's result with ANSWER, as
-    greedy decoding reads it: imitation steps until every target token is the most likely."""
+    greedy decoding reads it: imitation steps until every target token is likely enough that
+    the engine's arithmetic, not quite the trainer's, cannot pick another."""
     base = write_hf_model(root / "base", "qwen3", seed=3, head_dim=16, max_position_embeddings=1024)
     plain = Tokenizer(build_byte_level_tokenizer(), chat_template=template, eos_token="<|im_end|>")
     turns = [(QUESTION, CALL_TEXT), (after_the_call("call_0"), ANSWER)]
@@ -118,7 +121,7 @@ def taught_model(root: Path, template: str) -> Path:
     trainer = GRPOTrainer(load_model(base), TrainerConfig(kl_coef=0.0))
     for _ in range(300):
         trainer.imitation_step(demos, lr=3e-3)
-        if all(greedy_reproduces(trainer, d) for d in demos):
+        if all(least_target_probability(trainer, d) > 0.9 for d in demos):
             break
     else:
         pytest.fail("the model did not learn its demonstrations in 300 imitation steps")
@@ -126,16 +129,13 @@ def taught_model(root: Path, template: str) -> Path:
     return root / "taught"
 
 
-def greedy_reproduces(trainer: GRPOTrainer, demo: Trajectory) -> bool:
-    import torch
-
-    from venusrl.engine.packed_rows import PackedRows
-
+def least_target_probability(trainer: GRPOTrainer, demo: Trajectory) -> float:
     with torch.no_grad():
         rows = PackedRows.pack([demo.token_ids], torch.device("cpu"))
         logits = trainer.model.forward_rows(rows, torch.arange(len(demo.token_ids)))
-    predicted = logits[demo.prompt_len - 1 : -1].argmax(-1).tolist()
-    return bool(predicted == demo.token_ids[demo.prompt_len :])
+    probs = torch.softmax(logits[demo.prompt_len - 1 : -1], dim=-1)
+    targets = torch.tensor(demo.token_ids[demo.prompt_len :])
+    return float(probs.gather(-1, targets[:, None]).min())
 
 
 @pytest.fixture(scope="module", params=list(TEMPLATES))
@@ -143,7 +143,8 @@ def served(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, Path]]:
     model = taught_model(tmp_path_factory.mktemp(request.param), TEMPLATES[request.param])
-    with serving(model, "engine.threads=1", "engine.page_size=4", "server.model_name=tiny") as url:
+    overrides = ["engine.threads=1", "engine.page_size=4", "server.tool_parser=hermes"]
+    with serving(model, *overrides, "server.model_name=tiny") as url:
         yield url, model
 
 
@@ -162,7 +163,7 @@ def written_by_hand(tok: Tokenizer, call_id: str) -> list[int]:
             {"role": "tool", "tool_call_id": call_id, "content": RESULT},
         ]
         return tok.encode_chat(messages, tools=TOOLS)
-    system = render_tool_prompt([t["function"] for t in TOOLS])
+    system = HERMES.tool_prompt([t["function"] for t in TOOLS])
     response = f"<tool_response>\n{RESULT}\n</tool_response>"
     messages = [
         {"role": "system", "content": system},
@@ -337,9 +338,9 @@ def test_a_template_without_tools_gets_them_as_hermes_text_in_the_system_message
             "tools": TOOLS,
         }
     )
-    messages, tools = template_input(body, CHATML_TEMPLATE, HermesParser())
+    messages, tools = template_input(body, CHATML_TEMPLATE, HERMES)
     assert tools is None  # the template would not show them
-    prompt = render_tool_prompt([t["function"] for t in TOOLS])
+    prompt = HERMES.tool_prompt([t["function"] for t in TOOLS])
     assert messages == [
         {"role": "system", "content": f"Be brief.\n\n{prompt}"},
         {"role": "assistant", "content": CALL_TEXT},
@@ -355,7 +356,7 @@ def test_a_template_without_tools_gets_them_as_hermes_text_in_the_system_message
 def test_a_template_that_knows_tools_gets_them_and_the_calls_arguments_as_objects() -> None:
     # As Hugging Face's apply_chat_template passes them: the template serialises the arguments.
     body = ChatBody.model_validate({"messages": after_the_call("call_1"), "tools": TOOLS})
-    messages, tools = template_input(body, TOOLS_TEMPLATE, HermesParser())
+    messages, tools = template_input(body, TOOLS_TEMPLATE, HERMES)
     assert tools == TOOLS
     assert messages[1] == {
         "role": "assistant",
@@ -372,12 +373,11 @@ def test_a_template_that_knows_tools_gets_them_and_the_calls_arguments_as_object
 
 
 def test_streamed_content_holds_back_only_what_may_begin_a_call() -> None:
-    rules = CallRules.of(
-        ChatBody.model_validate({"messages": QUESTION, "tools": TOOLS}), HermesParser()
-    )
+    rules = CallRules.of(ChatBody.model_validate({"messages": QUESTION, "tools": TOOLS}), HERMES)
     assert rules is not None
     watch = CallWatch(rules)
-    assert watch.push("Let me check: a<b ") == "Let me check: a<b "
+    assert watch.push("Let me check: a<") == "Let me check: a"  # "<" may open a call
+    assert watch.push("b ") == "<b "  # ... and did not
     assert watch.push("<tool") == ""  # may be "<tool_call>"
     assert watch.push("_call>\n" + CALL_TEXT.removeprefix("<tool_call>\n")) == ""
     rest, calls = watch.finish()

@@ -23,7 +23,7 @@ class ServerConfig(Section):
     @field_validator("tool_parser")
     @classmethod
     def _known_parser(cls, name: str) -> str:
-        from venusrl.server.tool_calling import tool_parser  # reading a config needs no server
+        from venusrl.server.tool_calling import tool_parser  # torch-free, as configs are read
 
         tool_parser(name)
         return name

@@ -13,7 +13,7 @@ import re
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from venusrl.envs.tool_calls import (
     CALL_OPEN,
@@ -24,16 +24,31 @@ from venusrl.envs.tool_calls import (
     parse_tool_calls,
     render_tool_prompt,
 )
-from venusrl.server.bodies import ChatBody, ChatMessage, NamedToolChoice
+
+Tools = Sequence[Mapping[str, Any]]  # OpenAI's {"type": "function", "function": {...}} schemas
+
+if TYPE_CHECKING:  # the bodies bring the server's imports; naming a parser needs none of them
+    from venusrl.server.bodies import ChatBody, ChatMessage
 
 
 class ToolParser(Protocol):
-    def parse(self, text: str) -> Sequence[ToolCall | ToolCallError]: ...
+    """How a model writes tool calls in its text."""
 
-    def format_call(self, name: str, arguments: dict[str, Any]) -> str: ...
+    def parse(self, text: str, tools: Tools = ()) -> Sequence[ToolCall | ToolCallError]:
+        """Every call in `text`, a malformed one as an error; `tools` for formats whose
+        arguments are text to convert by the schema."""
+        ...
+
+    def format_call(self, name: str, arguments: Mapping[str, Any]) -> str: ...
 
     def call_start(self, text: str) -> int | None:
-        """Where the first call's text begins in `text`, if it does."""
+        """Where call text begins in a growing `text`, or may begin (an opening marker cut off
+        at its end); None: all of it is content."""
+        ...
+
+    def tool_prompt(self, functions: Sequence[Mapping[str, Any]]) -> str:
+        """The system-prompt section announcing `functions` and the call format, for a chat
+        template that does not render tools."""
         ...
 
 
@@ -41,15 +56,22 @@ class HermesParser:
     """Hermes/Qwen `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, as the
     environments read them (`venusrl.envs.tool_calls`)."""
 
-    def parse(self, text: str) -> Sequence[ToolCall | ToolCallError]:
+    def parse(self, text: str, tools: Tools = ()) -> Sequence[ToolCall | ToolCallError]:
         return parse_tool_calls(text)
 
-    def format_call(self, name: str, arguments: dict[str, Any]) -> str:
-        return format_tool_call(name, arguments)
+    def format_call(self, name: str, arguments: Mapping[str, Any]) -> str:
+        return format_tool_call(name, dict(arguments))
 
     def call_start(self, text: str) -> int | None:
         start = text.find(CALL_OPEN)
-        return None if start < 0 else start
+        if start >= 0:
+            return start
+        cut = [i for i in range(max(0, len(text) - len(CALL_OPEN) + 1), len(text))
+               if CALL_OPEN.startswith(text[i:])]  # fmt: skip
+        return cut[0] if cut else None
+
+    def tool_prompt(self, functions: Sequence[Mapping[str, Any]]) -> str:
+        return render_tool_prompt([dict(f) for f in functions])
 
 
 PARSERS = {"hermes": HermesParser}
@@ -121,7 +143,7 @@ def _as_text(
             rendered.append({"role": m.role, "content": text})
         previous = m.role
     if tools:
-        prompt = render_tool_prompt([t["function"] for t in tools])
+        prompt = parser.tool_prompt([t["function"] for t in tools])
         if rendered and rendered[0]["role"] == "system":
             rendered[0] = {**rendered[0], "content": f"{rendered[0]['content']}\n\n{prompt}"}
         else:
@@ -134,6 +156,7 @@ class CallRules:
     """What of a request's answer may be calls: the parser, and the functions it may call."""
 
     parser: ToolParser
+    tools: Tools
     callable_names: frozenset[str]
 
     @classmethod
@@ -142,9 +165,10 @@ class CallRules:
         choice = body.tool_choice
         if not body.tools or choice == "none":
             return None
-        if isinstance(choice, NamedToolChoice):
-            return cls(parser, frozenset([choice.function.name]))
-        return cls(parser, frozenset(t.function.name for t in body.tools))
+        tools = [t.model_dump(exclude_none=True) for t in body.tools]
+        if choice is None or isinstance(choice, str):  # "auto" or "required"
+            return cls(parser, tools, frozenset(t.function.name for t in body.tools))
+        return cls(parser, tools, frozenset([choice.function.name]))
 
     def split(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """The answer's content and its calls in OpenAI's shape. Calls come back only when
@@ -153,7 +177,7 @@ class CallRules:
         start = self.parser.call_start(text)
         if start is None:
             return text, []
-        written = self.parser.parse(text)
+        written = self.parser.parse(text, self.tools)
         calls = [c for c in written if isinstance(c, ToolCall) and c.name in self.callable_names]
         if not calls or len(calls) < len(written):
             return text, []
@@ -170,37 +194,23 @@ def _openai_call(call: ToolCall) -> dict[str, Any]:
 
 
 class CallWatch:
-    """One streamed choice's text: content goes out as it comes until a call's text begins;
-    from there the text is held until the turn ends, when it becomes the calls (or, when it holds
-    none that can be run, content after all). Held because whether the calls stand is known
-    only at the end, and a streamed call cannot be taken back. Text that may be the beginning
-    of a call's opening (a trailing "<tool" of "<tool_call>") waits for the next piece."""
+    """One streamed choice's text: content goes out as it comes until call text begins (or may:
+    a trailing "<tool" of "<tool_call>" waits for the next piece); from there the text is held
+    until the turn ends, when it becomes the calls or, holding none that can be run, content
+    after all. Held because whether the calls stand is known only at the end, and a streamed
+    call cannot be taken back."""
 
     def __init__(self, rules: CallRules) -> None:
         self.rules = rules
-        sample = rules.parser.format_call("f", {})
-        self._opening = sample[rules.parser.call_start(sample) or 0 :]
-        self.text, self._sent, self._calling = "", 0, False
+        self.text, self._sent = "", 0
 
     def push(self, piece: str) -> str:
         """The content to send now."""
         self.text += piece
-        if self._calling:
-            return ""
         start = self.rules.parser.call_start(self.text)
-        if start is not None:
-            self._calling = True
-            end = max(start, self._sent)
-        else:
-            end = len(self.text) - self._maybe_opening(self.text[self._sent :])
+        end = len(self.text) if start is None else max(start, self._sent)
         content, self._sent = self.text[self._sent : end], end
         return content
-
-    def _maybe_opening(self, unsent: str) -> int:
-        for k in range(min(len(unsent), len(self._opening) - 1), 0, -1):
-            if unsent.endswith(self._opening[:k]):
-                return k
-        return 0
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         """At the turn's end: the content still to send, and the calls."""
