@@ -387,3 +387,21 @@ def test_streamed_content_holds_back_only_what_may_begin_a_call() -> None:
     sent = watch.push("Here: <tool_call>\n{not json}\n</tool_call>")
     rest, calls = watch.finish()
     assert sent + rest == "Here: <tool_call>\n{not json}\n</tool_call>" and calls == []
+
+
+def test_a_turns_calls_stand_together_or_the_whole_text_is_content() -> None:
+    rules = CallRules.of(ChatBody.model_validate({"messages": QUESTION, "tools": TOOLS}), HERMES)
+    assert rules is not None
+    time_call = HERMES.format_call("get_time", {"city": "Paris"})
+    content, calls = rules.split(f"Checking both.\n{CALL_TEXT}\n{time_call}")
+    assert content == "Checking both.\n"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_time", {"city": "Paris"}),
+    ]
+    assert len({c["id"] for c in calls}) == 2
+    # One call that cannot run (malformed, or of a function not offered) and none is returned:
+    # the client sees what the model wrote.
+    for bad in ("<tool_call>\n{oops}\n</tool_call>", HERMES.format_call("get_news", {})):
+        text = f"{CALL_TEXT}\n{bad}"
+        assert rules.split(text) == (text, [])

@@ -140,7 +140,7 @@ class AssistantToolCall(OpenAIBody):
 
 class ChatMessage(OpenAIBody):
     role: str
-    # Left out (or null) only in an assistant turn that calls tools: `ChatBody.check_tools`.
+    # Left out (or null) only in an assistant turn that calls tools: `ChatBody.cross_check`.
     content: str | list[ContentPart] | None = None
     tool_calls: list[AssistantToolCall] | None = None
     tool_call_id: str | None = None  # in a tool message: the call it answers
@@ -161,7 +161,7 @@ class ChatBody(SamplingBody):
     # Unset: "auto" with tools, "none" without (OpenAI's default).
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
-    def check_tools(self) -> None:
+    def cross_check(self) -> None:
         """What one field cannot check alone: 400 naming the field."""
         names = [tool.function.name for tool in self.tools or []]
         for i, name in enumerate(names):
@@ -187,7 +187,10 @@ class ChatBody(SamplingBody):
                 )
             if m.content is None and not m.tool_calls:
                 raise ApiError(
-                    400, f"messages[{i}].content: Field required", f"messages[{i}].content"
+                    400,
+                    f"messages[{i}].content: required (only an assistant message that calls "
+                    "tools may leave it out)",
+                    f"messages[{i}].content",
                 )
             if m.role == "tool" and m.tool_call_id is None:
                 raise ApiError(

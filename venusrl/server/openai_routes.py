@@ -87,7 +87,7 @@ async def completions(body: CompletionBody, request: Request, model: Model) -> A
 async def chat(body: ChatBody, request: Request, model: Model) -> Any:
     model.check_model(body.model)
     body.refuse_unsupported()
-    body.check_tools()
+    body.cross_check()
     if body.top_logprobs and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     tok = model.tok
