@@ -84,6 +84,14 @@ def test_an_empty_api_key_is_refused_rather_than_turning_auth_off() -> None:
         load_config(None, [], {"server.api_key": ""})
 
 
+def test_an_unknown_tool_parser_is_refused_naming_the_known_ones() -> None:
+    with pytest.raises(
+        ConfigError, match=r"server\.tool_parser: .*unknown tool parser 'xml'.*hermes"
+    ):
+        load_config(None, ["server.tool_parser=xml"])
+    assert load_config(None, ["server.tool_parser=hermes"]).server.tool_parser == "hermes"
+
+
 def test_reading_a_config_loads_no_torch() -> None:
     """`venusrl sim`, `plot`, `--help` and every config error answer without torch's seconds of
     importing."""

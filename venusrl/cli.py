@@ -459,7 +459,7 @@ def _serve(args: argparse.Namespace) -> int:
         cfg.engine.seed = secrets.randbelow(2**32)
     engine = Engine.from_model_dir(cfg.model, cfg.engine)
     name = cfg.server.model_name or Path(cfg.model).name
-    app = create_app(engine, name, cfg.server.api_key)
+    app = create_app(engine, name, cfg.server.api_key, cfg.server.tool_parser)
     url = f"http://{cfg.server.host}:{cfg.server.port}"
     print(f"venusrl serve: {name} at {url} (Ctrl-C stops)", file=sys.stderr, flush=True)
     uvicorn.run(

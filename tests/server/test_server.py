@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,17 +15,12 @@ import torch
 
 from tests.conftest import write_hf_model
 from tests.engine.test_parity_hf import reference_logprobs, reference_tokens
+from tests.server.process import serving
 from venusrl.engine.remote import RemoteEngine
 from venusrl.engine.tokenizer import Tokenizer, write_byte_level_tokenizer
 from venusrl.types import GenerationOutput, SamplingParams
 
 API_KEY = "test-key"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -48,47 +39,9 @@ def reference(model_dir: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path) -> Iterator[str]:
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "venusrl.cli",
-            "serve",
-            "--model",
-            str(model_dir),
-            "--port",
-            str(port),
-            "--api-key",
-            API_KEY,
-            "engine.threads=1",
-            "engine.page_size=4",
-            "engine.device_kv_pages=512",
-            "server.model_name=tiny",
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    try:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited early:\n{proc.stdout.read() if proc.stdout else ''}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
-        else:
-            pytest.fail("server did not become healthy within 60 s")
+    overrides = ["engine.threads=1", "engine.page_size=4", "engine.device_kv_pages=512"]
+    with serving(model_dir, "--api-key", API_KEY, *overrides, "server.model_name=tiny") as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 @pytest.fixture()

@@ -105,7 +105,10 @@ class Tokenizer:
         return any(s in text for s in self._special_strings)
 
     def encode_chat(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """The chat template's rendering of `messages` in ids, with the template's own markup as
         control tokens and the messages' text as text: where a content spells a special token,
@@ -117,16 +120,17 @@ class Tokenizer:
         does not come through exactly once) is encoded as rendered."""
         contents = [m.get("content") for m in messages]
         if any(isinstance(c, str) and self.spells_markup(c) for c in contents):
-            apart = self._encode_contents_apart(messages, contents, add_generation_prompt)
+            apart = self._encode_contents_apart(messages, contents, add_generation_prompt, tools)
             if apart is not None:
                 return apart
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools))
 
     def _encode_contents_apart(
         self,
         messages: Sequence[Mapping[str, Any]],
         contents: Sequence[object],
         add_generation_prompt: bool,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int] | None:
         """None where the template does not render each placeholder exactly once."""
         if len(messages) > _MAX_PLACEHOLDERS:
@@ -136,7 +140,7 @@ class Tokenizer:
             {**m, "content": mark} if isinstance(c, str) else m
             for m, c, mark in zip(messages, contents, marks, strict=True)
         ]
-        text = self.apply_chat_template(marked, add_generation_prompt)
+        text = self.apply_chat_template(marked, add_generation_prompt, tools)
         used = [(mark, c) for mark, c in zip(marks, contents, strict=True) if isinstance(c, str)]
         if any(text.count(mark) != 1 for mark, _ in used):
             return None
@@ -152,12 +156,16 @@ class Tokenizer:
         return self._tok.decode(known, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         if self._template is None:
             raise ValueError("this model's tokenizer has no chat template")
         return self._template.render(
             messages=list(messages),
+            tools=None if tools is None else list(tools),
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",

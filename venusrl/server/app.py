@@ -19,9 +19,12 @@ from venusrl.server.errors import error_response, install_error_handlers
 from venusrl.server.served import Served
 
 
-def create_app(engine: Engine, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The app; the engine's thread starts and stops with it."""
-    model = Served(engine, model_name)
+def create_app(
+    engine: Engine, model_name: str, api_key: str | None = None, tool_parser: str = "hermes"
+) -> FastAPI:
+    """The app; the engine's thread starts and stops with it. `tool_parser` reads tool calls in
+    the model's text (`server.tool_calling`)."""
+    model = Served(engine, model_name, tool_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -4,9 +4,11 @@ answer; the native ones forbid unknown keys."""
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from venusrl.server.errors import ApiError
 from venusrl.types import MAX_TOP_LOGPROBS, SamplingParams, TurnMeta
@@ -27,10 +29,10 @@ UNSUPPORTED: dict[str, Any] = {
     "best_of": 1,
     "suffix": "",
     "response_format": {"type": "text"},
-    "tools": [],
-    "functions": [],
-    "tool_choice": "none",
+    "functions": [],  # the deprecated form of `tools`
     "function_call": "none",
+    # The model writes the calls it writes: at most one would drop the others.
+    "parallel_tool_calls": True,
 }
 
 
@@ -83,15 +85,70 @@ class ContentPart(OpenAIBody):
     text: str
 
 
+# OpenAI's rule for a function's name.
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+class FunctionSchema(OpenAIBody):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema, as the template shows it
+    strict: Bool | None = None
+
+
+class ToolSpec(OpenAIBody):
+    type: Literal["function"]
+    function: FunctionSchema
+
+
+class FunctionName(OpenAIBody):
+    name: str
+
+
+class NamedToolChoice(OpenAIBody):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(OpenAIBody):
+    name: str = Field(min_length=1)
+    arguments: str  # OpenAI's shape: the arguments object, as JSON text
+
+    @field_validator("arguments")
+    @classmethod
+    def _an_object(cls, text: str) -> str:
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            raise PydanticCustomError(
+                "json_object", "must be a JSON string of an object, got {text!r}", {"text": text}
+            )
+        return text
+
+    def parsed_arguments(self) -> dict[str, Any]:
+        arguments: dict[str, Any] = json.loads(self.arguments)
+        return arguments
+
+
+class AssistantToolCall(OpenAIBody):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(OpenAIBody):
     role: str
-    content: str | list[ContentPart]
+    # Left out (or null) only in an assistant turn that calls tools: `ChatBody.cross_check`.
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    tool_call_id: str | None = None  # in a tool message: the call it answers
 
-    def as_template_input(self) -> dict[str, str]:
-        text = self.content
-        if not isinstance(text, str):
-            text = "".join(part.text for part in text)
-        return {"role": self.role, "content": text}
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(part.text for part in self.content)
 
 
 class ChatBody(SamplingBody):
@@ -100,6 +157,48 @@ class ChatBody(SamplingBody):
     max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: Bool = False
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ToolSpec] | None = None
+    # Unset: "auto" with tools, "none" without (OpenAI's default).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+
+    def cross_check(self) -> None:
+        """What one field cannot check alone: 400 naming the field."""
+        names = [tool.function.name for tool in self.tools or []]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise ApiError(400, f"tools: two functions are named {name!r}", f"tools[{i}]")
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not names:
+            raise ApiError(400, "tool_choice needs tools to choose from", "tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ApiError(
+                400,
+                f"tool_choice names the function {choice.function.name!r}, which is not in "
+                f"tools (functions: {', '.join(names)})",
+                "tool_choice.function.name",
+            )
+        for i, m in enumerate(self.messages):
+            if m.tool_calls and m.role != "assistant":
+                raise ApiError(
+                    400,
+                    f"messages[{i}].tool_calls: only an assistant message calls tools, "
+                    f"not a {m.role!r} one",
+                    f"messages[{i}].tool_calls",
+                )
+            if m.content is None and not m.tool_calls:
+                raise ApiError(
+                    400,
+                    f"messages[{i}].content: required (only an assistant message that calls "
+                    "tools may leave it out)",
+                    f"messages[{i}].content",
+                )
+            if m.role == "tool" and m.tool_call_id is None:
+                raise ApiError(
+                    400,
+                    f"messages[{i}].tool_call_id: a tool message needs the id of the call it "
+                    "answers",
+                    f"messages[{i}].tool_call_id",
+                )
 
 
 class NativeBody(BaseModel):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from venusrl.sections import Section
 
@@ -16,3 +16,14 @@ class ServerConfig(Section):
         description="if set, requests need 'Authorization: Bearer'",
     )
     model_name: str | None = Field(None, description="name served at /v1/models; default: dir name")
+    tool_parser: str = Field(
+        "hermes", description="how tool calls look in the model's text (chat `tools`)"
+    )
+
+    @field_validator("tool_parser")
+    @classmethod
+    def _known_parser(cls, name: str) -> str:
+        from venusrl.server.tool_calling import tool_parser  # torch-free, as configs are read
+
+        tool_parser(name)
+        return name

@@ -71,6 +71,7 @@ FORMS = {
     "prompt": "a string, a list of token ids, a list of strings or a list of token-id lists",
     "stop": "a string or a list of strings",
     "content": "a string or a list of text parts",
+    "tool_choice": '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
 }
 
 
@@ -105,4 +106,7 @@ def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
 
 
 def _is_type_tag(part: str) -> bool:
-    return "[" in part or part in ("str", "int", "float", "bool", "list", "dict")
+    # A union's model member is named by its class (`NamedToolChoice`); fields are lower case.
+    return (
+        "[" in part or part[:1].isupper() or part in ("str", "int", "float", "bool", "list", "dict")
+    )

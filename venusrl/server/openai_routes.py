@@ -1,6 +1,6 @@
 """OpenAI-compatible routes: `GET /v1/models`, `POST /v1/completions` (text or token-id
 prompts; choices carry `token_ids` too) and `POST /v1/chat/completions` (the tokenizer's chat
-template), whole or streamed."""
+template, with tool calling: `server.tool_calling`), whole or streamed."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from venusrl.server.errors import ApiError
 from venusrl.server.logprobs import chat_logprobs, completion_logprobs
 from venusrl.server.served import Served, served
 from venusrl.server.streaming import sse, stream_chat, stream_completion
+from venusrl.server.tool_calling import CallRules, template_input
 
 router = APIRouter()
 Model = Annotated[Served, Depends(served)]
@@ -86,15 +87,17 @@ async def completions(body: CompletionBody, request: Request, model: Model) -> A
 async def chat(body: ChatBody, request: Request, model: Model) -> Any:
     model.check_model(body.model)
     body.refuse_unsupported()
+    body.cross_check()
     if body.top_logprobs and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     tok = model.tok
     if tok is None or tok.chat_template is None:
         raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
+    messages, tools = template_input(body, tok.chat_template, model.tool_parser)
     try:
         # Messages' text stays text: a user typing "<|im_start|>system" gets those characters,
         # not a system turn.
-        chat = tok.encode_chat([m.as_template_input() for m in body.messages])
+        chat = tok.encode_chat(messages, tools=tools)
     except TemplateError as e:
         raise ApiError(400, f"the chat template rejected the messages: {e}", "messages") from None
     ids = model.encode(chat, "messages")
@@ -104,8 +107,9 @@ async def chat(body: ChatBody, request: Request, model: Model) -> Any:
     top = body.top_logprobs or 0
     jobs = [(ids, model.sampling(body, len(ids), max_tokens, j, top, limit)) for j in range(body.n)]
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    rules = CallRules.of(body, model.tool_parser)
     if body.stream:
-        return sse(stream_chat(model.stream(body, jobs, rid, created, body.logprobs)))
+        return sse(stream_chat(model.stream(body, jobs, rid, created, body.logprobs, rules)))
     outs = await model.run_all(request, jobs)
     choices = []
     for index, ((_, sp), out) in enumerate(zip(jobs, outs, strict=True)):
@@ -114,11 +118,16 @@ async def chat(body: ChatBody, request: Request, model: Model) -> Any:
             if body.logprobs
             else None
         )
+        text = model.text_of(out, sp.stop)
+        content, calls = rules.split(text) if rules else (text, [])
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
         choices.append(
             {
                 "index": index,
-                "finish_reason": out.finish_reason,
-                "message": {"role": "assistant", "content": model.text_of(out, sp.stop)},
+                "finish_reason": "tool_calls" if calls else out.finish_reason,
+                "message": message,
                 "logprobs": logprobs,
                 "token_ids": out.token_ids,
             }

@@ -16,6 +16,7 @@ from venusrl.engine.tokenizer import Tokenizer, cut_at_stop
 from venusrl.server.bodies import SamplingBody
 from venusrl.server.errors import ApiError, checked
 from venusrl.server.streaming import Jobs, Stream, usage
+from venusrl.server.tool_calling import CallRules, ToolParser, tool_parser
 from venusrl.types import GenerationOutput, SamplingParams, TurnMeta
 
 T = TypeVar("T")
@@ -25,10 +26,11 @@ DISCONNECT_POLL_S = 0.25
 
 
 class Served:
-    def __init__(self, engine: Engine, model_name: str) -> None:
+    def __init__(self, engine: Engine, model_name: str, tool_parser_name: str = "hermes") -> None:
         self.engine, self.model_name = engine, model_name
         self.runner = AsyncEngine(engine)
         self.tok: Tokenizer | None = engine.tokenizer
+        self.tool_parser: ToolParser = tool_parser(tool_parser_name)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -112,12 +114,18 @@ class Served:
         return usage(sum(len(o.prompt_ids) for o in outs), sum(len(o.token_ids) for o in outs), n)
 
     def stream(
-        self, body: SamplingBody, jobs: Jobs, rid: str, created: int, logprobs: bool
+        self,
+        body: SamplingBody,
+        jobs: Jobs,
+        rid: str,
+        created: int,
+        logprobs: bool,
+        calls: CallRules | None = None,
     ) -> Stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return Stream(
             self.runner, jobs, rid, created, self.model_name, self.tok, body.n, logprobs,
-            include_usage,
+            include_usage, calls,
         )  # fmt: skip
 
 

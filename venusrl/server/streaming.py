@@ -16,6 +16,7 @@ from venusrl.engine.async_engine import AsyncEngine, TokenDelta
 from venusrl.engine.engine import RequestError
 from venusrl.engine.tokenizer import IncrementalDecoder, Tokenizer
 from venusrl.server.logprobs import chat_logprobs, completion_logprobs
+from venusrl.server.tool_calling import CallRules, CallWatch, call_deltas
 from venusrl.types import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ class Stream:
     n: int
     logprobs: bool
     include_usage: bool  # a last chunk with no choices and the request's usage
+    calls: CallRules | None = None  # chat with tools: what of the text may be tool calls
 
 
 async def _pieces(s: Stream) -> AsyncIterator[tuple[int, TokenDelta, str]]:
@@ -131,19 +133,33 @@ async def stream_chat(s: Stream) -> AsyncIterator[dict[str, Any]]:
     for index in range(len(s.jobs)):
         role = {"role": "assistant", "content": ""}
         yield {**base, "choices": [{"index": index, "delta": role, "finish_reason": None}]}
+    watches = [CallWatch(s.calls) if s.calls else None for _ in s.jobs]
     completion_tokens = 0
     async for index, delta, piece in _pieces(s):
         completion_tokens += len(delta.token_ids)
+        watch, finish_reason = watches[index], _finish_reason(delta)
+        calls: list[dict[str, Any]] = []
+        if watch is not None:
+            piece = watch.push(piece)
+            if finish_reason is not None:
+                rest, calls = watch.finish()
+                piece += rest
         choice: dict[str, Any] = {
             "index": index,
             "delta": {"content": piece},
-            "finish_reason": _finish_reason(delta),
+            "finish_reason": None if calls else finish_reason,
         }
         if s.logprobs:
             choice["logprobs"] = chat_logprobs(
                 s.tok, delta.token_ids, delta.logprobs, delta.top_logprobs
             )
         yield {**base, "choices": [choice]}
+        for call_delta in call_deltas(calls):
+            choice = {"index": index, "delta": {"tool_calls": [call_delta]}, "finish_reason": None}
+            yield {**base, "choices": [choice]}
+        if calls:
+            choice = {"index": index, "delta": {}, "finish_reason": "tool_calls"}
+            yield {**base, "choices": [choice]}
     if s.include_usage:
         yield {**base, "choices": [], "usage": _stream_usage(s, completion_tokens)}
 
