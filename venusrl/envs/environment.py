@@ -184,6 +184,9 @@ class Environment(ABC):
     # The `reference` keys a task read from a file gives (`envs/task_file.py`), beside its id and
     # prompt; None: the tasks are made in code only (`tasks`).
     reference_fields: ClassVar[tuple[str, ...] | None] = None
+    # `reference` keys a file's task may give, read when its row has them (a worked solution
+    # the demonstrator plays): a file without them still trains.
+    optional_fields: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, task: Task, sandbox: SandboxVerbs) -> None:
         self.task = task

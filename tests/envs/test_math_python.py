@@ -1,0 +1,114 @@
+"""math_python: word problems computed with a Python tool in a real sandbox, scored by the number
+the final reply gives; its shipped tasks are what their script writes, each answer checked."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from itertools import islice
+from pathlib import Path
+
+import pytest
+
+from tests.envs.test_builtin_envs import call, play, with_pool
+from venusrl.envs import SandboxPool
+from venusrl.envs.builtin.math_python import TASKS, MathPython
+from venusrl.envs.environment import Task
+
+ROOT = Path(__file__).resolve().parents[2]
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0, reason="sandboxes need root for namespaces and cgroups"
+)
+
+
+def test_the_shipped_tasks_are_what_their_script_writes_and_each_program_prints_its_answer():
+    # The script computes each answer and refuses a program that prints anything else.
+    check = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/make_math_python_tasks.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    rows = [json.loads(line) for line in TASKS.read_text().splitlines()]
+    assert len(rows) == 100 and len({r["question"] for r in rows}) == 100
+
+
+def test_tasks_play_the_shipped_file_in_epochs_each_in_a_new_seeded_order():
+    first_epoch = list(islice(MathPython.tasks(0), 100))
+    assert {t.id for t in first_epoch} == {f"math-{i:03d}@0" for i in range(100)}
+    second = list(islice(MathPython.tasks(0), 100, 200))
+    assert [t.prompt for t in second] != [t.prompt for t in first_epoch]
+    assert {t.id.removesuffix("@1") for t in second} == {
+        t.id.removesuffix("@0") for t in first_epoch
+    }
+    assert list(islice(MathPython.tasks(0), 5)) == list(islice(MathPython.tasks(0), 5))
+    assert list(islice(MathPython.tasks(1), 5)) != list(islice(MathPython.tasks(0), 5))
+
+
+@needs_root
+def test_the_demonstrator_computes_each_kind_of_problem_in_the_sandbox_and_wins():
+    tasks = list(islice(MathPython.tasks(0), 100))
+    # Problems of one kind share their second word ("A deposit of", "Mia saves", ...).
+    one_per_kind = list({t.prompt.split()[1]: t for t in tasks}.values())
+    assert len(one_per_kind) >= 6
+
+    async def body(pool: SandboxPool) -> list[tuple[float, int]]:
+        played = []
+        for task in one_per_kind:
+            sandbox = await pool.create(MathPython.template.name)
+            try:
+                policy = MathPython.demonstrator(task, 0)
+                assert policy is not None
+                reward, steps = await play(MathPython(task, sandbox), policy)
+            finally:
+                await sandbox.close()
+            played.append((reward, sum(s.info["tool_calls"] for s in steps)))
+        return played
+
+    assert with_pool(MathPython, body) == [(1.0, 1)] * len(one_per_kind)
+
+
+@needs_root
+def test_the_reward_is_the_final_replys_number_not_what_the_tool_printed():
+    task = Task("t", "What is 6 * 7?", reference={"answer": 42})
+
+    async def body(pool: SandboxPool) -> list[object]:
+        async def episode(*turns: str) -> tuple[float, list[str | None]]:
+            sandbox = await pool.create(MathPython.template.name)
+            try:
+                env = MathPython(task, sandbox)
+                await env.reset()
+                seen = []
+                for turn in turns:
+                    result = await env.step(turn)
+                    seen.append(result.observation)
+                    if result.done:
+                        break
+                return await env.reward(), seen
+
+            finally:
+                await sandbox.close()
+
+        return [
+            # Names defined in one call stay for the next; an exception is an observation.
+            await episode(
+                call("python", code="x = 6 * 7"),
+                call("python", code="print(x)\n1 / 0"),
+                "It is 42.\nAnswer: 42",
+            ),
+            await episode(call("python", code="print(6 * 7)"), "Answer: 41"),
+            await episode("The answer is 42."),  # no final-answer line
+            # Out of turns while still calling the tool: no answer, whatever was printed.
+            await episode(*[call("python", code="print('Answer: 42')")] * MathPython.max_turns),
+        ]
+
+    won, wrong, unformatted, truncated = with_pool(MathPython, body)
+    assert won[0] == 1.0
+    assert (
+        won[1][0] == "<tool_response>\n(no output: print() what you want to see)\n</tool_response>"
+    )
+    assert "42" in won[1][1] and "ZeroDivisionError" in won[1][1]
+    assert wrong[0] == 0.0 and unformatted[0] == 0.0 and truncated[0] == 0.0
