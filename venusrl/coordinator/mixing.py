@@ -86,11 +86,14 @@ def task_key(env: str, task_id: str) -> str:
 
 
 def task_stream(share: EnvShare, seed: int) -> Iterator[Task]:
-    """The share's task file in epochs, or `env.tasks(seed)` checked as it is drawn: tasks, and
-    no end."""
+    """The share's task file in epochs, or its environment's `tasks(seed)`."""
     if share.tasks is not None:
-        yield from looped_tasks(share.tasks, seed)
-    env = share.env
+        return looped_tasks(share.tasks, seed)
+    return _checked_tasks(share.env, seed)
+
+
+def _checked_tasks(env: type[Environment], seed: int) -> Iterator[Task]:
+    """`env.tasks(seed)`, checked as it is drawn: tasks, and no end."""
     for task in env.tasks(seed):
         if not isinstance(task, Task):
             raise ValueError(f"{env.name}: tasks(seed) yielded {type(task).__name__}, not a Task")

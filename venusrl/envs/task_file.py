@@ -10,6 +10,7 @@ and takes no file. Training plays a file in epochs, each in a new seeded order (
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -71,7 +72,8 @@ def read_task_file(
                     f"{where}: no field {columns[name]!r} (the task's {name};"
                     f" `{name}: COLUMN` in the field mapping reads it from another)"
                 )
-        task_id = str(row.get(columns["id"], f"{path.stem}-{number}"))
+        given_id = row.get(columns["id"])
+        task_id = f"{path.stem}-{number}" if given_id is None else str(given_id)
         if task_id in seen:
             raise ValueError(f"{where}: task id {task_id!r} is taken by an earlier row")
         seen.add(task_id)
@@ -96,10 +98,9 @@ def looped_tasks(tasks: Sequence[Task], seed: int) -> Iterator[Task]:
     """`tasks` for ever, each epoch in a new order drawn from `seed`; an epoch's ids end in
     `@EPOCH`, so that no id repeats in the stream (a resumed run skips the ids it trained on)."""
     rng = random.Random(seed)
-    for epoch in range(1 << 62):
+    for epoch in itertools.count():
         for task in rng.sample(list(tasks), len(tasks)):
             yield dataclasses.replace(task, id=f"{task.id}@{epoch}")
-    raise AssertionError("unreachable")
 
 
 def _rows(path: Path) -> Iterator[tuple[str, int, Any]]:
