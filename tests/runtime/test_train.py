@@ -344,7 +344,7 @@ def test_a_run_trains_on_an_environment_of_the_users_own_named_by_its_file(
     assert all(r["prompt_id"].startswith("arith-") for r in records)
 
 
-def test_venusrl_train_plays_a_jsonl_task_file_with_its_fields_mapped_and_eval_replays_it(
+def test_venusrl_train_plays_a_jsonl_task_file_resumes_in_it_and_eval_replays_it(
     tmp_path: Path, warm_started_small: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
     rows = [
@@ -369,6 +369,12 @@ def test_venusrl_train_plays_a_jsonl_task_file_with_its_fields_mapped_and_eval_r
     # Every group played a task of the file (its id column, then the epoch), none of the
     # environment's shipped ones.
     assert {r["prompt_id"].partition("@")[0] for r in records} <= {r["key"] for r in rows}
+    # A resumed run goes on through the file past the tasks it trained on (`consumed_tasks`).
+    capsys.readouterr()
+    resume = ["train", "--run-dir", str(run), "--resume", "run.steps=3"]
+    assert cli.main(resume) == 0, capsys.readouterr().err
+    groups = {(r["group_id"], r["prompt_id"]) for r in read_records(run)}
+    assert len(groups) == 3 * 2 and len({task for _, task in groups}) == 3 * 2
     capsys.readouterr()
     # `venusrl eval` of the run plays the run's own task file, in the file's order.
     assert cli.main(["eval", str(run), "--episodes", "2", "--greedy", "--json"]) == 0

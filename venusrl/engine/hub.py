@@ -12,9 +12,6 @@ import os
 import re
 from pathlib import Path
 
-from huggingface_hub import constants, snapshot_download
-from huggingface_hub.errors import LocalEntryNotFoundError
-
 # ORG/NAME as the Hub spells repository ids (huggingface_hub.utils.validate_repo_id).
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -23,8 +20,12 @@ def model_path(model: str) -> Path:
     """The model directory `model` names: a local directory, or a hub id's snapshot in the
     local Hugging Face cache; `ValueError` saying how to download it when it is neither."""
     path = Path(model).expanduser()
-    if path.exists() or not _HUB_ID.match(model) or model.endswith((".", "..")):
+    if path.exists() or not _HUB_ID.match(model) or model.endswith("."):
         return path
+    # Imported here: it takes ~0.3 s, half of reading a config, and most configs name no hub id.
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
     try:
         return Path(snapshot_download(model, local_files_only=True, cache_dir=_cache_dir()))
     except LocalEntryNotFoundError:
