@@ -383,6 +383,24 @@ def test_venusrl_train_plays_a_jsonl_task_file_resumes_in_it_and_eval_replays_it
     assert report["env"] == "math_python" and report["tasks"] == 2
 
 
+def test_a_task_file_row_the_environment_cannot_take_stops_train_naming_file_row_and_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    good = {"question": "What is 2 + 2?", "solution": 4}
+    file = tmp_path / "sums.jsonl"
+    file.write_text(json.dumps(good) + "\n" + json.dumps({"question": "2 + 3?"}) + "\n")
+    keys = [
+        "rollout.env=math_python",
+        f"rollout.tasks={file}",
+        "rollout.task_fields={prompt: question, answer: solution}",
+    ]
+    run = tmp_path / "run"
+    assert cli.main(["train", "--run-dir", str(run), *SMALL, *keys]) == 2
+    err = capsys.readouterr().err
+    assert f"{file}:2: no field 'solution' (the task's answer;" in err
+    assert not run.exists()  # refused before the run directory is made
+
+
 def test_a_mix_trains_each_environment_on_its_own_task_file_jsonl_and_parquet(
     tmp_path: Path, warm_started_small: list[str]
 ) -> None:
