@@ -16,6 +16,7 @@ from tests.envs.test_builtin_envs import call, play, with_pool
 from venusrl.envs import SandboxPool
 from venusrl.envs.builtin.math_python import TASKS, MathPython
 from venusrl.envs.environment import Task
+from venusrl.envs.task_file import read_task_file
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_root = pytest.mark.skipif(
@@ -112,3 +113,11 @@ def test_the_reward_is_the_final_replys_number_not_what_the_tool_printed():
     )
     assert "42" in won[1][1] and "ZeroDivisionError" in won[1][1]
     assert wrong[0] == 0.0 and unformatted[0] == 0.0 and truncated[0] == 0.0
+
+
+def test_a_task_file_whose_answer_is_no_number_is_refused_naming_the_line(tmp_path: Path) -> None:
+    rows = [{"prompt": "2 + 2?", "answer": "4"}, {"prompt": "3 + 3?", "answer": "six"}]
+    file = tmp_path / "t.jsonl"
+    file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=r"t.jsonl:2: the answer 'six' is not a number"):
+        read_task_file(file, MathPython)

@@ -213,6 +213,12 @@ class Environment(ABC):
         return 1.0 if r.stdout.strip() == b"True" else 0.0
 
     @classmethod
+    def reference_problem(cls, reference: Mapping[str, Any]) -> str | None:
+        """What is wrong with the `reference` of a task read from a file (an answer that is no
+        number), or None: said when the file is read, naming its line, not by every reward."""
+        return None
+
+    @classmethod
     def demonstrator(cls, task: Task, seed: int) -> Callable[[str], str] | None:
         """A scripted text policy for warm-start demonstrations (called with the prompt, then
         with each observation; returns the next turn's text), or None when the task has none."""

@@ -121,7 +121,7 @@ def _check_class(reference: str, cls: object) -> None:
     for method in ("reset", "step", "reward"):
         if not inspect.iscoroutinefunction(getattr(cls, method)):
             problems.append(f"`{method}` must be an async method")
-    for method in ("tasks", "demonstrator"):
+    for method in ("tasks", "demonstrator", "reference_problem"):
         if not isinstance(inspect.getattr_static(cls, method), classmethod):
             problems.append(f"`{method}` must be a classmethod")
     if problems:

@@ -69,8 +69,8 @@ def read_task_file(
         for name in required:
             if columns[name] not in row or row[columns[name]] is None:
                 raise ValueError(
-                    f"{where}: no field {columns[name]!r} (the task's {name};"
-                    f" `{name}: COLUMN` in the field mapping reads it from another)"
+                    f"{where}: no field {columns[name]!r} (the task's {name}; `task_fields:"
+                    f" {{{name}: COLUMN}}` or `--field {name}=COLUMN` reads it from another)"
                 )
         given_id = row.get(columns["id"])
         task_id = f"{path.stem}-{number}" if given_id is None else str(given_id)
@@ -88,6 +88,9 @@ def read_task_file(
             for name in (*env.reference_fields, *env.optional_fields)
             if row.get(columns[name]) is not None
         }
+        problem = env.reference_problem(reference)
+        if problem is not None:
+            raise ValueError(f"{where}: {problem}")
         tasks.append(Task(task_id, prompt, reference=reference))
     if not tasks:
         raise ValueError(f"task file {path} holds no task")

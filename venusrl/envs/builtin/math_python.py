@@ -11,12 +11,12 @@ else 0. Tasks come from a file (`rollout.tasks`; by default the ~100 shipped in
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from venusrl.envs.environment import Environment, SandboxVerbs, StepResult, Task, Tool
-from venusrl.envs.numeric_answer import answer_is_correct
+from venusrl.envs.numeric_answer import answer_is_correct, parse_number
 from venusrl.envs.task_file import looped_tasks, read_task_file
 from venusrl.envs.tool_calls import RESPONSE_CLOSE, RESPONSE_OPEN, format_tool_call
 from venusrl.envs.types import MiB, TemplateSpec
@@ -74,6 +74,15 @@ class MathPython(Environment):
         if self.final_text is None:
             return 0.0
         return float(answer_is_correct(self.final_text, self.task.reference["answer"]))
+
+    @classmethod
+    def reference_problem(cls, reference: Mapping[str, Any]) -> str | None:
+        answer = reference["answer"]
+        if isinstance(answer, bool) or not isinstance(answer, int | float | str):
+            return f"the answer must be a number or a string of one, got {answer!r}"
+        if isinstance(answer, str) and parse_number(answer) is None:
+            return f"the answer {answer!r} is not a number"
+        return None
 
     @classmethod
     def demonstrator(cls, task: Task, seed: int) -> Callable[[str], str] | None:
