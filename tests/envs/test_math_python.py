@@ -73,7 +73,7 @@ def test_the_demonstrator_computes_each_kind_of_problem_in_the_sandbox_and_wins(
 
 
 @needs_root
-def test_the_reward_is_the_final_replys_number_not_what_the_tool_printed():
+def test_tool_errors_exits_and_oom_are_observations_and_only_the_final_answer_scores():
     task = Task("t", "What is 6 * 7?", reference={"answer": 42})
 
     async def body(pool: SandboxPool) -> list[object]:
@@ -94,13 +94,15 @@ def test_the_reward_is_the_final_replys_number_not_what_the_tool_printed():
                 await sandbox.close()
 
         return [
-            # Names defined in one call stay for the next; an exception is an observation.
+            # Each call is a program of its own; its exception, its exit or its running out of
+            # memory is what the model reads next, not a crash of the sandbox.
             await episode(
                 call("python", code="x = 6 * 7"),
-                call("python", code="print(x)\n1 / 0"),
+                call("python", code="print(x)"),
+                call("python", code="import os\nprint(6 * 7, flush=True)\nos._exit(3)"),
                 "It is 42.\nAnswer: 42",
             ),
-            await episode(call("python", code="print(6 * 7)"), "Answer: 41"),
+            await episode(call("python", code="x = bytearray(1 << 30)"), "Answer: 41"),
             await episode("The answer is 42."),  # no final-answer line
             # Out of turns while still calling the tool: no answer, whatever was printed.
             await episode(*[call("python", code="print('Answer: 42')")] * MathPython.max_turns),
@@ -111,7 +113,9 @@ def test_the_reward_is_the_final_replys_number_not_what_the_tool_printed():
     assert (
         won[1][0] == "<tool_response>\n(no output: print() what you want to see)\n</tool_response>"
     )
-    assert "42" in won[1][1] and "ZeroDivisionError" in won[1][1]
+    assert "NameError: name 'x' is not defined" in won[1][1]
+    assert "42\n[exit code 3]" in won[1][2]
+    assert "[killed: out of memory]" in wrong[1][0]
     assert wrong[0] == 0.0 and unformatted[0] == 0.0 and truncated[0] == 0.0
 
 

@@ -1,8 +1,8 @@
 """Math with a Python tool: word problems whose answer is a number, computed in the sandbox.
 
-WORKLOADS.md's math-python scenario at a small scale: the model may run Python (the sandbox's
-persistent interpreter, so names it defines stay for its next call) and ends with a turn without
-a tool call whose final line is `Answer: NUMBER` (or `\\boxed{NUMBER}`). Reward: 1 when that
+WORKLOADS.md's math-python scenario at a small scale: the model may run Python programs in its
+sandbox (each call a program of its own) and ends with a turn without a tool call whose final
+line is `Answer: NUMBER` (or `\\boxed{NUMBER}`). Reward: 1 when that
 number is the task's `answer` (`envs/numeric_answer.py`: fractions exact, decimals within 1e-6),
 else 0. Tasks come from a file (`rollout.tasks`; by default the ~100 shipped in
 `data/math_python.jsonl`, made and checked by `scripts/make_math_python_tasks.py`).
@@ -22,12 +22,20 @@ from venusrl.envs.tool_calls import RESPONSE_CLOSE, RESPONSE_OPEN, format_tool_c
 from venusrl.envs.types import MiB, TemplateSpec
 
 TASKS = Path(__file__).with_name("data") / "math_python.jsonl"
+_MAX_OUTPUT_BYTES = 64 << 10  # per call; the observation is capped further in characters
 
 
 async def _python(sandbox: SandboxVerbs, arguments: dict[str, Any], timeout_s: float) -> str:
-    r = await sandbox.run_python(arguments["code"], timeout_s=timeout_s)
-    # The code's own exception is an observation like its output: the model fixes its code.
-    return r.text().removesuffix("\n") or "(no output: print() what you want to see)"
+    # A program of its own, not the sandbox's interpreter (`run_python`): code that exits the
+    # process or runs out of memory ends that program, which the model reads and fixes, instead
+    # of crashing the sandbox, which would count as the platform's failure and be retried.
+    r = await sandbox.exec(
+        ["python", "-c", arguments["code"]], timeout_s=timeout_s, max_output_bytes=_MAX_OUTPUT_BYTES
+    )
+    status = (
+        "" if r.exit_code == 0 or r.timed_out or r.oom_killed else f"\n[exit code {r.exit_code}]"
+    )
+    return (r.text().removesuffix("\n") + status) or "(no output: print() what you want to see)"
 
 
 class MathPython(Environment):
@@ -42,8 +50,8 @@ class MathPython(Environment):
     tools = (
         Tool(
             "python",
-            "Run Python code and return what it prints (and any error). Names you define stay"
-            " defined for your next call.",
+            "Run a Python program and return what it prints (and any error). Each call is a"
+            " new program: nothing is kept from the one before.",
             {
                 "type": "object",
                 "properties": {"code": {"type": "string", "description": "Python source"}},
