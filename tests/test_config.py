@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from venusrl.config import ConfigError, load_config
+from venusrl.envs.builtin.math_python import TASKS
 
 
 def test_yaml_and_dotted_overrides_compose(tmp_path: Path) -> None:
@@ -50,6 +51,25 @@ def test_yaml_and_dotted_overrides_compose(tmp_path: Path) -> None:
         (["rollout.admission=aimd", "run.engine_url=http://x"], "in-process engine"),
         (["rollout.admission_period_s=0"], "rollout.admission_period_s"),
         (["rollout.admission_initial_window=0"], "rollout.admission_initial_window"),
+        (["rollout.tasks=tasks.csv"], "rollout.tasks: Value error, tasks.csv: a task file is"),
+        (
+            ["rollout.tasks=missing.jsonl"],
+            "rollout.tasks: Value error, missing.jsonl: no such file",
+        ),
+        ([f"rollout.tasks={TASKS}"], "tasks: treasure_hunt makes its tasks in code"),
+        (
+            ["rollout.env=math_python", f"rollout.tasks={TASKS}", "rollout.task_fields={answr: x}"],
+            "task_fields: 'answr' is no field of math_python's tasks; they have id, prompt, answer",
+        ),
+        (["rollout.env=math_python", "rollout.task_fields={prompt: q}"], "give `tasks` too"),
+        (
+            ["rollout.mix=[{env: guess_number}]", f"rollout.tasks={TASKS}"],
+            "in a mix, give each entry its own `tasks`",
+        ),
+        (
+            [f"rollout.mix=[{{env: guess_number, tasks: {TASKS}}}]"],
+            "rollout.mix.0: Value error, tasks: guess_number makes its tasks in code",
+        ),
         (
             ["rollout.max_train_staleness=0"],
             "max_train_staleness must be >= max_staleness (1), got 0",
@@ -63,6 +83,24 @@ def test_bad_keys_and_values_name_the_key_and_the_reason(overrides: list[str], w
             overrides if "page_size.x" not in overrides[0] else ["engine.page_size=4", *overrides],
         )
     assert words in str(err.value)
+
+
+def test_a_task_file_is_read_from_the_config_files_directory_and_stored_absolute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf/train.jsonl").write_text(TASKS.read_text())
+    (tmp_path / "conf/run.yaml").write_text(
+        "rollout:\n  mix:\n    - {env: math_python, tasks: train.jsonl,"
+        " task_fields: {prompt: question}}\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    entry = load_config(tmp_path / "conf/run.yaml").rollout.mix[0]
+    assert entry.tasks == str(tmp_path / "conf/train.jsonl")
+    assert entry.task_fields == {"prompt": "question"}
+    # On the command line a relative path is the current directory's.
+    cfg = load_config(None, ["rollout.env=math_python", "rollout.tasks=conf/train.jsonl"])
+    assert cfg.rollout.tasks == str(tmp_path / "conf/train.jsonl")
 
 
 def test_unreadable_or_malformed_files_are_config_errors(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from venusrl.config import ConfigError, load_config
+from venusrl.engine.hub import model_path
 
 if TYPE_CHECKING:  # rich is imported by the commands that print with it
     from rich.console import Console
@@ -60,7 +61,8 @@ def _add_train(sub: Subcommands) -> None:
     train = sub.add_parser("train", help="train an agent with GRPO on an environment")
     train.add_argument(
         "--model",
-        help="starting model directory (default: a new micro model, tokenizer learnt from demos)",
+        help="starting model directory or hub id in the local Hugging Face cache (default: a new"
+        " micro model, tokenizer learnt from demos)",
     )
     train.add_argument(
         "--run-dir", help="where config, metrics and checkpoints go (default: runs/train-TIME)"
@@ -83,7 +85,8 @@ def _add_eval(sub: Subcommands) -> None:
     ev.add_argument(
         "model",
         metavar="MODEL_OR_CHECKPOINT",
-        help="a model directory, a run's checkpoints/step-N, or a run (its newest checkpoint)",
+        help="a model directory, a hub id in the local Hugging Face cache, a run's"
+        " checkpoints/step-N, or a run (its newest checkpoint)",
     )
     ev.add_argument(
         "--env", metavar="NAME", help="built-in or path.py:Class (default: the run's rollout.env)"
@@ -92,7 +95,10 @@ def _add_eval(sub: Subcommands) -> None:
         "--episodes", metavar="N", type=int, help="tasks (default 32; of --tasks: all of them)"
     )
     ev.add_argument(
-        "--tasks", metavar="FILE", help="play the tasks of a JSONL file, in order, not the stream"
+        "--tasks",
+        metavar="FILE",
+        help="play the tasks of a .jsonl or .parquet file, in order (default: the run's"
+        " rollout.tasks, else the environment's held-out stream)",
     )
     ev.add_argument(
         "--field",
@@ -124,7 +130,9 @@ def _add_eval(sub: Subcommands) -> None:
 
 def _add_serve(sub: Subcommands) -> None:
     serve = sub.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible + /generate)")
-    serve.add_argument("--model", help="Hugging Face-format model directory")
+    serve.add_argument(
+        "--model", help="Hugging Face-format model directory, or a hub id in the local cache"
+    )
     serve.add_argument("--host", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8000)")
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
@@ -274,7 +282,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     from venusrl.engine.tokenizer import Tokenizer
     from venusrl.envs.loading import environment_class
-    from venusrl.envs.task_file import parse_fields, read_task_file
+    from venusrl.envs.task_file import check_fields, parse_fields, read_task_file
     from venusrl.runtime import evaluate
 
     samples = args.k if args.samples is None else args.samples
@@ -283,7 +291,7 @@ def _eval(args: argparse.Namespace) -> int:
         raise ValueError(f"--episodes must be >= 1, got {args.episodes}")
     if args.field and not args.tasks:
         raise ValueError("--field maps the fields of a --tasks file: give the file")
-    model_dir, run_dir = evaluate.resolve_model(Path(args.model))
+    model_dir, run_dir = evaluate.resolve_model(model_path(args.model))
     config = args.config or (run_dir / "config.yaml" if run_dir else None)
     values = {} if args.seed is None else {"run.seed": args.seed, "engine.seed": args.seed}
     cfg = load_config(config, args.overrides, values)
@@ -311,8 +319,19 @@ def _eval(args: argparse.Namespace) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).open("a").close()
 
+    task_file = args.tasks
     if args.tasks:
-        tasks = read_task_file(Path(args.tasks), env, parse_fields(args.field))[: args.episodes]
+        fields = parse_fields(args.field)
+        try:
+            check_fields(env, fields)
+        except ValueError as e:
+            raise ValueError(f"--{'field' if env.reference_fields else 'tasks'}: {e}") from None
+        tasks = read_task_file(Path(args.tasks), env, fields)[: args.episodes]
+    elif cfg.rollout.tasks and env.name == environment_class(cfg.rollout.env).name:
+        # The run's own task file: its first tasks, in file order.
+        task_file = cfg.rollout.tasks
+        tasks = read_task_file(Path(task_file), env, cfg.rollout.task_fields)
+        tasks = tasks[: args.episodes or 32]
     else:
         tasks = evaluate.evaluation_tasks(env, cfg.run.seed, args.episodes or 32)
     started = time.monotonic()
@@ -322,7 +341,7 @@ def _eval(args: argparse.Namespace) -> int:
         "env": env.name,
         "temperature": temperature,
         "seed": cfg.run.seed,
-        **({"task_file": args.tasks} if args.tasks else {}),
+        **({"task_file": task_file} if task_file else {}),
         **evaluate.summarize(played, samples, args.k),
         "wall_s": round(time.monotonic() - started, 1),
     }
@@ -503,7 +522,7 @@ def _generate(args: argparse.Namespace) -> int:
     from venusrl.types import SamplingParams
 
     cfg = load_config(args.config, args.overrides)
-    engine = Engine.from_model_dir(args.model, cfg.engine)
+    engine = Engine.from_model_dir(model_path(args.model), cfg.engine)
     if engine.tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer.json; use the server's token-id API")
     params = SamplingParams(

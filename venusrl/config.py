@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from venusrl.coordinator.config import RolloutConfig
 from venusrl.engine.config import EngineConfig
+from venusrl.engine.hub import model_path
 from venusrl.envs.config import SandboxConfig
 from venusrl.envs.loading import canonical_reference
 from venusrl.runtime.config import FaultsConfig, RunConfig, RuntimeConfig
@@ -32,7 +33,11 @@ class ConfigError(ValueError):
 
 
 class Config(Section):
-    model: str | None = Field(None, description="Hugging Face-format model directory")
+    model: str | None = Field(
+        None,
+        description="Hugging Face-format model directory, or a hub id (Qwen/Qwen3-0.6B) in the"
+        " local Hugging Face cache",
+    )
     engine: EngineConfig = Field(default_factory=EngineConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     run: RunConfig = Field(default_factory=RunConfig)
@@ -41,6 +46,13 @@ class Config(Section):
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+
+    @field_validator("model")
+    @classmethod
+    def _local_model(cls, model: str | None) -> str | None:
+        """A hub id is stored as the snapshot directory it names, so that a resumed run (and
+        `venusrl show`) reads the very weights the run started from."""
+        return None if model is None else str(model_path(model))
 
     @model_validator(mode="after")
     def _runtime_fits(self) -> Config:
@@ -88,9 +100,9 @@ def load_config(
 
 
 def _anchor_environment_files(data: dict[str, Any], directory: Path) -> None:
-    """An environment file named in a YAML file is read from the YAML file's directory, so that
-    a config and the environment beside it move together (on the command line: the current
-    directory)."""
+    """An environment file (or a task file) named in a YAML file is read from the YAML file's
+    directory, so that a config and the environment beside it move together (on the command
+    line: the current directory)."""
     rollout = data.get("rollout")
     if not isinstance(rollout, dict):
         return
@@ -98,6 +110,8 @@ def _anchor_environment_files(data: dict[str, Any], directory: Path) -> None:
     for entry in entries:
         if isinstance(entry.get("env"), str):
             entry["env"] = canonical_reference(entry["env"], directory)
+        if isinstance(entry.get("tasks"), str):
+            entry["tasks"] = str(directory / Path(entry["tasks"]).expanduser())
 
 
 def apply_override(data: dict[str, Any], item: str) -> None:

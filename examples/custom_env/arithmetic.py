@@ -13,7 +13,8 @@ What each part is for:
 - `tasks(seed)` is an endless stream; each task's `setup` runs in its sandbox after the
   template's, and `reference` is ground truth the model never sees. Ids must be unique in the
   stream: a resumed run skips the ids it has trained on. `reference_fields` lets tasks come
-  from a file too (`venusrl eval --tasks FILE`; `venusrl/envs/task_file.py`).
+  from a file too (`rollout.tasks=FILE` with `rollout.task_fields={prompt: question}`,
+  `venusrl eval --tasks FILE`; `venusrl/envs/task_file.py`).
 - `reward()` reads the sandbox's state once the episode ends; `ended()` ends it early.
 - `demonstrator` is optional: a scripted policy the warm start imitates (`run.warm_start_episodes`;
   set it to 0 for an environment without one).
@@ -21,14 +22,12 @@ What each part is for:
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from venusrl.envs.environment import Environment, Task, Tool
-from venusrl.envs.task_file import read_task_file
+from venusrl.envs.task_file import looped_tasks, read_task_file
 from venusrl.envs.tool_calls import RESPONSE_CLOSE, RESPONSE_OPEN, format_tool_call
 from venusrl.envs.types import MiB, TemplateSpec
 
@@ -104,13 +103,9 @@ class Arithmetic(Environment):
 
     @classmethod
     def tasks(cls, seed: int) -> Iterator[Task]:
-        file_tasks = read_task_file(TASKS, cls, {"prompt": "question"})
-        rng = random.Random(seed)
-        epoch = 0
-        while True:  # the file over and over, shuffled anew each time
-            for task in rng.sample(file_tasks, len(file_tasks)):
-                yield dataclasses.replace(task, id=f"{task.id}-{epoch}")
-            epoch += 1
+        # The file beside this one, over and over, shuffled anew each time; a run given
+        # `rollout.tasks=FILE` plays that file the same way instead.
+        return looped_tasks(read_task_file(TASKS, cls, {"prompt": "question"}), seed)
 
     def ended(self, answers: list[str]) -> bool:
         return "submitted" in answers  # the sandbox's own reply: the model cannot forge it

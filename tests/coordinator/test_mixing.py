@@ -10,6 +10,7 @@ import pytest
 
 from venusrl.coordinator.mixing import EnvShare, mixed_tasks, task_key
 from venusrl.envs.builtin import GuessNumber, SweMini
+from venusrl.envs.builtin.math_python import MathPython
 from venusrl.envs.environment import Task
 
 
@@ -35,6 +36,19 @@ def test_the_same_seed_gives_the_same_sequence_and_skipped_tasks_are_left_out() 
     assert first == [task_key(w.env.name, w.task.id) for w in draw(mix, 50)]
     resumed = [task_key(w.env.name, w.task.id) for w in draw(mix, 40, skip=set(first[:10]))]
     assert resumed == first[10:50]  # a resumed run continues where the trained tasks end
+
+
+def test_a_share_with_a_task_file_plays_its_tasks_in_epochs_and_a_resume_continues_there() -> None:
+    file_tasks = tuple(Task(f"q{i}", f"{i} + 1?", reference={"answer": i + 1}) for i in range(5))
+    mix = [EnvShare(MathPython, 1.0, 2, tasks=file_tasks), EnvShare(GuessNumber, 1.0, 2)]
+    work = draw(mix, 60)
+    from_file = [w.task.id for w in work if w.env is MathPython]
+    assert len(from_file) > 10  # past the first epoch
+    assert {i.partition("@")[0] for i in from_file} == {f"q{i}" for i in range(5)}  # not shipped
+    assert sorted(from_file[:5]) == [f"q{i}@0" for i in range(5)]  # each once per epoch
+    keys = [task_key(w.env.name, w.task.id) for w in work]
+    resumed = [task_key(w.env.name, w.task.id) for w in draw(mix, 50, skip=set(keys[:10]))]
+    assert resumed == keys[10:60]
 
 
 def test_a_share_caps_turns_without_changing_the_environment_class() -> None:

@@ -23,6 +23,7 @@ from venusrl.envs.builtin.guess_number import (
     GuessNumber,
     RandomGuesser,
 )
+from venusrl.envs.builtin.math_python import MathPython
 from venusrl.envs.builtin.swe_mini import CheatByDeletingTests, ScriptedFixer, SweMini
 from venusrl.envs.builtin.treasure_hunt import (
     CELLS,
@@ -77,6 +78,7 @@ def test_builtin_registry_names_each_environment_once():
         "treasure_hunt": TreasureHunt,
         "guess_number": GuessNumber,
         "swe_mini": SweMini,
+        "math_python": MathPython,
         "agent_workload": AgentWorkload,
     } == BUILTIN
 

@@ -97,6 +97,13 @@ def test_the_example_environment_loads_by_its_file() -> None:
             "two `tools` have one name.*`reward` must be an async method.*`tasks` must be a"
             " classmethod",
         ),
+        (
+            "from venusrl.envs.builtin.math_python import MathPython\n"
+            "class Env(MathPython):\n    name = 'm'\n    optional_fields = 'program'\n"
+            "    def reference_problem(self, reference): return None",
+            "bad.py:Env",
+            "`optional_fields` must be a tuple.*`reference_problem` must be a classmethod",
+        ),
     ],
 )
 def test_a_bad_reference_is_refused_saying_why(

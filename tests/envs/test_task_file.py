@@ -1,15 +1,19 @@
-"""Tasks read from a JSONL file, their fields mapped onto what the environment reads."""
+"""Tasks read from a JSONL or Parquet file, their fields mapped onto what the environment reads,
+and played in epochs."""
 
 from __future__ import annotations
 
 import json
+from itertools import islice
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from venusrl.envs.builtin.treasure_hunt import TreasureHunt
 from venusrl.envs.loading import environment_class
-from venusrl.envs.task_file import parse_fields, read_task_file
+from venusrl.envs.task_file import looped_tasks, parse_fields, read_task_file
 
 ROOT = Path(__file__).resolve().parents[2]
 ARITHMETIC = environment_class(f"{ROOT}/examples/custom_env/arithmetic.py:Arithmetic")
@@ -52,9 +56,9 @@ def test_a_task_file_that_cannot_be_read_as_tasks_is_refused_naming_the_line(
         read_task_file(write(tmp_path / "t.jsonl", good), ARITHMETIC, {"prompt": "question"})
     with pytest.raises(ValueError, match=r"t.jsonl:1: not JSON"):
         read_task_file(write(tmp_path / "t.jsonl", "{oops\n"), ARITHMETIC)
-    with pytest.raises(ValueError, match=r"t.jsonl:2: task id 'a' is taken by an earlier line"):
+    with pytest.raises(ValueError, match=r"t.jsonl:2: task id 'a' is taken by an earlier row"):
         read_task_file(write(tmp_path / "t.jsonl", good, good), ARITHMETIC)
-    with pytest.raises(ValueError, match=r"--field answr: arithmetic's tasks have the fields"):
+    with pytest.raises(ValueError, match=r"'answr' is no field of arithmetic's tasks; they have"):
         read_task_file(write(tmp_path / "t.jsonl", good), ARITHMETIC, {"answr": "x"})
     chat = good | {"prompt": [{"role": "user", "content": "2 + 3?"}]}
     with pytest.raises(ValueError, match=r"t.jsonl:1: the prompt \('prompt'\) must be a string"):
@@ -65,3 +69,47 @@ def test_a_task_file_that_cannot_be_read_as_tasks_is_refused_naming_the_line(
         read_task_file(tmp_path / "missing.jsonl", ARITHMETIC)
     with pytest.raises(ValueError, match=r"must look like NAME=COLUMN"):
         parse_fields(["prompt"])
+    with pytest.raises(ValueError, match=r"a task file is .jsonl or .parquet"):
+        read_task_file(write(tmp_path / "t.json", good), ARITHMETIC)
+
+
+def test_a_parquet_file_is_read_like_a_jsonl_one_and_its_errors_name_the_row(
+    tmp_path: Path,
+) -> None:
+    table = pa.table(
+        {
+            "question": ["2 + 3?", "4 * 6?"],
+            "expression": ["2 + 3", "4 * 6"],
+            "solution": [5, 24],
+        }
+    )
+    pq.write_table(table, tmp_path / "sums.parquet")
+    fields = {"prompt": "question", "answer": "solution"}
+    tasks = read_task_file(tmp_path / "sums.parquet", ARITHMETIC, fields)
+    assert [(t.id, t.prompt, t.reference) for t in tasks] == [
+        ("sums-1", "2 + 3?", {"expression": "2 + 3", "answer": 5}),
+        ("sums-2", "4 * 6?", {"expression": "4 * 6", "answer": 24}),
+    ]
+    # A null is a missing field: a Parquet column has a value in every row, or a null.
+    table = table.set_column(2, "solution", pa.array([5, None]))
+    pq.write_table(table, tmp_path / "holes.parquet")
+    with pytest.raises(ValueError, match=r"holes.parquet row 2: no field 'solution' \(the task's"):
+        read_task_file(tmp_path / "holes.parquet", ARITHMETIC, fields)
+    (tmp_path / "not.parquet").write_text("question,answer\n")
+    with pytest.raises(ValueError, match=r"cannot read task file .*not.parquet"):
+        read_task_file(tmp_path / "not.parquet", ARITHMETIC, fields)
+
+
+def test_a_task_file_is_played_in_epochs_each_a_new_seeded_order_with_ids_that_never_repeat(
+    tmp_path: Path,
+) -> None:
+    rows = [{"id": f"t{i}", "question": "?", "expression": "1", "answer": 1} for i in range(20)]
+    tasks = read_task_file(write(tmp_path / "t.jsonl", *rows), ARITHMETIC, {"prompt": "question"})
+    drawn = list(islice(looped_tasks(tasks, seed=0), 60))
+    epochs = [drawn[i : i + 20] for i in range(0, 60, 20)]
+    for epoch, played in enumerate(epochs):
+        assert sorted(t.id for t in played) == sorted(f"t{i}@{epoch}" for i in range(20))
+    orders = [[t.id.partition("@")[0] for t in played] for played in epochs]
+    assert len({tuple(order) for order in orders}) == 3  # each epoch shuffled anew
+    assert list(islice(looped_tasks(tasks, seed=0), 60)) == drawn  # a resume draws the same
+    assert list(islice(looped_tasks(tasks, seed=1), 20)) != drawn[:20]

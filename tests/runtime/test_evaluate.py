@@ -15,6 +15,7 @@ from tests.runtime import SMALL
 from venusrl import cli
 from venusrl.config import load_config
 from venusrl.engine.model_dir import init_model_dir
+from venusrl.envs.builtin.math_python import TASKS
 from venusrl.envs.tool_calls import parse_tool_calls
 from venusrl.runtime.evaluate import check_k, pass_at_k, resolve_model, summarize
 from venusrl.runtime.train import train
@@ -135,6 +136,11 @@ def test_an_unknown_environment_or_greedy_sampling_of_several_samples_is_refused
     assert "pass@3 needs at least 3 samples per task" in capsys.readouterr().err
     assert cli.main(["eval", str(model), "--field", "prompt=question"]) == 2
     assert "--field maps the fields of a --tasks file" in capsys.readouterr().err
+    tasks = ["--tasks", str(TASKS), "--env", "math_python"]
+    assert cli.main(["eval", str(model), *tasks, "--field", "answr=x"]) == 2
+    assert "--field: 'answr' is no field of math_python's tasks" in capsys.readouterr().err
+    assert cli.main(["eval", str(model), *tasks, "--env", "guess_number"]) == 2
+    assert "--tasks: guess_number makes its tasks in code" in capsys.readouterr().err
     mixed = "rollout.mix=[{env: treasure_hunt}, {env: guess_number}]"
     assert cli.main(["eval", str(model), mixed]) == 2
     assert "mixes environments (treasure_hunt, guess_number): choose one with --env" in (

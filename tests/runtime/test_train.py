@@ -26,6 +26,7 @@ from venusrl.coordinator.agent_loop import ChatFormat
 from venusrl.coordinator.coordinator import EpisodesFailing
 from venusrl.engine.model_dir import init_model_dir
 from venusrl.engine.tokenizer import CHATML_TEMPLATE, Tokenizer, build_byte_level_tokenizer
+from venusrl.envs.builtin.math_python import MathPython
 from venusrl.envs.pool import SandboxPool
 from venusrl.envs.types import GiB
 from venusrl.runtime.plots import plot_run
@@ -343,6 +344,94 @@ def test_a_run_trains_on_an_environment_of_the_users_own_named_by_its_file(
     assert all(r["prompt_id"].startswith("arith-") for r in records)
 
 
+def test_venusrl_train_plays_a_jsonl_task_file_resumes_in_it_and_eval_replays_it(
+    tmp_path: Path, warm_started_small: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows = [
+        {"key": f"sum-{i}", "question": f"What is {i} + {i * 7}?", "solution": 8 * i}
+        for i in range(6)
+    ]
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf/sums.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "conf/run.yaml").write_text(
+        "rollout:\n  env: math_python\n  tasks: sums.jsonl\n"
+        "  task_fields: {prompt: question, answer: solution, id: key}\n"
+    )
+    run = tmp_path / "run"
+    train_cmd = ["train", "--config", str(tmp_path / "conf/run.yaml"), "--run-dir", str(run)]
+    steps = ["run.steps=2", "run.checkpoint_every=1"]
+    assert cli.main([*train_cmd, *warm_started_small, *steps]) == 0, capsys.readouterr().err
+    metrics = list(read_metrics(run))
+    assert [m["step"] for m in metrics] == [0, 1]
+    assert sum(m["infra_failures"] for m in metrics) == 0
+    records = list(read_records(run))
+    assert len(records) == 2 * 2 * 2 and {r["env"] for r in records} == {"math_python"}
+    # Every group played a task of the file (its id column, then the epoch), none of the
+    # environment's shipped ones.
+    assert {r["prompt_id"].partition("@")[0] for r in records} <= {r["key"] for r in rows}
+    # A resumed run goes on through the file past the tasks it trained on (`consumed_tasks`).
+    capsys.readouterr()
+    resume = ["train", "--run-dir", str(run), "--resume", "run.steps=3"]
+    assert cli.main(resume) == 0, capsys.readouterr().err
+    groups = {(r["group_id"], r["prompt_id"]) for r in read_records(run)}
+    assert len(groups) == 3 * 2 and len({task for _, task in groups}) == 3 * 2
+    capsys.readouterr()
+    # `venusrl eval` of the run plays the run's own task file, in the file's order.
+    assert cli.main(["eval", str(run), "--episodes", "2", "--greedy", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["task_file"] == str(tmp_path / "conf/sums.jsonl")
+    assert report["env"] == "math_python" and report["tasks"] == 2
+
+
+def test_a_task_file_row_the_environment_cannot_take_stops_train_naming_file_row_and_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    good = {"question": "What is 2 + 2?", "solution": 4}
+    file = tmp_path / "sums.jsonl"
+    file.write_text(json.dumps(good) + "\n" + json.dumps({"question": "2 + 3?"}) + "\n")
+    keys = [
+        "rollout.env=math_python",
+        f"rollout.tasks={file}",
+        "rollout.task_fields={prompt: question, answer: solution}",
+    ]
+    run = tmp_path / "run"
+    assert cli.main(["train", "--run-dir", str(run), *SMALL, *keys]) == 2
+    err = capsys.readouterr().err
+    assert f"{file}:2: no field 'solution' (the task's answer;" in err
+    assert not run.exists()  # refused before the run directory is made
+
+
+def test_a_mix_trains_each_environment_on_its_own_task_file_jsonl_and_parquet(
+    tmp_path: Path, warm_started_small: list[str]
+) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "custom_env" / "arithmetic.py"
+    sums = {
+        "question": [f"{i} + 1?" for i in range(4)],
+        "expression": [f"{i} + 1" for i in range(4)],
+    }
+    pq.write_table(
+        pa.table(sums | {"answer": [i + 1 for i in range(4)]}), tmp_path / "sums.parquet"
+    )
+    math_rows = [{"id": f"m{i}", "prompt": f"What is {i} * 3?", "answer": 3 * i} for i in range(4)]
+    (tmp_path / "math.jsonl").write_text("".join(json.dumps(r) + "\n" for r in math_rows))
+    mix = (
+        f"rollout.mix=[{{env: math_python, tasks: {tmp_path}/math.jsonl}},"
+        f" {{env: '{example}:Arithmetic', tasks: {tmp_path}/sums.parquet,"
+        " task_fields: {prompt: question}}]"
+    )
+    cfg = load_config(None, [*warm_started_small, mix, "run.steps=3"])
+    metrics = asyncio.run(train(cfg, tmp_path / "run"))
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    played = {(r["env"], r["prompt_id"].partition("@")[0]) for r in read_records(tmp_path / "run")}
+    assert {env for env, _ in played} == {"math_python", "arithmetic"}
+    # Each environment's groups played its own file's tasks: the math ids, the parquet's rows.
+    assert {i for env, i in played if env == "math_python"} <= {r["id"] for r in math_rows}
+    assert {i for env, i in played if env == "arithmetic"} <= {f"sums-{n}" for n in range(1, 5)}
+
+
 def test_a_mix_with_a_subclass_of_a_builtin_shares_the_builtins_template(tmp_path: Path) -> None:
     own = tmp_path / "own_guess.py"
     own.write_text(
@@ -463,6 +552,31 @@ def test_a_warm_start_with_no_demonstrator_in_the_mix_is_refused() -> None:
 
     with pytest.raises(ValueError, match="no demonstrator for swe_mini"):
         asyncio.run(warm_start())
+
+
+def test_the_warm_start_plays_the_programs_of_a_task_file_and_needs_them(tmp_path: Path) -> None:
+    rows = [{"prompt": f"What is {i} cubed?", "answer": i**3} for i in range(3)]
+    programs = [r | {"program": f"print({i} ** 3)"} for i, r in enumerate(rows)]
+    (tmp_path / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "programs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in programs))
+    chat = ChatFormat(
+        Tokenizer(
+            build_byte_level_tokenizer(), chat_template=CHATML_TEMPLATE, eos_token="<|im_end|>"
+        )
+    )
+
+    async def warm_start(file: str) -> list:
+        tasks = ["rollout.env=math_python", f"rollout.tasks={tmp_path / file}"]
+        cfg = load_config(None, [*SMALL, *tasks, "run.warm_start_episodes=6"])
+        roomy = cfg.rollout.model_copy(update={"max_tokens_per_turn": 256, "max_context": 4096})
+        async with SandboxPool(int(cfg.sandbox.memory_budget_gib * GiB)) as pool:
+            await pool.prepare_template(MathPython.template)
+            return await play_demonstrations(cfg, environment_mix(cfg), pool, chat, roomy)
+
+    demos = asyncio.run(warm_start("programs.jsonl"))
+    assert len(demos) == 6 and all(d.reward == 1.0 and d.tool_calls == 1 for d in demos)
+    with pytest.raises(ValueError, match="no demonstrator for math_python"):
+        asyncio.run(warm_start("answers.jsonl"))  # a file of answers only: RL alone
 
 
 def test_admission_control_bounds_the_episodes_running_at_once(

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from venusrl.envs.loading import canonical_reference, environment_class
+from venusrl.envs.task_file import SUFFIXES, check_fields
 from venusrl.envs.types import TemplateSpec
 from venusrl.policy.staleness import StalenessBound
 from venusrl.sections import Section
@@ -23,6 +25,38 @@ def _environment(reference: str) -> str:
 EnvName = Annotated[str, AfterValidator(_environment)]
 
 
+def _task_file(path: str | None) -> str | None:
+    """A task file's path, made absolute (a run resumed from elsewhere reads the same file);
+    its rows are read, and their errors named, when the run starts (`runtime.roles`)."""
+    if path is None:
+        return None
+    absolute = Path(path).expanduser().resolve()
+    if absolute.suffix not in SUFFIXES:
+        raise ValueError(f"{path}: a task file is {' or '.join(SUFFIXES)}")
+    if not absolute.is_file():
+        raise ValueError(f"{path}: no such file (a relative path is read from {Path.cwd()})")
+    return str(absolute)
+
+
+TaskFile = Annotated[str | None, AfterValidator(_task_file)]
+TASKS_DESCRIPTION = (
+    "a .jsonl or .parquet file of tasks, played in epochs in a seeded order, for an environment"
+    " that declares `reference_fields` (math_python: prompt, answer); None: its own tasks(seed)"
+)
+FIELDS_DESCRIPTION = "the task's fields read from other columns of the file: {prompt: question}"
+
+
+def _check_task_source(env: str, tasks: str | None, fields: dict[str, str]) -> None:
+    if fields and tasks is None:
+        raise ValueError("task_fields maps the columns of a task file: give `tasks` too")
+    if tasks is not None:
+        try:
+            check_fields(environment_class(env), fields)
+        except ValueError as e:
+            takes_files = environment_class(env).reference_fields is not None
+            raise ValueError(f"{'task_fields' if takes_files else 'tasks'}: {e}") from None
+
+
 class MixEntry(Section):
     """One environment of a mixed run (`rollout.mix`)."""
 
@@ -30,6 +64,13 @@ class MixEntry(Section):
     weight: float = Field(1.0, gt=0, description="share of the groups, relative to the others")
     group_size: int | None = Field(None, ge=2, description="K; default rollout.group_size")
     max_turns: int | None = Field(None, ge=1, description="turn cap; default the environment's")
+    tasks: TaskFile = Field(None, description=TASKS_DESCRIPTION)
+    task_fields: dict[str, str] = Field(default_factory=dict, description=FIELDS_DESCRIPTION)
+
+    @model_validator(mode="after")
+    def _task_source(self) -> MixEntry:
+        _check_task_source(self.env, self.tasks, self.task_fields)
+        return self
 
 
 class RolloutConfig(Section):
@@ -44,6 +85,9 @@ class RolloutConfig(Section):
         default_factory=list,
         description="several environments in one run, each group drawing one by weight",
     )
+    # Where tasks come from (issue 33); `rollout.mix` entries take the same two keys.
+    tasks: TaskFile = Field(None, description=TASKS_DESCRIPTION + "; with `env`, not `mix`")
+    task_fields: dict[str, str] = Field(default_factory=dict, description=FIELDS_DESCRIPTION)
     group_size: int = Field(8, ge=2, description="K trajectories per task (GRPO group)")
     batch_groups: int = Field(4, ge=1, description="B complete groups per trainer step")
     max_staleness: int = Field(1, ge=0, description="0 = synchronous on-policy")
@@ -104,6 +148,15 @@ class RolloutConfig(Section):
     @model_validator(mode="after")
     def _staleness_bound(self) -> RolloutConfig:
         StalenessBound(self.batch_groups, self.max_staleness, self.max_train_staleness)
+        return self
+
+    @model_validator(mode="after")
+    def _task_source(self) -> RolloutConfig:
+        if self.mix and (self.tasks or self.task_fields):
+            raise ValueError(
+                "rollout.tasks goes with rollout.env: in a mix, give each entry its own `tasks`"
+            )
+        _check_task_source(self.env, self.tasks, self.task_fields)
         return self
 
     @field_validator("mix")

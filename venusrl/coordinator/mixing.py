@@ -2,7 +2,9 @@
 
 Each environment of the mix has a weight, a group size K and optionally its own turn cap. Groups
 draw their environment at random in proportion to the weights, from one seeded stream, so a
-resumed run that skips the tasks it already trained on sees the same sequence again.
+resumed run that skips the tasks it already trained on sees the same sequence again. An
+environment plays the tasks of a file when its share has them (`rollout.tasks`), else its own
+`tasks(seed)`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Container, Iterator, Sequence
 from dataclasses import dataclass
 
 from venusrl.envs.environment import Environment, Task
+from venusrl.envs.task_file import looped_tasks
 
 
 @dataclass(frozen=True)
@@ -20,6 +23,7 @@ class EnvShare:
     weight: float
     group_size: int
     max_turns: int | None = None  # None: the environment's own cap
+    tasks: tuple[Task, ...] | None = None  # a task file's, played in epochs; None: env.tasks
 
     def __post_init__(self) -> None:
         if not self.weight > 0:
@@ -28,6 +32,8 @@ class EnvShare:
             raise ValueError(f"{self.env.name}: a group needs K >= 2, got {self.group_size}")
         if self.max_turns is not None and self.max_turns < 1:
             raise ValueError(f"{self.env.name}: max_turns must be >= 1, got {self.max_turns}")
+        if self.tasks is not None and not self.tasks:
+            raise ValueError(f"{self.env.name}: a task file must hold a task")
 
     def environment(self) -> type[Environment]:
         """The environment class with this share's turn cap."""
@@ -57,7 +63,7 @@ def mixed_tasks(
     if len(set(names)) != len(names):
         raise ValueError(f"an environment appears twice in the mix: {names}")
     rng = random.Random(seed)
-    streams = [task_stream(share.env, seed) for share in mix]
+    streams = [task_stream(share, seed) for share in mix]
     envs = [share.environment() for share in mix]
     weights = [share.weight for share in mix]
     drawn: set[str] = set()
@@ -79,7 +85,14 @@ def task_key(env: str, task_id: str) -> str:
     return f"{env}/{task_id}"
 
 
-def task_stream(env: type[Environment], seed: int) -> Iterator[Task]:
+def task_stream(share: EnvShare, seed: int) -> Iterator[Task]:
+    """The share's task file in epochs, or its environment's `tasks(seed)`."""
+    if share.tasks is not None:
+        return looped_tasks(share.tasks, seed)
+    return _checked_tasks(share.env, seed)
+
+
+def _checked_tasks(env: type[Environment], seed: int) -> Iterator[Task]:
     """`env.tasks(seed)`, checked as it is drawn: tasks, and no end."""
     for task in env.tasks(seed):
         if not isinstance(task, Task):

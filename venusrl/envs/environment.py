@@ -184,6 +184,9 @@ class Environment(ABC):
     # The `reference` keys a task read from a file gives (`envs/task_file.py`), beside its id and
     # prompt; None: the tasks are made in code only (`tasks`).
     reference_fields: ClassVar[tuple[str, ...] | None] = None
+    # `reference` keys a file's task may give, read when its row has them (a worked solution
+    # the demonstrator plays): a file without them still trains.
+    optional_fields: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, task: Task, sandbox: SandboxVerbs) -> None:
         self.task = task
@@ -208,6 +211,12 @@ class Environment(ABC):
         if not r.ok:
             raise RuntimeError(f"{self.name}: reading the sandbox's state failed: {r.text()}")
         return 1.0 if r.stdout.strip() == b"True" else 0.0
+
+    @classmethod
+    def reference_problem(cls, reference: Mapping[str, Any]) -> str | None:
+        """What is wrong with the `reference` of a task read from a file (an answer that is no
+        number), or None: said when the file is read, naming its line, not by every reward."""
+        return None
 
     @classmethod
     def demonstrator(cls, task: Task, seed: int) -> Callable[[str], str] | None:

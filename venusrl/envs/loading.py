@@ -115,10 +115,13 @@ def _check_class(reference: str, cls: object) -> None:
         isinstance(fields, tuple) and all(isinstance(f, str) and f for f in fields)
     ):
         problems.append("`reference_fields` must be None or a tuple of field names")
+    optional = getattr(cls, "optional_fields", None)
+    if not (isinstance(optional, tuple) and all(isinstance(f, str) and f for f in optional)):
+        problems.append("`optional_fields` must be a tuple of field names")
     for method in ("reset", "step", "reward"):
         if not inspect.iscoroutinefunction(getattr(cls, method)):
             problems.append(f"`{method}` must be an async method")
-    for method in ("tasks", "demonstrator"):
+    for method in ("tasks", "demonstrator", "reference_problem"):
         if not isinstance(inspect.getattr_static(cls, method), classmethod):
             problems.append(f"`{method}` must be a classmethod")
     if problems:

@@ -23,6 +23,7 @@ from venusrl.envs.environment import Environment
 from venusrl.envs.loading import environment_class
 from venusrl.envs.pool import SandboxPool
 from venusrl.envs.service import SandboxSource
+from venusrl.envs.task_file import read_task_file
 from venusrl.envs.types import GiB
 from venusrl.policy.agent_admission import AimdAdmission
 from venusrl.runtime.engines import LocalEngine, ServedEngine
@@ -49,13 +50,19 @@ class RolloutEngine(Protocol):
 
 
 def environment_mix(cfg: Config) -> list[EnvShare]:
-    """The run's environments: `rollout.mix`, or `rollout.env` alone."""
+    """The run's environments: `rollout.mix`, or `rollout.env` alone, each with its task file's
+    tasks read (`ValueError` naming the file, the row and the field at fault)."""
     r = cfg.rollout
-    entries = r.mix or [MixEntry(env=r.env)]
-    return [
-        EnvShare(environment_class(e.env), e.weight, e.group_size or r.group_size, e.max_turns)
-        for e in entries
-    ]
+    entries = r.mix or [MixEntry(env=r.env, tasks=r.tasks, task_fields=r.task_fields)]
+    shares = []
+    for e in entries:
+        env = environment_class(e.env)
+        tasks = (
+            None if e.tasks is None else tuple(read_task_file(Path(e.tasks), env, e.task_fields))
+        )
+        group_size = e.group_size or r.group_size
+        shares.append(EnvShare(env, e.weight, group_size, e.max_turns, tasks))
+    return shares
 
 
 @dataclass

@@ -67,13 +67,13 @@ async def train(
     # default: more threads than cores makes both several times slower (MEASURED.md).
     torch.set_num_threads(cfg.engine.threads or 1)
     say = on_message or (lambda message: log.warning("%s", message))
+    mix = environment_mix(cfg)  # task files read first: a bad row leaves no run directory
     start = prepare_run_dir(cfg, run_dir, resume, say)
     if cfg.rollout.temperature == 0:
         say(
             "rollout.temperature=0 samples greedily: the members of a group act alike wherever"
             " their environment does, and GRPO learns only from groups whose rewards differ"
         )
-    mix = environment_mix(cfg)
     sampling = SamplingParams(temperature=cfg.rollout.temperature, seed=None)
     with _trainer_thread() as on_trainer:
         async with contextlib.AsyncExitStack() as stack:

@@ -112,7 +112,7 @@ async def play_demonstrations(
     with_demos: list[tuple[float, list[tuple[type[Environment], Task]]]] = []
     for share in mix:
         env = share.environment()
-        tasks = list(itertools.islice(task_stream(env, cfg.run.seed + 7919), n_tasks))
+        tasks = list(itertools.islice(task_stream(share, cfg.run.seed + 7919), n_tasks))
         if tasks and env.demonstrator(tasks[0], cfg.run.seed) is not None:
             with_demos.append((share.weight, [(env, t) for t in tasks]))
     if not with_demos:
