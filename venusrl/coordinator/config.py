@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from venusrl.envs.loading import canonical_reference, environment_class
+from venusrl.envs.tool_formats import tool_parser
 from venusrl.envs.types import TemplateSpec
 from venusrl.policy.staleness import StalenessBound
 from venusrl.sections import Section
@@ -21,6 +22,12 @@ def _environment(reference: str) -> str:
 
 
 EnvName = Annotated[str, AfterValidator(_environment)]
+
+
+def _tool_parser(name: str) -> str:
+    if name != "auto":
+        tool_parser(name)  # an unknown name is an error that lists the known ones
+    return name
 
 
 class MixEntry(Section):
@@ -56,6 +63,12 @@ class RolloutConfig(Section):
     )
     max_infra_retries: int = Field(2, ge=0, description="replacement members per group")
     priorities: Literal["critical", "fifo"] = "critical"
+    tool_parser: Annotated[str, AfterValidator(_tool_parser)] = Field(
+        "auto",
+        description="how the model writes tool calls: hermes (Qwen2.5/Qwen3 <tool_call> JSON),"
+        " qwen3_coder (Qwen3-Coder XML), llama3_json (Llama 3.1/3.2), or auto: the one the"
+        " model's chat template shows, hermes when it shows none",
+    )
     temperature: float = Field(1.0, ge=0)
     max_tokens_per_turn: int = Field(24, ge=1)
     max_context: int = Field(1024, ge=16)
