@@ -7,6 +7,7 @@ qwen3_coder.jinja: Qwen3-Coder's; llama3_1.jinja: Llama 3.1 Instruct's.
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ def byte_level(name: str) -> HFTokenizer:
     return tok
 
 
+@cache  # not changed by its users: one per model for the whole session
 def tokenizer(name: str) -> Tokenizer:
     bos, eos, _ = MODELS[name]
     return Tokenizer(
@@ -57,6 +59,7 @@ def tokenizer(name: str) -> Tokenizer:
     )
 
 
+@cache
 def transformers_tokenizer(name: str) -> Any:
     """The same tokenizer and template in transformers (a dev dependency only)."""
     from transformers import PreTrainedTokenizerFast

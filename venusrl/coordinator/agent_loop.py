@@ -126,9 +126,8 @@ class ChatFormat:
             )
 
         marked = rendered(None)
-        if [marked.find(mark) for mark in marks] != sorted(
-            {marked.find(mark) for mark in marks}
-        ) or any(marked.count(mark) != 1 for mark in marks):
+        where = [marked.find(mark) for mark in marks]
+        if any(marked.count(mark) != 1 for mark in marks) or where != sorted(where):
             return tok.encode(text)  # the template drops, repeats or reorders contents
         pieces = re.split("|".join(marks), marked)
         written = contents
@@ -136,11 +135,8 @@ class ChatFormat:
             # The template rewrites contents (Llama 3.1 writes a tool's as JSON): each as it
             # renders it, between the markup before and after its mark.
             written = []
-            for i in range(len(contents)):
-                one = rendered(i)
-                before = "".join(p + m for p, m in zip(pieces[:i], marks, strict=False)) + pieces[i]
-                after = "".join(m + p for m, p in zip(marks[i + 1 :], pieces[i + 2 :], strict=True))
-                after = pieces[i + 1] + after
+            for i, at in enumerate(where):
+                one, before, after = rendered(i), marked[:at], marked[at + 1 :]
                 if not (one.startswith(before) and one.endswith(after)):
                     return tok.encode(text)
                 written.append(one[len(before) : len(one) - len(after)])
