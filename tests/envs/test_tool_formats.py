@@ -379,3 +379,11 @@ def test_a_response_is_capped_and_keeps_both_ends(content: str, max_chars: int):
     else:
         assert f"[... {len(content) - max_chars} characters cut ...]" in response
         assert content[: max_chars // 2] in response and content[-(max_chars // 2) :] in response
+
+
+def test_a_template_with_tools_in_an_unknown_format_is_read_as_hermes_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    mistral = "{% if tools %}[AVAILABLE_TOOLS]{{ tools|tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    assert resolve_tool_parser("auto", mistral).name == "hermes"
+    assert "set rollout.tool_parser" in caplog.text

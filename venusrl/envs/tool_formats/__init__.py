@@ -7,6 +7,8 @@ names the one a chat template teaches, read from the template's own text. A run 
 
 from __future__ import annotations
 
+import logging
+
 from venusrl.envs.tool_formats.base import ParsedCall, ToolParser
 from venusrl.envs.tool_formats.hermes import Hermes
 from venusrl.envs.tool_formats.llama3_json import Llama3Json
@@ -21,6 +23,7 @@ __all__ = [
     "tool_parser",
 ]
 
+log = logging.getLogger(__name__)
 TOOL_PARSERS: dict[str, ToolParser] = {p.name: p for p in (Hermes(), Qwen3Coder(), Llama3Json())}
 
 
@@ -50,4 +53,14 @@ def resolve_tool_parser(setting: str, chat_template: str | None) -> ToolParser:
     format (`detect_tool_parser`), Hermes where the template shows none."""
     if setting != "auto":
         return tool_parser(setting)
-    return tool_parser(detect_tool_parser(chat_template or "") or "hermes")
+    detected = detect_tool_parser(chat_template or "")
+    if detected is None and chat_template and "tools" in chat_template:
+        # A template that renders tools in a format of its own (Mistral's [TOOL_CALLS], ...):
+        # its model's calls would all read as plain answers.
+        log.warning(
+            "the chat template renders tools in a format none of the tool parsers (%s) reads;"
+            " tool calls are read as hermes: set rollout.tool_parser if the model writes them"
+            " otherwise",
+            ", ".join(TOOL_PARSERS),
+        )
+    return tool_parser(detected or "hermes")
