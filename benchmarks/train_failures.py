@@ -36,7 +36,8 @@ from venusrl.config import load_config  # noqa: E402
 from venusrl.coordinator.agent_loop import ChatFormat  # noqa: E402
 from venusrl.engine.tokenizer import Tokenizer  # noqa: E402
 from venusrl.envs.builtin.guess_number import MAX_GUESSES, GuessNumber, N  # noqa: E402
-from venusrl.envs.tool_calls import ToolCall, parse_tool_calls  # noqa: E402
+from venusrl.envs.tool_calls import ToolCall  # noqa: E402
+from venusrl.envs.tool_formats import tool_parser  # noqa: E402
 from venusrl.runtime.evaluate import evaluation_tasks, play_policy  # noqa: E402
 from venusrl.types import Trajectory  # noqa: E402
 
@@ -63,7 +64,7 @@ def classify(turns: list[str], secret: int) -> tuple[str, int]:
     """(kind, guess number) of a lost episode's first departure from binary search."""
     low, high = 1, N
     for depth, text in enumerate(turns, 1):
-        calls = parse_tool_calls(text)
+        calls = tool_parser("hermes").parse(text)  # the CPU example's format
         if not calls:
             return "no_guess", depth
         call = calls[0]

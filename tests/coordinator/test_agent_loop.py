@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests import chat_templates
+from tests.chat_templates import MODELS
 from venusrl.config import load_config
 from venusrl.coordinator.agent_loop import ChatFormat, run_episode
 from venusrl.coordinator.config import RolloutConfig
@@ -25,7 +27,7 @@ from venusrl.engine.model_dir import init_model_dir
 from venusrl.engine.tokenizer import Tokenizer
 from venusrl.envs import SandboxPool
 from venusrl.envs.builtin.guess_number import BinarySearchExpert, GuessNumber
-from venusrl.envs.environment import TOOL_OVERRUN_GRACE_S, SandboxVerbs, Tool
+from venusrl.envs.environment import TOOL_OVERRUN_GRACE_S, SandboxVerbs, StepResult, Tool
 from venusrl.envs.tool_calls import format_tool_call
 from venusrl.policy.critical_groups import BEST_EFFORT, HIGH
 from venusrl.types import (
@@ -392,3 +394,76 @@ def test_a_group_re_ranked_to_high_priority_has_its_waiting_sandbox_admitted_fir
             assert rollouts.groups == {}
 
     asyncio.run(main())
+
+
+class Recorded(GuessNumber):
+    """GuessNumber that keeps what each step answered."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.results: list[StepResult] = []
+
+    async def step(self, action_text: str) -> StepResult:
+        result = await super().step(action_text)
+        self.results.append(result)
+        return result
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_trained_tokens_are_the_engines_own_even_where_re_encoding_would_differ(
+    model: str,
+) -> None:
+    """Each turn's ids are a tokenisation of its text the tokenizer would never produce (a word
+    cut in two): the record holds them as sampled, with the template's tool messages between
+    them, and decodes to the conversation transformers renders on the model's own template."""
+    tok = chat_templates.tokenizer(model)
+    fmt = ChatFormat(tok)
+    said = [fmt.tool_parser.format_call("guess", {"n": n}) for n in (50, 25)] + ["I guessed it."]
+    sampled = []
+    for text in said:
+        cut = text.find("guess") + 2
+        ids = tok.encode(text[:cut]) + tok.encode(text[cut:]) + list(tok.eos_token_ids)
+        assert tok.encode(tok.decode(ids, skip_special_tokens=False)) != ids
+        sampled.append(ids)
+    sent: list[list[int]] = []
+
+    async def engine(prompt: list[int], params: SamplingParams, meta: TurnMeta) -> GenerationOutput:
+        ids = sampled[len(sent)]
+        sent.append(prompt)
+        return GenerationOutput("r", prompt, ids, [-1.0] * len(ids), [0] * len(ids), "stop", 0)
+
+    task = next(GuessNumber.tasks(seed=3))
+
+    async def main() -> tuple[Trajectory, Recorded]:
+        async with SandboxPool(memory_budget_bytes=2 << 30) as pool:
+            await pool.prepare_template(GuessNumber.template)
+            env = Recorded(task, await pool.create(GuessNumber.template.name, setup=task.setup))
+            limits = RolloutConfig(max_context=8192, max_tokens_per_turn=512)
+            traj = await run_episode(env, engine, fmt, SamplingParams(), limits, "t", "g", "p")
+            return traj, env
+
+    traj, env = asyncio.run(main())
+    assert traj.finish is Finish.DONE and traj.tool_calls == 2
+    starts = [*traj.turn_starts, len(traj.token_ids)]
+    for out, start in zip(sampled, starts, strict=False):
+        assert traj.token_ids[start : start + len(out)] == out
+        assert traj.mask[start : start + len(out)] == [1] * len(out)
+    assert sum(traj.mask) == sum(map(len, sampled))
+    assert traj.token_ids[-len(sampled[-1]) :] == sampled[-1]
+    # Between the turns: the template's tool messages carrying the sandbox's answers.
+    answers = [r.tool_responses for r in env.results[:-1]]
+    assert all(len(a) == 1 and a[0].startswith(("higher:", "lower:")) for a in answers)
+    conversation: list[dict[str, Any]] = [
+        {"role": "system", "content": GuessNumber.instructions},
+        {"role": "user", "content": task.prompt},
+    ]
+    for text, responses in zip(said, answers, strict=False):
+        conversation.append({"role": "assistant", "content": text})
+        conversation += [{"role": "tool", "content": r} for r in responses]
+    expected = chat_templates.transformers_tokenizer(model).apply_chat_template(
+        conversation,
+        tools=[{"type": "function", "function": s} for s in GuessNumber.tool_schemas()],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert tok.decode(traj.token_ids[: traj.turn_starts[-1]], skip_special_tokens=False) == expected

@@ -1,4 +1,4 @@
-"""The tool-call format, and how an environment answers each call, good or bad.
+"""How an environment answers each tool call, good or bad (the formats: test_tool_formats.py).
 
 The environment tests here run against an in-process stand-in for a sandbox (no root needed); the
 built-in environments are played against the real pool in test_builtin_envs.py.
@@ -15,135 +15,14 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from venusrl.envs.environment import Environment, SandboxVerbs, Task, Tool
-from venusrl.envs.tool_calls import (
-    ToolCall,
-    ToolCallError,
-    format_tool_response,
-    parse_tool_calls,
-    render_tool_prompt,
-)
+from venusrl.envs.tool_formats import tool_parser
 from venusrl.envs.types import ExecResult, SandboxCrashed, SandboxError, TemplateSpec
 
 
 def call(name: str, **arguments: Any) -> str:
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
-
-
-def only_error(text: str) -> str:
-    [parsed] = parse_tool_calls(text)
-    assert isinstance(parsed, ToolCallError), parsed
-    return parsed.message
-
-
-# --- parsing ---------------------------------------------------------------------------------
-
-
-def test_one_call_with_arguments_is_parsed():
-    assert parse_tool_calls(f"Let me try 50.\n{call('guess', n=50)}") == [
-        ToolCall("guess", {"n": 50})
-    ]
-
-
-def test_several_calls_in_one_turn_keep_their_order():
-    text = f"{call('write_file', path='a', content='x')} then {call('bash', command='cat a')}"
-    assert parse_tool_calls(text) == [
-        ToolCall("write_file", {"path": "a", "content": "x"}),
-        ToolCall("bash", {"command": "cat a"}),
-    ]
-
-
-def test_missing_arguments_mean_none():
-    assert parse_tool_calls('<tool_call>{"name": "status"}</tool_call>') == [ToolCall("status")]
-
-
-def test_text_without_tool_call_tags_has_no_calls():
-    assert parse_tool_calls('The answer is 42. {"name": "guess", "arguments": {}}') == []
-
-
-def test_unclosed_tag_is_an_error_that_says_so():
-    assert "not closed" in only_error('<tool_call>{"name": "guess", "arguments": {"n": 5}}')
-
-
-def test_a_tag_left_open_before_the_next_call_does_not_swallow_it():
-    parsed = parse_tool_calls(f'<tool_call>{{"name": "guess"\n{call("guess", n=7)}')
-    assert isinstance(parsed[0], ToolCallError) and "before the next <tool_call>" in (
-        parsed[0].message
-    )
-    assert parsed[1:] == [ToolCall("guess", {"n": 7})]
-
-
-def test_closing_tag_without_opening_is_an_error():
-    assert "has no <tool_call> before it" in only_error('{"name": "guess"}</tool_call>')
-
-
-def test_invalid_json_error_gives_the_position():
-    # Lines count from the one holding <tool_call>, as the model wrote them.
-    message = only_error('<tool_call>\n{"name": "guess" "arguments": {"n": 5}}\n</tool_call>')
-    assert message == "tool call #1: invalid JSON at line 2 column 18: Expecting ',' delimiter"
-
-
-def test_body_that_is_not_an_object_is_an_error():
-    assert "got an array" in only_error("<tool_call>[1, 2]</tool_call>")
-
-
-@pytest.mark.parametrize("body", ['{"arguments": {}}', '{"name": ""}', '{"name": 3}'])
-def test_missing_or_bad_name_is_an_error(body: str):
-    assert '"name" must be a non-empty string' in only_error(f"<tool_call>{body}</tool_call>")
-
-
-def test_arguments_that_are_not_an_object_are_an_error():
-    message = only_error('<tool_call>{"name": "guess", "arguments": "{\\"n\\": 5}"}</tool_call>')
-    assert '"arguments" must be a JSON object, got a string' in message
-
-
-def test_unexpected_keys_are_an_error():
-    message = only_error('<tool_call>{"name": "guess", "arguments": {}, "id": 1}</tool_call>')
-    assert "unexpected keys ['id']" in message
-
-
-@pytest.mark.parametrize("body", ["[" * 100_000, "1" * 5_000])
-def test_pathological_json_is_an_error_not_an_exception(body: str):
-    assert "invalid JSON" in only_error(f"<tool_call>{body}</tool_call>")
-
-
-def test_errors_are_numbered_and_keep_the_offending_text():
-    parsed = parse_tool_calls(f"{call('guess', n=1)}<tool_call>nope</tool_call>")
-    assert isinstance(parsed[1], ToolCallError)
-    assert parsed[1].message.startswith("tool call #2:")
-    assert parsed[1].text == "<tool_call>nope</tool_call>"
-
-
-_TAGGY_TEXT = st.lists(
-    st.sampled_from(["<tool_call>", "</tool_call>", '{"name": "f", "arguments": {}}', "{", "}"])
-    | st.text(max_size=20)
-).map("".join)
-
-
-@given(_TAGGY_TEXT)
-def test_any_text_parses_without_raising(text: str):
-    for parsed in parse_tool_calls(text):
-        assert isinstance(parsed, ToolCall | ToolCallError)
-
-
-@given(st.text(max_size=300), st.integers(min_value=10, max_value=200))
-def test_a_response_is_capped_and_keeps_both_ends(content: str, max_chars: int):
-    response = format_tool_response(content, max_chars)
-    assert response.startswith("<tool_response>\n") and response.endswith("\n</tool_response>")
-    if len(content) <= max_chars:
-        assert response == f"<tool_response>\n{content}\n</tool_response>"
-    else:
-        assert f"[... {len(content) - max_chars} characters cut ...]" in response
-        assert content[: max_chars // 2] in response and content[-(max_chars // 2) :] in response
-
-
-def test_tool_prompt_lists_each_function_and_the_call_format():
-    prompt = render_tool_prompt([{"name": "guess", "description": "d", "parameters": {}}])
-    assert '{"type": "function", "function": {"name": "guess"' in prompt
-    assert '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}' in prompt
 
 
 # --- how an environment answers calls (in-process stand-in for a sandbox) ----------------------
@@ -247,12 +126,22 @@ def toolbox() -> Toolbox:
     return Toolbox(Task(id="t", prompt="Go."), InProcessSandbox(_SETUP))
 
 
-def test_reset_gives_system_prompt_with_every_tool_then_the_task():
+def test_reset_gives_the_instructions_then_the_task_and_the_tools_apart():
+    """The tools go to the chat template (or its system message) beside the messages."""
     system, user = asyncio.run(toolbox().reset())
-    assert system["role"] == "system" and system["content"].startswith("Use the tools.")
-    for tool in Toolbox.tools:
-        assert f'"name": "{tool.name}"' in system["content"]
+    assert system == {"role": "system", "content": "Use the tools."}
     assert user == {"role": "user", "content": "Go."}
+    assert [t["name"] for t in Toolbox.tool_schemas()] == [t.name for t in Toolbox.tools]
+
+
+def test_an_environment_reads_calls_in_the_format_it_is_given_typed_by_its_tools():
+    env = toolbox()
+    env.tool_parser = tool_parser("qwen3_coder")
+    turn = env.tool_parser.format_call("echo", {"text": "ab", "times": 2})
+    assert "<parameter=times>\n2\n</parameter>" in turn  # text, converted by the schema
+    result = asyncio.run(env.step(turn))
+    assert result.tool_responses == ("abab",)
+    assert result.observation == "<tool_response>\nabab\n</tool_response>"
 
 
 def test_python_tool_results_come_back_as_text_or_json_in_call_order():
@@ -263,6 +152,7 @@ def test_python_tool_results_come_back_as_text_or_json_in_call_order():
         '<tool_response>\nabab\n</tool_response>\n<tool_response>\n{"n": 2, "sum": 3}\n'
         "</tool_response>"
     )
+    assert result.tool_responses == ("abab", '{"n": 2, "sum": 3}')
     assert not result.done
     assert result.info == {"tool_calls": 2, "tool_errors": 0, "truncated": False}
 

@@ -16,7 +16,7 @@ from venusrl import cli
 from venusrl.config import load_config
 from venusrl.engine.model_dir import init_model_dir
 from venusrl.envs.builtin.math_python import TASKS
-from venusrl.envs.tool_calls import parse_tool_calls
+from venusrl.envs.tool_formats import tool_parser
 from venusrl.runtime.evaluate import check_k, pass_at_k, resolve_model, summarize
 from venusrl.runtime.train import train
 from venusrl.types import Failure, FailureKind, Finish, Trajectory
@@ -171,7 +171,7 @@ def test_eval_prints_pass_at_k_and_writes_transcripts_holding_the_tool_calls(
         # The transcript holds the very calls the environment counted (malformed ones too),
         # each model turn as the model wrote it, and the tools' answers after them.
         turns = [p["text"] for p in r["transcript"] if p["role"] == "model"]
-        assert sum(len(parse_tool_calls(t)) for t in turns) == r["tool_calls"], turns
+        assert sum(len(tool_parser("hermes").parse(t)) for t in turns) == r["tool_calls"], turns
         if r["tool_calls"]:
             assert any("<tool_response>" in p["text"] for p in r["transcript"][2:])
 

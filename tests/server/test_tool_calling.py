@@ -26,14 +26,9 @@ from venusrl.engine.tokenizer import (
     build_byte_level_tokenizer,
     write_byte_level_tokenizer,
 )
+from venusrl.envs.tool_formats import tool_parser
 from venusrl.server.bodies import ChatBody
-from venusrl.server.tool_calling import (
-    CallRules,
-    CallWatch,
-    knows_tools,
-    template_input,
-    tool_parser,
-)
+from venusrl.server.tool_calling import CallRules, CallWatch, template_input
 from venusrl.trainer.checkpoint import write_model_dir
 from venusrl.trainer.config import TrainerConfig
 from venusrl.trainer.trainer import GRPOTrainer
@@ -151,7 +146,7 @@ def served(
 def written_by_hand(tok: Tokenizer, call_id: str) -> list[int]:
     """The prompt after the call, rendered here without the server's code: Hugging Face's inputs
     for a template that knows tools, Qwen's Hermes text for one that does not."""
-    if knows_tools(tok.chat_template):
+    if tok.renders_tools:
         call = {"name": "get_weather", "arguments": {"city": "Paris"}}
         messages = [
             *QUESTION,

@@ -6,9 +6,11 @@ appends the generated tokens with their logprobs and weight versions, lets the e
 their text, and appends the observation's tokens, masked. History is never re-tokenised, so the
 trainer trains on exactly what the engine sampled.
 
-The observation's tokens are the chat template's own text between the end of an assistant message
-and the start of the next one, with the observation as a user message: rendered once per
-observation around a marker, so any template works, not only ChatML.
+The prompt is rendered with the environment's tools: by the template itself where it knows tools
+(`tools=`, as Hugging Face passes them), else announced in the system message. The observation's
+tokens are the chat template's own text between the end of an assistant message and the start of
+the next one, with the tool responses as tool messages (or, for a template without tools, one user
+message): rendered after a marker for the assistant's text, so any template works, not only ChatML.
 """
 
 from __future__ import annotations
@@ -18,13 +20,15 @@ import dataclasses
 import itertools
 import math
 import numbers
+import re
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from venusrl.coordinator.config import RolloutConfig
 from venusrl.engine.tokenizer import Tokenizer
 from venusrl.envs.environment import Environment, acting_for
+from venusrl.envs.tool_formats import ToolParser, resolve_tool_parser
 from venusrl.envs.types import InfraFailure, SandboxPreempted
 from venusrl.types import (
     FailureKind,
@@ -39,45 +43,109 @@ from venusrl.types import (
 T = TypeVar("T")
 
 _MARK = "\ue000"  # a private-use character: where the assistant's text goes in a rendering
-_OBSERVATION = "\ue001"  # and where the observation goes
+_OBSERVATION = 0xE001  # and where the observations go, one character each from here
+_MAX_OBSERVATIONS = 0x7FF  # in the private-use area
 
 
 class ChatFormat:
-    """The token pieces of a chat template that the loop needs."""
+    """The token pieces of a chat template that the loop needs, and the model's tool-call format
+    (`rollout.tool_parser`: a parser's name, or "auto" for the one the template teaches)."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, tool_parser: str = "auto") -> None:
         self.tokenizer = tokenizer
+        self.tool_parser: ToolParser = resolve_tool_parser(tool_parser, tokenizer.chat_template)
         closed = tokenizer.apply_chat_template(self._base(), add_generation_prompt=False)
         # What follows the assistant's text when its turn is closed: "<|im_end|>\n" in ChatML.
         self.end_of_turn = closed[closed.index(_MARK) + len(_MARK) :]
-        # The markup around an observation, after the model's turn: the same for every one.
-        messages = [*self._base(), {"role": "user", "content": _OBSERVATION}]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        around = text[text.index(_MARK) + len(_MARK) :].split(_OBSERVATION)
-        if len(around) != 2:
-            raise ValueError("the chat template rewrites user messages: observations cannot go in")
-        self._before, self._after = around
         self._closing = tokenizer.encode(self.end_of_turn.rstrip())
+        mark = chr(_OBSERVATION)
+        if self._after_model_turn([{"role": "user", "content": mark}]).count(mark) != 1:
+            raise ValueError("the chat template rewrites user messages: observations cannot go in")
 
     @staticmethod
     def _base() -> list[dict[str, str]]:
         return [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}]
 
-    def prompt_ids(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def _after_model_turn(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """The template's text after the assistant's, with `messages` following it."""
+        text = self.tokenizer.apply_chat_template([*self._base(), *messages])
+        return text[text.index(_MARK) + len(_MARK) :]
+
+    def prompt_ids(
+        self, messages: Sequence[Mapping[str, str]], tools: Sequence[Mapping[str, Any]] = ()
+    ) -> list[int]:
+        """The episode's opening. `tools` (function schemas, `Environment.tool_schemas()`) go to
+        a template that renders them; for one that does not, the tool parser's announcement
+        follows the instructions in the system message."""
+        if not tools:
+            return self.tokenizer.encode_chat(messages, add_generation_prompt=True)
+        if self.tokenizer.renders_tools:
+            wrapped = [{"type": "function", "function": dict(t)} for t in tools]
+            return self.tokenizer.encode_chat(messages, add_generation_prompt=True, tools=wrapped)
+        section = self.tool_parser.tool_prompt(tools)
+        if messages and messages[0]["role"] == "system":
+            system = {**messages[0], "content": f"{messages[0]['content']}\n\n{section}"}
+            messages = [system, *messages[1:]]
+        else:
+            messages = [{"role": "system", "content": section}, *messages]
         return self.tokenizer.encode_chat(messages, add_generation_prompt=True)
 
-    def observation_ids(self, observation: str, model_ids: Sequence[int]) -> list[int]:
-        """Tokens that close the model's turn (unless it closed it itself), carry the observation
-        as a user message and open the model's next turn."""
-        tok = self.tokenizer
-        if tok.spells_markup(observation):  # the tool's text, never the chat's markup
-            ids = tok.encode(self._before) + tok.encode_text(observation) + tok.encode(self._after)
-        else:  # encoded whole, seams included, as the warm start's records are (`retokenize`)
-            ids = tok.encode(self._before + observation + self._after)
+    def observation_ids(
+        self, observation: str, model_ids: Sequence[int], tool_responses: Sequence[str] = ()
+    ) -> list[int]:
+        """Tokens that close the model's turn (unless it closed it itself), carry what the
+        environment answered and open the model's next turn: `tool_responses` as tool messages
+        where the template renders them, else `observation` as a user message."""
+        if tool_responses and self.tokenizer.renders_tools:
+            messages = [{"role": "tool", "content": r} for r in tool_responses]
+        else:
+            messages = [{"role": "user", "content": observation}]
+        ids = self._encode_after_model_turn(messages)
         closing = self._closing
         if closing and list(model_ids[-len(closing) :]) == closing:
             ids = ids[len(closing) :]  # the model ended its turn with the end-of-turn token
         return ids
+
+    def _encode_after_model_turn(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """The rendering encoded whole, seams included, as the warm start's records are
+        (`retokenize`); where a content spells the chat's markup, each content is encoded as
+        text between the template's markup, so a tool's output never becomes a control token."""
+        tok = self.tokenizer
+        text = self._after_model_turn(messages)
+        contents = [m["content"] for m in messages]
+        if not any(tok.spells_markup(c) for c in contents) or len(contents) > _MAX_OBSERVATIONS:
+            return tok.encode(text)
+        marks = [chr(_OBSERVATION + i) for i in range(len(contents))]
+
+        def rendered(kept: int | None) -> str:  # every content a mark but the `kept` one's
+            return self._after_model_turn(
+                [
+                    {**m, "content": m["content"] if i == kept else marks[i]}
+                    for i, m in enumerate(messages)
+                ]
+            )
+
+        marked = rendered(None)
+        where = [marked.find(mark) for mark in marks]
+        if any(marked.count(mark) != 1 for mark in marks) or where != sorted(where):
+            return tok.encode(text)  # the template drops, repeats or reorders contents
+        pieces = re.split("|".join(marks), marked)
+        written = contents
+        if "".join(p + c for p, c in zip(pieces, written, strict=False)) + pieces[-1] != text:
+            # The template rewrites contents (Llama 3.1 writes a tool's as JSON): each as it
+            # renders it, between the markup before and after its mark.
+            written = []
+            for i, at in enumerate(where):
+                one, before, after = rendered(i), marked[:at], marked[at + 1 :]
+                if not (one.startswith(before) and one.endswith(after)):
+                    return tok.encode(text)
+                written.append(one[len(before) : len(one) - len(after)])
+            if "".join(p + c for p, c in zip(pieces, written, strict=False)) + pieces[-1] != text:
+                return tok.encode(text)
+        ids: list[int] = []
+        for piece, content in zip(pieces, written, strict=False):
+            ids += tok.encode(piece) + tok.encode_text(content)
+        return ids + tok.encode(pieces[-1])
 
     def text(self, model_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(model_ids, skip_special_tokens=True)
@@ -124,8 +192,10 @@ async def run_episode(
     again on each of its model turns, in this episode's fresh sandbox, and the episode goes on
     from there: the turns already generated are kept, not sampled again. The observations must
     come out as recorded (`ReplayDiverged` otherwise: a tool that is not deterministic)."""
+    env.tool_parser = fmt.tool_parser  # the model's own format, read from its turns
     messages = await _environment(env, "reset", env.reset())
-    traj = Trajectory.start(trajectory_id, group_id, prompt_id, fmt.prompt_ids(messages))
+    prompt = fmt.prompt_ids(messages, env.tool_schemas())
+    traj = Trajectory.start(trajectory_id, group_id, prompt_id, prompt)
     try:
         finish = await _replay(env, fmt, rollout, replay, traj) if replay else None
         traj.finish = finish or await _turns(
@@ -215,7 +285,7 @@ async def _act(
     traj.tool_calls += int(result.info.get("tool_calls", 0))
     if result.done:
         return Finish.TURN_CAP if result.info.get("truncated") else Finish.DONE
-    obs = fmt.observation_ids(result.observation or "", model_ids)
+    obs = fmt.observation_ids(result.observation or "", model_ids, result.tool_responses)
     if len(traj.token_ids) + len(obs) >= rollout.max_context:
         return Finish.CONTEXT_CAP
     traj.add_observation(obs)

@@ -9,6 +9,7 @@ from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from venusrl.envs.loading import canonical_reference, environment_class
 from venusrl.envs.task_file import SUFFIXES, check_fields
+from venusrl.envs.tool_formats import tool_parser_setting
 from venusrl.envs.types import TemplateSpec
 from venusrl.policy.staleness import StalenessBound
 from venusrl.sections import Section
@@ -100,6 +101,12 @@ class RolloutConfig(Section):
     )
     max_infra_retries: int = Field(2, ge=0, description="replacement members per group")
     priorities: Literal["critical", "fifo"] = "critical"
+    tool_parser: Annotated[str, AfterValidator(tool_parser_setting)] = Field(
+        "auto",
+        description="how the model writes tool calls: hermes (Qwen2.5/Qwen3 <tool_call> JSON),"
+        " qwen3_coder (Qwen3-Coder XML), llama3_json (Llama 3.1/3.2), or auto: the one the"
+        " model's chat template shows, hermes when it shows none",
+    )
     temperature: float = Field(1.0, ge=0)
     max_tokens_per_turn: int = Field(24, ge=1)
     max_context: int = Field(1024, ge=16)

@@ -9,16 +9,19 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import jinja2.ext
+import jinja2.meta
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
-# Qwen's ChatML template, reduced to roles and text (no tools section yet).
+# Qwen's ChatML template, reduced to roles and text: the tools go in the system message as text.
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
@@ -40,6 +43,15 @@ QWEN_PRETOKENIZE_PATTERN = (
 )
 
 
+def renders_tools(chat_template: str | None) -> bool:
+    """Whether the template renders a `tools` list itself (a tools section in the prompt, tool
+    calls, `role: "tool"` messages), as Qwen3's and Llama 3.1's do."""
+    if chat_template is None:
+        return False
+    parsed = _template_environment().parse(chat_template)
+    return "tools" in jinja2.meta.find_undeclared_variables(parsed)
+
+
 class Tokenizer:
     def __init__(
         self,
@@ -55,13 +67,9 @@ class Tokenizer:
         self.bos_token, self.eos_token = bos_token, eos_token
         eos_id = tokenizer.token_to_id(eos_token) if eos_token else None
         self.eos_token_ids: tuple[int, ...] = () if eos_id is None else (eos_id,)
-        self._template = (
-            ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
-                chat_template
-            )
-            if chat_template
-            else None
-        )
+        jinja = _template_environment()
+        self._template = jinja.from_string(chat_template) if chat_template else None
+        self.renders_tools = renders_tools(chat_template)
 
     @classmethod
     def load(cls, model_dir: str | Path) -> Tokenizer | None:
@@ -117,7 +125,8 @@ class Tokenizer:
         tokenizer may merge across the seams (Qwen's pre-tokenizer where whitespace meets
         whitespace, one without a pre-tokenizing regex anywhere), and the warm start's records
         were encoded that way. A template that rewrites content (so that a placeholder
-        does not come through exactly once) is encoded as rendered."""
+        does not come through exactly once) is encoded as rendered. `tools`: as in
+        `apply_chat_template`."""
         contents = [m.get("content") for m in messages]
         if any(isinstance(c, str) and self.spells_markup(c) for c in contents):
             apart = self._encode_contents_apart(messages, contents, add_generation_prompt, tools)
@@ -161,11 +170,15 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
+        """The template's text for `messages`; `tools` (JSON schemas, OpenAI's
+        {"type": "function", "function": {...}} shape) go to the template as Hugging Face
+        passes them, for a template that renders them (`renders_tools`)."""
         if self._template is None:
             raise ValueError("this model's tokenizer has no chat template")
         return self._template.render(
             messages=list(messages),
             tools=None if tools is None else list(tools),
+            documents=None,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
@@ -223,6 +236,30 @@ def _token_text(token: object) -> str | None:
 
 def _raise_template_error(message: str) -> None:
     raise TemplateError(message)
+
+
+def _template_environment() -> ImmutableSandboxedEnvironment:
+    """Jinja as Hugging Face sets it up for chat templates, so a model's template renders here
+    as it does there: `tojson` is `json.dumps` (Jinja's own escapes HTML and sorts keys), loop
+    controls (`break`) and `strftime_now` for templates that date their prompt."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
+    return env
+
+
+def _tojson(
+    value: object,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def build_byte_level_tokenizer(

@@ -5,18 +5,20 @@ model may call, and `tasks(seed)`, an endless stream of tasks whose per-task `se
 to `pool.create_group`. An instance is one episode, one task in one sandbox:
 
     env = GuessNumber(task, sandbox)
-    messages = await env.reset()          # [system (instructions + tools), user (task prompt)]
+    messages = await env.reset()          # [system (instructions), user (task prompt)]
+    # the agent loop renders them with env.tool_schemas() in the model's chat template
     while True:
         result = await env.step(model_turn_text)
         if result.done:
             break
-        # the agent loop appends {"role": "user", "content": result.observation}
+        # the agent loop appends result.tool_responses as tool messages (or, for a template
+        # without tools, {"role": "user", "content": result.observation})
     score = await env.reward()
 
 What happens to each kind of trouble, so that one bad turn never kills a rollout:
-- a malformed `<tool_call>`, an unknown tool, arguments that do not fit the tool's parameters, a
-  tool that raises or times out, a bad path: an observation that starts with
-  "error:" and says so; the episode goes on.
+- a malformed tool call (in the model's format, `tool_parser`), an unknown tool, arguments
+  that do not fit the tool's parameters, a tool that raises or times out, a bad path: an
+  observation that starts with "error:" and says so; the episode goes on.
 - an `InfraFailure` (the sandbox crashed, was preempted, expired): raised out of `step` and
   `reward`. It is the platform's fault, not the model's; the caller retries the trajectory in a
   replacement sandbox rather than training on a turn the platform spoiled.
@@ -42,11 +44,12 @@ from typing import Any, ClassVar, Protocol
 from venusrl.envs.tool_calls import (
     ToolCall,
     ToolCallError,
+    clip_response,
     format_tool_response,
     json_type,
-    parse_tool_calls,
-    render_tool_prompt,
 )
+from venusrl.envs.tool_formats import ToolParser, tool_parser
+from venusrl.envs.tool_schema import function_schema
 from venusrl.envs.types import ExecResult, InfraFailure, TemplateSpec
 
 log = logging.getLogger(__name__)
@@ -104,10 +107,11 @@ class Tool:
     counter) inside the sandbox, where the model cannot read it and where the reward can. Tools that
     work through processes and files (bash, read_file) give an async `run` instead.
 
-    `parameters` is the JSON schema of the arguments object, shown to the model in the system
-    prompt. Before a call runs, the arguments are checked against its top level (unknown and missing
-    keys, the JSON type of each property), so the model gets a plain message instead of a traceback;
-    anything finer is the tool's own job.
+    `parameters` is the JSON schema of the arguments object, shown to the model with the tools
+    (`from_function` derives it from a function's signature and docstring). Before a call runs,
+    the arguments are checked against its top level (unknown and missing keys, the JSON type of
+    each property), so the model gets a plain message instead of a traceback; anything finer is
+    the tool's own job.
     """
 
     name: str
@@ -120,6 +124,15 @@ class Tool:
     def __post_init__(self) -> None:
         if self.run is None and not self.name.isidentifier():
             raise ValueError(f"a Python tool's name must be a Python identifier, got {self.name!r}")
+
+    @classmethod
+    def from_function(cls, function: Callable[..., Any], run: ToolRunner | None = None) -> Tool:
+        """The tool `function` describes: its name, its docstring's summary and its parameters'
+        schema from the annotations and the docstring's Args section (`tool_schema`). Without
+        `run` it is called by that name in the sandbox, so the template's setup must define it
+        (its source: `inspect.getsource(function)`)."""
+        schema = function_schema(function)
+        return cls(schema["name"], schema["description"], schema["parameters"], run)
 
     def schema(self) -> dict[str, Any]:
         return {"name": self.name, "description": self.description, "parameters": self.parameters}
@@ -156,15 +169,19 @@ class Task:
 
 @dataclass(frozen=True)
 class StepResult:
-    """`observation` is the next user turn (None once done).
+    """What the model sees next (nothing once done): `tool_responses`, the answer to each call
+    of the turn in order, as tool messages for a chat template that renders them; `observation`,
+    the same as one user turn of `<tool_response>` blocks for a template that does not. An
+    environment that gives only `observation` has it sent as a user turn either way.
 
-    `info` always has "tool_calls" (blocks in the turn), "tool_errors" (of them, answered with an
+    `info` always has "tool_calls" (calls in the turn), "tool_errors" (of them, answered with an
     error) and "truncated" (the turn cap ended the episode).
     """
 
     observation: str | None
     done: bool
     info: dict[str, Any]
+    tool_responses: tuple[str, ...] = ()
 
 
 Message = dict[str, str]  # {"role": ..., "content": ...}, what a chat template takes
@@ -193,6 +210,9 @@ class Environment(ABC):
         self.sandbox = sandbox
         self.turns = 0
         self.done = False
+        # The format the model writes calls in; the agent loop sets the model's own
+        # (`rollout.tool_parser`) before the episode starts.
+        self.tool_parser: ToolParser = tool_parser("hermes")
 
     @classmethod
     @abstractmethod
@@ -237,11 +257,17 @@ class Environment(ABC):
             raise RuntimeError(f"{cls.name}: looking for the tools failed: {r.text()}")
         return r.stdout.decode().split()
 
+    @classmethod
+    def tool_schemas(cls) -> list[dict[str, Any]]:
+        """The tools as the model is shown them: {"name", "description", "parameters"} each."""
+        return [t.schema() for t in cls.tools]
+
     async def reset(self) -> list[Message]:
-        """The opening messages: the instructions with the tools announced, then the task."""
-        system = f"{self.instructions}\n\n{render_tool_prompt([t.schema() for t in self.tools])}"
+        """The opening messages: the instructions, then the task. The tools are announced by
+        the chat template, or after the instructions for one that does not know tools
+        (`agent_loop.ChatFormat`)."""
         return [
-            {"role": "system", "content": system},
+            {"role": "system", "content": self.instructions},
             {"role": "user", "content": self.task.prompt},
         ]
 
@@ -250,7 +276,7 @@ class Environment(ABC):
         if self.done:
             raise RuntimeError(f"{self.name}: step() after the episode ended")
         self.turns += 1
-        calls = parse_tool_calls(action_text)
+        calls = self.tool_parser.parse(action_text, self.tool_schemas())
         if not calls:
             self.done = True
             return StepResult(None, True, {"tool_calls": 0, "tool_errors": 0, "truncated": False})
@@ -273,8 +299,9 @@ class Environment(ABC):
         info = {"tool_calls": len(calls), "tool_errors": errors, "truncated": truncated}
         if self.done:
             return StepResult(None, True, info)
+        clipped = tuple(clip_response(a, self.max_observation_chars) for a in answers)
         responses = (format_tool_response(a, self.max_observation_chars) for a in answers)
-        return StepResult("\n".join(responses), False, info)
+        return StepResult("\n".join(responses), False, info, clipped)
 
     def ended(self, answers: list[str]) -> bool:
         """Whether the task's rules end the episode after a turn whose tool calls were answered

@@ -95,7 +95,7 @@ async def play_policy(
     tokenizer = Tokenizer.load(model_dir)
     if tokenizer is None or tokenizer.chat_template is None:
         raise ValueError(f"{model_dir} needs a tokenizer with a chat template to play episodes")
-    fmt = ChatFormat(tokenizer)
+    fmt = ChatFormat(tokenizer, cfg.rollout.tool_parser)
     slots = asyncio.Semaphore(concurrency)  # sandboxes at a time
     # Only these episodes run on this engine: no pin needed to keep KV from other work.
     rollout = cfg.rollout.model_copy(update={"tool_wait_pin_s": None})

@@ -17,7 +17,8 @@ from rich.text import Text
 
 from venusrl.config import load_config
 from venusrl.engine.tokenizer import Tokenizer
-from venusrl.envs.tool_calls import ToolCall, parse_tool_calls
+from venusrl.envs.tool_calls import ToolCall
+from venusrl.envs.tool_formats import ToolParser, resolve_tool_parser, tool_parser
 from venusrl.runtime import record
 
 
@@ -81,17 +82,25 @@ def visible(text: str) -> str:
 def transcripts(run_dir: Path, records: list[dict[str, Any]]) -> Iterator[Group]:
     """A transcript per record, decoded with the run's tokenizer."""
     tokenizer = run_tokenizer(run_dir)
+    config = run_dir / "config.yaml"
+    setting = load_config(config).rollout.tool_parser if config.exists() else "auto"
+    parser = resolve_tool_parser(setting, tokenizer.chat_template)
     # The trainer's version when it trained each step: staleness is how far behind it a turn's
     # weights were (as `staleness_mean` in metrics.jsonl).
     trained_at = {m["step"]: m["weight_version"] - 1 for m in record.read_metrics(run_dir)}
     for r in records:
-        yield transcript(r, tokenizer, trained_at.get(r["step"]))
+        yield transcript(r, tokenizer, trained_at.get(r["step"]), parser)
 
 
-def transcript(r: dict[str, Any], tokenizer: Tokenizer, trained_at: int | None) -> Group:
+def transcript(
+    r: dict[str, Any],
+    tokenizer: Tokenizer,
+    trained_at: int | None,
+    parser: ToolParser | None = None,
+) -> Group:
     """A title rule, then the episode's outcome, its prompt, and each turn: the model's text,
-    the tool calls parsed from it, the observation; text decoded as the model saw it, special
-    tokens included."""
+    the tool calls parsed from it (in `parser`'s format; Hermes when not given), the
+    observation; text decoded as the model saw it, special tokens included."""
     ids, starts = r["token_ids"], r["turn_starts"]
 
     def text(a: int, b: int) -> str:
@@ -134,7 +143,9 @@ def transcript(r: dict[str, Any], tokenizer: Tokenizer, trained_at: int | None) 
         )
         model_text = text(start, action_end)
         parts.append(Text.assemble(("model  ", "bold green"), (model_text, "green")))
-        for call in parse_tool_calls(tokenizer.decode(ids[start:action_end])):
+        for call in (parser or tool_parser("hermes")).parse(
+            tokenizer.decode(ids[start:action_end])
+        ):
             if isinstance(call, ToolCall):
                 args = json.dumps(call.arguments)
                 parts.append(Text(f"tool call  {call.name}({args})", style="bold magenta"))

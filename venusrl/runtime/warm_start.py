@@ -65,12 +65,14 @@ async def prepare_model(
                     "max_tokens_per_turn": 8 * r.max_tokens_per_turn,
                 }
             )
-            demos = await play_demonstrations(cfg, mix, pool, ChatFormat(byte_level), roomy)
+            demos = await play_demonstrations(
+                cfg, mix, pool, ChatFormat(byte_level, r.tool_parser), roomy
+            )
         demos = await asyncio.to_thread(new_model, cfg, model_dir, demos, byte_level)
     tokenizer = Tokenizer.load(model_dir)
     if tokenizer is None or tokenizer.chat_template is None:
         raise ValueError(f"{model_dir} needs a tokenizer with a chat template for agent training")
-    fmt = ChatFormat(tokenizer)
+    fmt = ChatFormat(tokenizer, r.tool_parser)
     if start.fresh and cfg.run.warm_start_episodes and not demos:
         demos = await play_demonstrations(cfg, mix, pool, fmt, r)
     return Prepared(fmt, demos, time.monotonic() - started)
@@ -126,7 +128,7 @@ async def play_demonstrations(
         if policy is None:
             raise ValueError(f"{env.name}'s demonstrator has no policy for task {task.id}")
         policies[f"demo-{i}"] = policy
-    scripted = ScriptedGenerate(fmt.tokenizer, policies)
+    scripted = ScriptedGenerate(fmt.tokenizer, policies, fmt.tool_parser)
     gate = asyncio.Semaphore(16)
 
     async def play(i: int, env: type[Environment], task: Task) -> Trajectory:

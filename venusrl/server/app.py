@@ -20,7 +20,7 @@ from venusrl.server.served import Served
 
 
 def create_app(
-    engine: Engine, model_name: str, api_key: str | None = None, tool_parser: str = "hermes"
+    engine: Engine, model_name: str, api_key: str | None = None, tool_parser: str = "auto"
 ) -> FastAPI:
     """The app; the engine's thread starts and stops with it. `tool_parser` reads tool calls in
     the model's text (`server.tool_calling`)."""

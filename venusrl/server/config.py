@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from typing import Annotated
 
+from pydantic import AfterValidator, Field
+
+from venusrl.envs.tool_formats import tool_parser_setting
 from venusrl.sections import Section
 
 
@@ -16,14 +19,8 @@ class ServerConfig(Section):
         description="if set, requests need 'Authorization: Bearer'",
     )
     model_name: str | None = Field(None, description="name served at /v1/models; default: dir name")
-    tool_parser: str = Field(
-        "hermes", description="how tool calls look in the model's text (chat `tools`)"
+    tool_parser: Annotated[str, AfterValidator(tool_parser_setting)] = Field(
+        "auto",
+        description="how tool calls look in the model's text (chat `tools`): a parser's name"
+        " (hermes, qwen3_coder, llama3_json) or auto, the chat template's own format",
     )
-
-    @field_validator("tool_parser")
-    @classmethod
-    def _known_parser(cls, name: str) -> str:
-        from venusrl.server.tool_calling import tool_parser  # torch-free, as configs are read
-
-        tool_parser(name)
-        return name

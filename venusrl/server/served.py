@@ -13,10 +13,11 @@ from fastapi import Request
 from venusrl.engine.async_engine import AsyncEngine
 from venusrl.engine.engine import Engine, RequestError
 from venusrl.engine.tokenizer import Tokenizer, cut_at_stop
+from venusrl.envs.tool_formats import ToolParser, resolve_tool_parser
 from venusrl.server.bodies import SamplingBody
 from venusrl.server.errors import ApiError, checked
 from venusrl.server.streaming import Jobs, Stream, usage
-from venusrl.server.tool_calling import CallRules, ToolParser, tool_parser
+from venusrl.server.tool_calling import CallRules
 from venusrl.types import GenerationOutput, SamplingParams, TurnMeta
 
 T = TypeVar("T")
@@ -26,11 +27,12 @@ DISCONNECT_POLL_S = 0.25
 
 
 class Served:
-    def __init__(self, engine: Engine, model_name: str, tool_parser_name: str = "hermes") -> None:
+    def __init__(self, engine: Engine, model_name: str, tool_parser_name: str = "auto") -> None:
         self.engine, self.model_name = engine, model_name
         self.runner = AsyncEngine(engine)
         self.tok: Tokenizer | None = engine.tokenizer
-        self.tool_parser: ToolParser = tool_parser(tool_parser_name)
+        template = None if self.tok is None else self.tok.chat_template
+        self.tool_parser: ToolParser = resolve_tool_parser(tool_parser_name, template)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:

@@ -9,85 +9,19 @@ as content with its own finish reason. A call is never made up from nothing."""
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from venusrl.envs.tool_calls import (
-    CALL_OPEN,
-    ToolCall,
-    ToolCallError,
-    format_tool_call,
-    format_tool_response,
-    parse_tool_calls,
-    render_tool_prompt,
-)
+from venusrl.engine.tokenizer import renders_tools
+from venusrl.envs.tool_calls import ToolCall, format_tool_response
+from venusrl.envs.tool_formats import ToolParser
 
 Tools = Sequence[Mapping[str, Any]]  # OpenAI's {"type": "function", "function": {...}} schemas
 
 if TYPE_CHECKING:  # the bodies bring the server's imports; naming a parser needs none of them
     from venusrl.server.bodies import ChatBody, ChatMessage
-
-
-class ToolParser(Protocol):
-    """How a model writes tool calls in its text."""
-
-    def parse(self, text: str, tools: Tools = ()) -> Sequence[ToolCall | ToolCallError]:
-        """Every call in `text`, a malformed one as an error; `tools` for formats whose
-        arguments are text to convert by the schema."""
-        ...
-
-    def format_call(self, name: str, arguments: Mapping[str, Any]) -> str: ...
-
-    def call_start(self, text: str) -> int | None:
-        """Where call text begins in a growing `text`, or may begin (an opening marker cut off
-        at its end); None: all of it is content."""
-        ...
-
-    def tool_prompt(self, functions: Sequence[Mapping[str, Any]]) -> str:
-        """The system-prompt section announcing `functions` and the call format, for a chat
-        template that does not render tools."""
-        ...
-
-
-class HermesParser:
-    """Hermes/Qwen `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, as the
-    environments read them (`venusrl.envs.tool_calls`)."""
-
-    def parse(self, text: str, tools: Tools = ()) -> Sequence[ToolCall | ToolCallError]:
-        return parse_tool_calls(text)
-
-    def format_call(self, name: str, arguments: Mapping[str, Any]) -> str:
-        return format_tool_call(name, dict(arguments))
-
-    def call_start(self, text: str) -> int | None:
-        start = text.find(CALL_OPEN)
-        if start >= 0:
-            return start
-        cut = [i for i in range(max(0, len(text) - len(CALL_OPEN) + 1), len(text))
-               if CALL_OPEN.startswith(text[i:])]  # fmt: skip
-        return cut[0] if cut else None
-
-    def tool_prompt(self, functions: Sequence[Mapping[str, Any]]) -> str:
-        return render_tool_prompt([dict(f) for f in functions])
-
-
-PARSERS = {"hermes": HermesParser}
-
-
-def tool_parser(name: str) -> ToolParser:
-    """The parser `server.tool_parser` names. The seam: the named parsers of the environments
-    replace this function with one import."""
-    if name not in PARSERS:
-        raise ValueError(f"unknown tool parser {name!r}; known: {', '.join(PARSERS)}")
-    return PARSERS[name]()
-
-
-def knows_tools(chat_template: str | None) -> bool:
-    """Whether the template renders `tools` itself (Qwen's, Llama 3.1's, ...)."""
-    return chat_template is not None and re.search(r"\btools\b", chat_template) is not None
 
 
 def template_input(
@@ -98,7 +32,7 @@ def template_input(
     does not, the tools are announced in the system message and the calls and responses written
     as the parser's text, as Qwen's template writes them."""
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    if knows_tools(chat_template):
+    if renders_tools(chat_template):
         return [_hf_message(m) for m in body.messages], tools
     return _as_text(body.messages, tools, parser), None
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from venusrl.envs.environment import Environment, StepResult, Task, Tool
-from venusrl.envs.tool_calls import format_tool_response
+from venusrl.envs.tool_calls import clip_response, format_tool_response
 from venusrl.envs.types import MiB, TemplateSpec
 from venusrl.workloads import SWE_LONG, LogNormal
 
@@ -107,7 +107,10 @@ class AgentWorkload(Environment):
         info = {"tool_calls": 1, "tool_errors": int(not r.ok), "truncated": False}
         if self.done:
             return StepResult(None, True, info)
-        return StepResult(format_tool_response(text, self.max_observation_chars), False, info)
+        clipped = clip_response(text, self.max_observation_chars)
+        return StepResult(
+            format_tool_response(text, self.max_observation_chars), False, info, (clipped,)
+        )
 
     async def reward(self) -> float:
         return self.draw.reward

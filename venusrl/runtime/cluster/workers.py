@@ -154,8 +154,9 @@ class RolloutWorker:
             self.engine = LocalEngine(model_dir, self.cfg, version)
         seed = self.cfg.run.seed + self.index
         generate = engine_faults(self._generate, self.cfg.faults, seed)
+        fmt = ChatFormat(tokenizer, self.cfg.rollout.tool_parser)
         self.rollouts = LocalRollouts(
-            self._pool(), generate, ChatFormat(tokenizer), sampling, self.cfg.rollout,
+            self._pool(), generate, fmt, sampling, self.cfg.rollout,
             end_trajectory=self.engine.end_trajectory,
             resume_preempted=False,  # the fleet moves it to another worker
         )  # fmt: skip
