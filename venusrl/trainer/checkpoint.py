@@ -3,8 +3,9 @@
 A checkpoint is a directory `checkpoints/step-NNNNNN/` in Hugging Face layout (`config.json`,
 `model.safetensors`, the tokenizer files: `venusrl serve` and `transformers` load it as it is) plus
 `optimizer.pt` and `state.json` (the step it follows, the weight version, the coordinator's data
-position). It is written under a temporary name, flushed, then renamed: a directory with the final
-name is always complete, whatever moment the process dies at. The newest one that reads back wins.
+position); with LoRA, the weights are merged and `lora_adapters.pt` holds the adapters. It is
+written under a temporary name, flushed, then renamed: a directory with the final name is always
+complete, whatever moment the process dies at. The newest one that reads back wins.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from venusrl.engine.model import CausalLM
+from venusrl.trainer.lora import save_adapters
 
 MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
@@ -64,6 +66,7 @@ def save_checkpoint(
     tmp = root / f".tmp-step-{state.step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     write_model_dir(tmp, model, model_dir)
+    save_adapters(model, tmp)
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     (tmp / "state.json").write_text(json.dumps(asdict(state)))
     for f in tmp.iterdir():
