@@ -68,7 +68,8 @@ class Counts:
     params: int  # every parameter, a tied embedding once
     layer: int  # one decoder layer's (FSDP2 gathers one at a time)
     root: int  # the rest: embeddings, final norm, lm_head (gathered for the whole step)
-    adapters: int  # LoRA parameters at the rank asked (0 without)
+    adapters: int  # LoRA parameters at the rank asked, on every projection (0 without)
+    lora_rank: int
 
 
 def count(cfg: ModelConfig, lora_rank: int = 0) -> Counts:
@@ -81,7 +82,7 @@ def count(cfg: ModelConfig, lora_rank: int = 0) -> Counts:
     adapters = 0
     if lora_rank:
         adapters = sum(p.numel() for p in add_adapters(model, lora_rank, 2.0 * lora_rank, LORA_ALL))
-    return Counts(params, layer, params - cfg.num_layers * layer, adapters)
+    return Counts(params, layer, params - cfg.num_layers * layer, adapters, lora_rank)
 
 
 LORA_ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -125,14 +126,23 @@ def norm_elements(cfg: ModelConfig) -> int:
 
 
 def activations(
-    cfg: ModelConfig, rows: list[int], dtype_bytes: int, attention: str, checkpointing: bool
+    cfg: ModelConfig,
+    rows: list[int],
+    dtype_bytes: int,
+    attention: str,
+    checkpointing: bool,
+    lora_rank: int = 0,
 ) -> int:
     """Bytes the forward keeps for backward. With activation checkpointing each layer keeps its
-    input only, and backward recomputes one layer at a time."""
+    input only, and backward recomputes one layer at a time. With LoRA (on every projection) the
+    norms' weights are frozen, so their normalised inputs are not kept (in bf16 the fp32 copy
+    still is), and each adapter keeps x A^T: `lora_rank` values per token and projection."""
     tokens = sum(rows)
     # in bf16 a norm keeps its fp32 input (4 bytes) and the normalised bf16 one (2): 3 x 2 bytes
-    norms = tokens * norm_elements(cfg) * (1 if dtype_bytes == 4 else 3)
-    one_layer = layer_activations(cfg, rows, attention) + norms
+    scale = (0 if lora_rank else 1) if dtype_bytes == 4 else (2 if lora_rank else 3)
+    norms = tokens * norm_elements(cfg) * scale
+    adapters = tokens * lora_rank * 7
+    one_layer = layer_activations(cfg, rows, attention) + norms + adapters
     shared = tokens * (cfg.hidden_size + 2 * cfg.head_dim)  # embeddings; RoPE's cos and sin
     if checkpointing:
         kept = cfg.num_layers * tokens * cfg.hidden_size + one_layer
@@ -165,6 +175,7 @@ def per_rank(
     chunk_tokens: int | None = 1024,
     attention: str = "flash",
     lora: bool = False,
+    trained_tokens: int | None = None,
 ) -> dict[str, int]:
     """Peak bytes on one of `world` FSDP2 ranks (fully_shard per decoder layer and at the root,
     parameters resharded after forward) for one micro-batch of packed `rows`, term by term:
@@ -178,6 +189,7 @@ def per_rank(
       backward, one layer's in bf16 and its fp32 copy), and the fp32 copy of the second
       moments' square roots that torch's foreach AdamW makes.
     total = held + max(forward side, gradient side): gradients grow as activations are freed.
+    `trained_tokens`: the positions projected onto the vocabulary (every token by default).
     `mixed_precision=False` is the trainer as it runs today: fp32 everywhere, one process."""
     trained = counts.adapters if lora else counts.params
     b = 2 if mixed_precision else 4
@@ -189,8 +201,10 @@ def per_rank(
     if mixed_precision:
         held["compute_weights"] = 2 * (counts.root + 2 * counts.layer)
     forward = {
-        "activations": activations(cfg, rows, b, attention, checkpointing),
-        "logits": logits(cfg, sum(rows), chunk_tokens, b, head=not lora),
+        "activations": activations(
+            cfg, rows, b, attention, checkpointing, counts.lora_rank if lora else 0
+        ),
+        "logits": logits(cfg, trained_tokens or sum(rows), chunk_tokens, b, head=not lora),
     }
     gradient = {"gradients": math.ceil(4 * trained / world)}
     if mixed_precision:
@@ -222,16 +236,22 @@ def tensor_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def check_step(preset: str, rows: list[int], chunk_tokens: int, seed: int = 0) -> dict[str, Any]:
+def check_step(
+    preset: str, rows: list[int], chunk_tokens: int, lora_rank: int = 0, seed: int = 0
+) -> dict[str, Any]:
     """A real GRPO step of `preset` (fp32, one process) over rows of these lengths, every token
-    after a 4-token prompt trained: its measured peak against `per_rank`'s accounting."""
+    after a 4-token prompt trained (through LoRA adapters on every projection with `lora_rank`):
+    its measured peak against `per_rank`'s accounting."""
     hf = {**QWEN3_DEFAULTS, **PRESETS[preset]}
     cfg = ModelConfig.from_hf(hf)
     model = build_model(cfg)
     model.init_random(seed)
     config = TrainerConfig(
-        kl_coef=0.0, micro_batch_tokens=sum(rows) + len(rows), logprob_chunk_tokens=chunk_tokens
-    )  # one micro-batch
+        kl_coef=0.0,
+        micro_batch_tokens=sum(rows) + len(rows),  # one micro-batch
+        logprob_chunk_tokens=chunk_tokens,
+        lora_rank=lora_rank,
+    )
     trainer = GRPOTrainer(model, config)
     g = torch.Generator().manual_seed(seed)
     batch = []
@@ -252,24 +272,21 @@ def check_step(preset: str, rows: list[int], chunk_tokens: int, seed: int = 0) -
     lengths = [len(t.token_ids) - 1 for t in batch]  # the packed rows: every token but the last
     predicted = per_rank(
         cfg,
-        count(cfg),
+        count(cfg, lora_rank),
         world=1,
         rows=lengths,
         mixed_precision=False,
         checkpointing=False,
         chunk_tokens=chunk_tokens,
         attention="ours",
+        lora=lora_rank > 0,
+        trained_tokens=trained,
     )
-    # Only the trained tokens are projected onto the vocabulary (not every packed one).
-    forward_side = predicted["activations"] + logits(cfg, trained, chunk_tokens, 4, head=True)
-    gradient_side = predicted["gradients"] + predicted["optimizer_step"]
-    held = predicted["master_weights"] + predicted["optimizer"]
-    predicted["logits"] = logits(cfg, trained, chunk_tokens, 4, head=True)
-    predicted["total"] = held + max(forward_side, gradient_side)
     return {
         "preset": preset,
         "rows": lengths,
         "chunk_tokens": chunk_tokens,
+        "lora_rank": lora_rank,
         "measured_peak_bytes": peak,
         "predicted_bytes": predicted,
         "predicted_over_measured": round(predicted["total"] / peak, 3),
@@ -334,6 +351,7 @@ def main() -> None:
         check_step("micro", [96, 64, 128], chunk_tokens=32),
         check_step("micro", [96, 64, 128], chunk_tokens=4096),
         check_step("tiny", [200, 120], chunk_tokens=64),
+        check_step("tiny", [200, 120], chunk_tokens=64, lora_rank=8),
     ]
     result: dict[str, Any] = {"checks": checks, "tolerance": TOLERANCE}
     if not args.small:
@@ -365,7 +383,7 @@ def main() -> None:
     print(json.dumps(result, indent=1))
 
 
-TOLERANCE = 0.10  # the accounting within 10 % of the measured peak, either way
+TOLERANCE = 0.05  # the accounting within 5 % of the measured peak, either way (worst seen: 3.3 %)
 
 if __name__ == "__main__":
     main()

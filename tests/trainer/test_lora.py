@@ -19,7 +19,7 @@ from tests.server.test_server import free_port
 from venusrl.engine.model import CausalLM, Linear
 from venusrl.engine.model_dir import init_model_dir, load_model
 from venusrl.engine.packed_rows import PackedRows
-from venusrl.trainer.checkpoint import RunState, save_checkpoint
+from venusrl.trainer.checkpoint import RunState, latest_checkpoint, save_checkpoint
 from venusrl.trainer.config import TrainerConfig
 from venusrl.trainer.lora import LoRALinear, add_adapters, load_adapters
 from venusrl.trainer.trainer import GRPOTrainer
@@ -255,3 +255,15 @@ def test_venusrl_serve_loads_a_lora_checkpoint_and_completes_as_the_adapted_mode
             row.append(int(logits(adapted, row)[-1].argmax()))
     assert served == row[len(PROMPT) :]
     assert served[:4] == TARGET  # what the LoRA training taught, served from the merged weights
+
+
+def test_a_checkpoint_with_damaged_adapters_is_passed_over_by_name(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    trainer = lora_trainer(model_dir)
+    older = save_checkpoint(tmp_path, trainer.model, trainer.optimizer, RunState(0, 1), model_dir)
+    newer = save_checkpoint(tmp_path, trainer.model, trainer.optimizer, RunState(1, 2), model_dir)
+    (newer / "lora_adapters.pt").write_bytes(b"\0" * 64)  # a run directory copied in part
+    skipped: list[tuple[Path, str]] = []
+    assert latest_checkpoint(tmp_path, lambda path, why: skipped.append((path, why))) == older
+    assert skipped[0][0] == newer and "lora_adapters.pt" in skipped[0][1]

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from venusrl.engine.model import CausalLM
-from venusrl.trainer.lora import save_adapters
+from venusrl.trainer.lora import ADAPTERS_FILE, save_adapters
 
 MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
@@ -113,11 +113,13 @@ def check_checkpoint(checkpoint: Path) -> RunState:
             f.keys()
     except Exception as e:  # safetensors raises its own error types
         raise ValueError(f"{weights}: unreadable ({e})") from None
-    optimizer = checkpoint / "optimizer.pt"
-    try:  # mapped, not read: the archive's structure is checked, the tensors are not loaded
-        torch.load(optimizer, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as e:
-        raise ValueError(f"{optimizer}: unreadable ({e})") from None
+    for archive in (checkpoint / "optimizer.pt", checkpoint / ADAPTERS_FILE):
+        if archive.name == ADAPTERS_FILE and not archive.exists():
+            continue  # written without LoRA
+        try:  # mapped, not read: the archive's structure is checked, the tensors are not loaded
+            torch.load(archive, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as e:
+            raise ValueError(f"{archive}: unreadable ({e})") from None
     return state
 
 

@@ -10,6 +10,9 @@ trajectories are not down-weighted; `seq_mean` weighs trajectories alike instead
 micro-batching. A trajectory whose
 advantage is 0 (its group scored alike) is left out, KL penalty included: it carries no policy
 gradient, and the entropy or KL terms alone would move its tokens.
+
+The vocabulary projection runs a chunk of positions at a time (`chunked_logprobs.py`); with
+`trainer.lora_rank`, only LoRA adapters train (`lora.py`).
 """
 
 from __future__ import annotations
