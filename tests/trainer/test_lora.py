@@ -120,6 +120,10 @@ def test_the_optimizer_holds_only_the_adapters_as_many_as_the_rank_says(model_di
     assert sum(p.numel() for p in model.parameters() if p.requires_grad) == expected
     with pytest.raises(ValueError, match="lora_targets"):
         TrainerConfig(lora_targets=["q_proj", "qkv"])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="at most once"):
+        TrainerConfig(lora_targets=["q_proj", "q_proj"])
+    with pytest.raises(ValueError, match="lora_rank"):
+        TrainerConfig(lora_rank=-1)
 
 
 def lora_trainer(model_dir: Path) -> GRPOTrainer:
