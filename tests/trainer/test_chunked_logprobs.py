@@ -86,3 +86,25 @@ def test_a_trainer_step_is_the_same_whatever_the_logprob_chunk() -> None:
     assert len(grads) == len(whole_grads) > 0
     for a, b in zip(grads, whole_grads, strict=True):
         assert (a - b).abs().max() <= 1e-10 * b.abs().max()
+
+
+def test_a_bf16_model_gets_fp32_logprobs_and_bf16_gradients_close_to_the_fp32_ones() -> None:
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(40, 16, generator=g).bfloat16().requires_grad_()
+    head = torch.randn(300, 16, generator=g).bfloat16().requires_grad_()
+    tokens = torch.randint(0, 300, (40,), generator=g)
+    logp, entropy = token_logprobs(hidden, head, tokens, 0.8, chunk_tokens=7)
+    assert logp.dtype == entropy.dtype == torch.float32
+    (logp.sum() + entropy.sum()).backward()
+    assert hidden.grad is not None and head.grad is not None
+    assert hidden.grad.dtype == head.grad.dtype == torch.bfloat16
+    h32 = hidden.detach().float().requires_grad_()
+    w32 = head.detach().float().requires_grad_()
+    want_logp, want_entropy = whole_logits(h32, w32, tokens, 0.8)
+    (want_logp.sum() + want_entropy.sum()).backward()
+    # bf16 projections (8 bits of mantissa) against fp32 ones of the same values
+    assert torch.allclose(logp, want_logp, atol=0.1)
+    assert torch.allclose(entropy, want_entropy, atol=0.1)
+    assert h32.grad is not None and w32.grad is not None
+    assert torch.allclose(hidden.grad.float(), h32.grad, atol=0.1, rtol=0.05)
+    assert torch.allclose(head.grad.float(), w32.grad, atol=0.1, rtol=0.05)
