@@ -31,7 +31,11 @@ def model() -> CausalLM:
 
 
 def logits_alone(model: CausalLM, row: list[int]) -> torch.Tensor:
-    return model.forward_rows(PackedRows.pack([row], torch.device("cpu")), torch.arange(len(row)))
+    return logits(model, PackedRows.pack([row], torch.device("cpu")), list(range(len(row))))
+
+
+def logits(model: CausalLM, rows: PackedRows, wanted: list[int]) -> torch.Tensor:
+    return model.lm_head(model.forward_rows(rows, torch.tensor(wanted)))
 
 
 def test_the_prefix_every_row_starts_with_is_packed_once() -> None:
@@ -47,7 +51,7 @@ def test_the_prefix_every_row_starts_with_is_packed_once() -> None:
 def test_packed_rows_have_the_logits_and_gradients_each_has_alone(model: CausalLM) -> None:
     rows = PackedRows.pack(ROWS, torch.device("cpu"))
     wanted = [j for i, row in enumerate(ROWS) for j in rows.index(i, range(len(row)))]
-    packed = model.forward_rows(rows, torch.tensor(wanted))
+    packed = logits(model, rows, wanted)
     alone = torch.cat([logits_alone(model, row) for row in ROWS])
     assert torch.allclose(packed, alone, atol=1e-5)
 
@@ -58,7 +62,7 @@ def test_packed_rows_have_the_logits_and_gradients_each_has_alone(model: CausalL
         (logits * weights).sum().backward()
         return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
-    packed_grads = grads(model.forward_rows(rows, torch.tensor(wanted)))
+    packed_grads = grads(logits(model, rows, wanted))
     alone_grads = grads(torch.cat([logits_alone(model, row) for row in ROWS]))
     for a, b in zip(packed_grads, alone_grads, strict=True):
         assert (a - b).abs().max() <= 1e-5 * a.abs().max()  # float rounding: sums reordered

@@ -10,6 +10,13 @@ from venusrl.trainer.grpo import group_advantages, policy_loss
 torch.set_num_threads(1)
 
 
+def logprobs_and_entropy(
+    logits: torch.Tensor, tokens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logp = torch.log_softmax(logits, -1)
+    return logp.gather(-1, tokens[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
 def test_advantages_are_group_normalised() -> None:
     adv = group_advantages([1.0, 0.0, 1.0, 0.0])
     assert adv == pytest.approx([1.0, -1.0, 1.0, -1.0], abs=1e-5)
@@ -37,14 +44,14 @@ def test_loss_counts_model_tokens_only_and_clips_the_ratio() -> None:
     weights = mask / 4
     adv = torch.ones(6)
     # On-policy: ratio 1, nothing clipped, gradient only through masked-in positions.
-    loss, stats = policy_loss(logits, tokens, current, adv, weights)
+    loss, stats = policy_loss(*logprobs_and_entropy(logits, tokens), current, adv, weights)
     loss.backward()
     assert stats.tokens == 4 and stats.clip_fraction == 0 and stats.mean_ratio == pytest.approx(1)
     assert logits.grad is not None
     assert torch.all(logits.grad[mask == 0] == 0) and torch.any(logits.grad[mask == 1] != 0)
     # Stale tokens whose probability rose a lot: the ratio is clipped, no gradient pushes further.
     logits.grad = None
-    loss, stats = policy_loss(logits, tokens, current - 1.0, adv, weights)
+    loss, stats = policy_loss(*logprobs_and_entropy(logits, tokens), current - 1.0, adv, weights)
     loss.backward()
     assert stats.clip_fraction == 1.0
     assert torch.all(logits.grad == 0)  # type: ignore[union-attr]
@@ -66,11 +73,20 @@ def test_the_kl_penalty_is_zero_at_the_reference_and_pulls_back_towards_it() -> 
     tokens = torch.randint(0, 10, (4,))
     current = torch.log_softmax(logits.detach(), -1).gather(-1, tokens[:, None]).squeeze(-1)
     weights, zero_adv = torch.full((4,), 0.25), torch.zeros(4)
-    _, at_ref = policy_loss(logits, tokens, current, zero_adv, weights, 0.2, 0.0, current, 1.0)
+    _, at_ref = policy_loss(
+        *logprobs_and_entropy(logits, tokens), current, zero_adv, weights, 0.2, 0.0, current, 1.0
+    )
     assert at_ref.kl == pytest.approx(0.0, abs=1e-6)
     # The reference gave these tokens more probability: the penalty's gradient raises them.
     loss, away = policy_loss(
-        logits, tokens, current, zero_adv, weights, 0.2, 0.0, current + 0.5, 1.0
+        *logprobs_and_entropy(logits, tokens),
+        current,
+        zero_adv,
+        weights,
+        0.2,
+        0.0,
+        current + 0.5,
+        1.0,
     )
     loss.backward()
     assert away.kl > 0
@@ -90,7 +106,14 @@ def test_far_off_logprobs_at_tokens_without_weight_leave_the_loss_finite() -> No
     reference[0] += 200.0
     behaviour[3] -= 200.0
     loss, stats = policy_loss(
-        logits, tokens, behaviour, torch.ones(4), weights, 0.2, 0.0, reference, 0.1
+        *logprobs_and_entropy(logits, tokens),
+        behaviour,
+        torch.ones(4),
+        weights,
+        0.2,
+        0.0,
+        reference,
+        0.1,
     )
     loss.backward()
     assert torch.isfinite(loss) and stats.kl == pytest.approx(0.0, abs=1e-6)

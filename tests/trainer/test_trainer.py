@@ -33,7 +33,7 @@ def record(prompt: list[int], out: list[int], logprobs: list[float]) -> Trajecto
 def row_logits(model: CausalLM, token_ids: list[int]) -> torch.Tensor:
     """The training path's logits at every position of one row."""
     rows = PackedRows.pack([token_ids], torch.device("cpu"))
-    return model.forward_rows(rows, torch.arange(len(token_ids)))
+    return model.lm_head(model.forward_rows(rows, torch.arange(len(token_ids))))
 
 
 def dense_logprobs(model: CausalLM, t: Trajectory) -> list[float]:

@@ -214,6 +214,11 @@ class Linear(nn.Linear):
         self._packed, self._packed_version = packed, self.weight._version
         return True
 
+    def merged_weight(self) -> torch.Tensor:
+        """The weight this layer computes with: its own, or with a trainer's low-rank update
+        merged in (`trainer/lora.py`); what is published and saved."""
+        return self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (
             self._packed is not None
@@ -302,14 +307,15 @@ class CausalLM(nn.Module):
         return self.lm_head(x).float()
 
     def forward_rows(self, rows: PackedRows, wanted: torch.Tensor) -> torch.Tensor:
-        """Logits [len(wanted), vocab] at the packed tokens `wanted`, with autograd: what the
-        trainer runs. Same weights and arithmetic as the paged path, without a KV cache. Only the
-        tokens a loss reads are projected onto the vocabulary (a quarter of an episode's)."""
+        """Final (normed) hidden states [len(wanted), hidden] at the packed tokens `wanted`, with
+        autograd: what the trainer runs. Same weights and arithmetic as the paged path, without a
+        KV cache. The caller projects them onto the vocabulary (`lm_head`), the trainer chunk by
+        chunk (`trainer/chunked_logprobs.py`) so that the whole logits never exist."""
         x = self.embed_tokens(rows.input_ids)
         rope = self.rotary.tables(rows.positions, x.dtype)
         for layer in self.layers:
             x = cast(DecoderLayer, layer).forward_rows(x, rope, rows)
-        return self.lm_head(self.norm(x.index_select(0, wanted))).float()
+        return self.norm(x.index_select(0, wanted))
 
     # -- weights in Hugging Face naming --------------------------------------------------------
 
@@ -351,10 +357,17 @@ class CausalLM(nn.Module):
                 module.pack()
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """This model's weights under Hugging Face names (views into the fused tensors)."""
-        return {name: t.detach() for name, t in self._hf_targets().items()}
+        """This model's weights under Hugging Face names (views into the fused tensors), with
+        any adapter's update merged in: what the engines and checkpoints get."""
+        return {name: t.detach() for name, t in self._hf_targets(merged=True).items()}
 
-    def _hf_targets(self) -> dict[str, torch.Tensor]:
+    def _hf_targets(self, merged: bool = False) -> dict[str, torch.Tensor]:
+        """The parameters under Hugging Face names (`merged`: the linear layers' merged weights,
+        new tensors, read-only)."""
+
+        def weight(linear: Linear) -> torch.Tensor:
+            return linear.merged_weight() if merged else linear.weight
+
         cfg = self.config
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         out: dict[str, torch.Tensor] = {
@@ -366,7 +379,7 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, DecoderLayer)
             p = f"model.layers.{i}."
-            qkv, gate_up = layer.qkv_proj.weight, layer.gate_up_proj.weight
+            qkv, gate_up = weight(layer.qkv_proj), weight(layer.gate_up_proj)
             out[p + "self_attn.q_proj.weight"] = qkv[:q_dim]
             out[p + "self_attn.k_proj.weight"] = qkv[q_dim : q_dim + kv_dim]
             out[p + "self_attn.v_proj.weight"] = qkv[q_dim + kv_dim :]
@@ -375,13 +388,13 @@ class CausalLM(nn.Module):
                 out[p + "self_attn.q_proj.bias"] = bias[:q_dim]
                 out[p + "self_attn.k_proj.bias"] = bias[q_dim : q_dim + kv_dim]
                 out[p + "self_attn.v_proj.bias"] = bias[q_dim + kv_dim :]
-            out[p + "self_attn.o_proj.weight"] = layer.o_proj.weight
+            out[p + "self_attn.o_proj.weight"] = weight(layer.o_proj)
             if layer.q_norm is not None and layer.k_norm is not None:
                 out[p + "self_attn.q_norm.weight"] = layer.q_norm.weight
                 out[p + "self_attn.k_norm.weight"] = layer.k_norm.weight
             out[p + "mlp.gate_proj.weight"] = gate_up[: cfg.intermediate_size]
             out[p + "mlp.up_proj.weight"] = gate_up[cfg.intermediate_size :]
-            out[p + "mlp.down_proj.weight"] = layer.down_proj.weight
+            out[p + "mlp.down_proj.weight"] = weight(layer.down_proj)
             out[p + "input_layernorm.weight"] = layer.input_layernorm.weight
             out[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
         return out

@@ -29,6 +29,7 @@ from venusrl.policy.agent_admission import AimdAdmission
 from venusrl.runtime.engines import LocalEngine, ServedEngine
 from venusrl.runtime.faults import engine_faults, sandbox_faults
 from venusrl.runtime.run_dir import RunStart
+from venusrl.trainer.lora import load_adapters
 from venusrl.trainer.trainer import GRPOTrainer
 from venusrl.types import SamplingParams
 
@@ -136,6 +137,7 @@ def new_trainer(cfg: Config, start: RunStart, sampling: SamplingParams) -> GRPOT
         temperature=1.0 if sampling.greedy else sampling.temperature,
     )
     if not start.fresh:
+        load_adapters(trainer.model, start.model_dir)
         trainer.optimizer.load_state_dict(
             torch.load(start.model_dir / "optimizer.pt", map_location=cfg.trainer.device)
         )

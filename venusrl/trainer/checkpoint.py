@@ -3,8 +3,9 @@
 A checkpoint is a directory `checkpoints/step-NNNNNN/` in Hugging Face layout (`config.json`,
 `model.safetensors`, the tokenizer files: `venusrl serve` and `transformers` load it as it is) plus
 `optimizer.pt` and `state.json` (the step it follows, the weight version, the coordinator's data
-position). It is written under a temporary name, flushed, then renamed: a directory with the final
-name is always complete, whatever moment the process dies at. The newest one that reads back wins.
+position); with LoRA, the weights are merged and `lora_adapters.pt` holds the adapters. It is
+written under a temporary name, flushed, then renamed: a directory with the final name is always
+complete, whatever moment the process dies at. The newest one that reads back wins.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from venusrl.engine.model import CausalLM
+from venusrl.trainer.lora import ADAPTERS_FILE, save_adapters
 
 MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
@@ -64,6 +66,7 @@ def save_checkpoint(
     tmp = root / f".tmp-step-{state.step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     write_model_dir(tmp, model, model_dir)
+    save_adapters(model, tmp)
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     (tmp / "state.json").write_text(json.dumps(asdict(state)))
     for f in tmp.iterdir():
@@ -110,11 +113,13 @@ def check_checkpoint(checkpoint: Path) -> RunState:
             f.keys()
     except Exception as e:  # safetensors raises its own error types
         raise ValueError(f"{weights}: unreadable ({e})") from None
-    optimizer = checkpoint / "optimizer.pt"
-    try:  # mapped, not read: the archive's structure is checked, the tensors are not loaded
-        torch.load(optimizer, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as e:
-        raise ValueError(f"{optimizer}: unreadable ({e})") from None
+    for archive in (checkpoint / "optimizer.pt", checkpoint / ADAPTERS_FILE):
+        if archive.name == ADAPTERS_FILE and not archive.exists():
+            continue  # written without LoRA
+        try:  # mapped, not read: the archive's structure is checked, the tensors are not loaded
+            torch.load(archive, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as e:
+            raise ValueError(f"{archive}: unreadable ({e})") from None
     return state
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import Field, field_validator
 
 from venusrl.sections import Section, torch_device
+
+LoRATarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_TARGETS: tuple[LoRATarget, ...] = get_args(LoRATarget)
 
 LossAggregation = Literal["token_mean", "seq_mean"]
 """How the per-token objective is averaged over a batch.
@@ -38,9 +41,32 @@ class TrainerConfig(Section):
     )
     max_grad_norm: float = Field(1.0, gt=0)
     micro_batch_tokens: int = Field(8192, ge=2)
+    # -- memory: logits in chunks, LoRA (trainer/chunked_logprobs.py, trainer/lora.py) --
+    logprob_chunk_tokens: int = Field(
+        1024,
+        ge=1,
+        description="positions projected onto the vocabulary at a time, in forward and backward:"
+        " the [tokens, vocab] logits never exist whole",
+    )
+    lora_rank: int = Field(
+        0, ge=0, description="rank of the LoRA adapters (0: off, every weight trains)"
+    )
+    lora_alpha: float = Field(16.0, gt=0, description="LoRA's update is (alpha / rank) B A")
+    lora_targets: list[LoRATarget] = Field(
+        default_factory=lambda: list(LORA_TARGETS),
+        min_length=1,
+        description="the projections of each layer that get adapters",
+    )
     updates_per_batch: int = Field(1, ge=1, description="PPO epochs: gradient steps per batch")
     loss_aggregation: LossAggregation = Field(
         "token_mean", description="weigh every model token alike, or every trajectory alike"
     )
 
     _device = field_validator("device")(torch_device)
+
+    @field_validator("lora_targets")
+    @classmethod
+    def _targets_once(cls, targets: list[str]) -> list[str]:
+        if len(set(targets)) != len(targets):
+            raise ValueError(f"each projection at most once, got {targets}")
+        return targets

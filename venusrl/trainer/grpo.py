@@ -60,8 +60,8 @@ class LossStats:
 
 
 def policy_loss(
-    logits: torch.Tensor,  # [T, V] current logits at the positions that predicted `tokens`
-    tokens: torch.Tensor,  # [T] the tokens that were sampled
+    logp: torch.Tensor,  # [T] current logprobs of `tokens` (trainer/chunked_logprobs.py)
+    entropy: torch.Tensor,  # [T] current entropy at the positions that predicted them
     behaviour_logprobs: torch.Tensor,  # [T] logprobs the engine recorded when sampling them
     advantages: torch.Tensor,  # [T] the trajectory's advantage on each of its tokens
     weights: torch.Tensor,  # [T] each token's weight; 0 for prompt and observation tokens
@@ -72,15 +72,12 @@ def policy_loss(
 ) -> tuple[torch.Tensor, LossStats]:
     """The weighted sum of the negated per-token objective (the caller normalises it); the
     statistics are plain means over the tokens with a weight."""
-    logp_all = torch.log_softmax(logits.float(), dim=-1)
-    logp = logp_all.gather(-1, tokens[:, None]).squeeze(-1)
     # Log ratios are taken as 0 where a token has no weight (prompt, observation, padding):
     # exp() of a large one there would be inf, and inf x 0 a NaN loss and NaN gradients.
     trained = weights > 0
     ratio = torch.exp(torch.where(trained, logp - behaviour_logprobs, 0.0))
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
     objective = torch.minimum(ratio * advantages, clipped * advantages)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
     per_token = objective + entropy_coef * entropy
     kl = torch.zeros_like(logp)
     if reference_logprobs is not None:

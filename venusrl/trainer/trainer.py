@@ -10,6 +10,9 @@ trajectories are not down-weighted; `seq_mean` weighs trajectories alike instead
 micro-batching. A trajectory whose
 advantage is 0 (its group scored alike) is left out, KL penalty included: it carries no policy
 gradient, and the entropy or KL terms alone would move its tokens.
+
+The vocabulary projection runs a chunk of positions at a time (`chunked_logprobs.py`); with
+`trainer.lora_rank`, only LoRA adapters train (`lora.py`).
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ import torch
 from venusrl.engine.model import CausalLM
 from venusrl.engine.model_dir import build_model
 from venusrl.engine.packed_rows import PackedRows
+from venusrl.trainer.chunked_logprobs import token_logprobs
 from venusrl.trainer.config import TrainerConfig
 from venusrl.trainer.grpo import policy_loss, row_weights
+from venusrl.trainer.lora import add_adapters
 from venusrl.types import Trajectory
 
 _Row = tuple[Trajectory, float, float]  # trajectory, advantage, weight of each of its model tokens
@@ -66,9 +71,13 @@ class GRPOTrainer:
         self.reference = reference
         if reference is not None:
             reference.requires_grad_(False).eval()
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay
+        c = self.config
+        self.trained = (
+            add_adapters(model, c.lora_rank, c.lora_alpha, c.lora_targets)
+            if c.lora_rank
+            else list(model.parameters())
         )
+        self.optimizer = torch.optim.AdamW(self.trained, lr=c.lr, weight_decay=c.weight_decay)
         self._imitation: torch.optim.Optimizer | None = None  # the warm start's (imitation_step)
 
     def freeze_reference(self) -> CausalLM:
@@ -132,13 +141,11 @@ class GRPOTrainer:
             reference_logprobs = None
             if reference is not None:
                 with torch.no_grad():
-                    ref_logits = reference.forward_rows(batch.rows, batch.wanted) / self.temperature
-                    ref = torch.log_softmax(ref_logits, dim=-1)
-                    reference_logprobs = ref.gather(-1, batch.tokens[:, None]).squeeze(-1)
-            logits = self.model.forward_rows(batch.rows, batch.wanted) / self.temperature
+                    reference_logprobs = self._logprobs(reference, batch, self.temperature)[0]
+            logp, entropy = self._logprobs(self.model, batch, self.temperature)
             loss, stats = policy_loss(
-                logits,
-                batch.tokens,
+                logp,
+                entropy,
                 batch.behaviour,
                 batch.advantages,
                 batch.weights,
@@ -154,9 +161,7 @@ class GRPOTrainer:
             sums["ratio"] += stats.mean_ratio * weight
             sums["entropy"] += stats.entropy * weight
             sums["kl"] += stats.kl * weight
-        grad_norm = float(
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
-        )
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trained, self.config.max_grad_norm))
         if total:
             self.optimizer.step()
         return sums, grad_norm
@@ -172,7 +177,7 @@ class GRPOTrainer:
         rows = [(t, 0.0, 1.0) for t in trajectories if t.model_tokens]
         total = sum(t.model_tokens for t, _, _ in rows)
         if self._imitation is None:
-            self._imitation = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
+            self._imitation = torch.optim.AdamW(self.trained, lr=lr, weight_decay=0.0)
         for g in self._imitation.param_groups:
             g["lr"] = lr
         self.model.train()
@@ -180,16 +185,28 @@ class GRPOTrainer:
         nll = 0.0
         for rows_in_batch in self._micro_batches(rows):
             batch = _pack(rows_in_batch, self.device)
-            logp = torch.log_softmax(self.model.forward_rows(batch.rows, batch.wanted), dim=-1)
-            picked = logp.gather(-1, batch.tokens[:, None])
-            loss = -picked.sum() / max(total, 1)
+            loss = -self._logprobs(self.model, batch, 1.0)[0].sum() / max(total, 1)
             loss.backward()
             nll += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+        torch.nn.utils.clip_grad_norm_(self.trained, self.config.max_grad_norm)
         self._imitation.step()
         self._imitation.zero_grad(set_to_none=True)
         self.model.eval()
         return nll
+
+    def _logprobs(
+        self, model: CausalLM, batch: _Batch, temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logprobs and entropies at the batch's trained tokens under softmax(logits /
+        temperature), the logits a chunk at a time."""
+        hidden = model.forward_rows(batch.rows, batch.wanted)
+        return token_logprobs(
+            hidden,
+            model.lm_head.weight,
+            batch.tokens,
+            temperature,
+            self.config.logprob_chunk_tokens,
+        )
 
     def _micro_batches(self, rows: list[_Row]) -> list[list[_Row]]:
         """Rows in turn, cut so that their tokens stay within the token budget."""
