@@ -85,6 +85,21 @@ def test_a_vllm_turn_sends_token_ids_and_returns_tokens_logprobs_and_the_gates_v
     assert high.top_logprobs == [[(493, -0.5), (8, -1.0)], [(493, -0.75), (258, -1.25)]]
 
 
+UNTIED = {"model_type": "qwen3", "tie_word_embeddings": False}  # a model's config.json
+
+
+def test_vllm_refuses_a_model_whose_output_head_is_tied_to_its_embedding(
+    stand_in: StandIn,
+) -> None:
+    """vLLM 0.32's in-place reload keeps a tied head's old tensor (seen in the slow test)."""
+    stand_in.replies["/server_info?config_format=json"] = vllm_server_info(
+        "processed_logprobs", "priority", 1024
+    )
+    tied = UNTIED | {"tie_word_embeddings": True}
+    with pytest.raises(RemoteEngineError, match="tie_word_embeddings"):
+        asyncio.run(VllmEngine(stand_in.url, [258], 0).check(tied, 1024, priorities=True))
+
+
 def test_a_vllm_server_that_cannot_serve_the_run_is_refused_with_the_flags_it_needs(
     stand_in: StandIn,
 ) -> None:
@@ -93,14 +108,14 @@ def test_a_vllm_server_that_cannot_serve_the_run_is_refused_with_the_flags_it_ne
     )
     client = VllmEngine(stand_in.url, [258], 0)
     with pytest.raises(RemoteEngineError) as err:
-        asyncio.run(client.check(max_context=1024, priorities=True))
+        asyncio.run(client.check(UNTIED, max_context=1024, priorities=True))
     for flag in ("--logprobs-mode processed_logprobs", "--scheduling-policy priority",
                  "rollout.priorities=fifo", "--max-model-len 1024"):  # fmt: skip
         assert flag in str(err.value)
     stand_in.replies["/server_info?config_format=json"] = vllm_server_info(
         "processed_logprobs", "fcfs", 1024
     )
-    asyncio.run(client.check(max_context=1024, priorities=False))  # fifo needs no priorities
+    asyncio.run(client.check(UNTIED, max_context=1024, priorities=False))  # fifo: none sent
 
 
 def sglang_generate(body: dict[str, Any]) -> tuple[int, Any]:

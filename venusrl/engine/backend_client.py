@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from venusrl.engine.remote import JsonEndpoint, RemoteEngineError
 from venusrl.engine.weight_gate import WeightGate
@@ -48,10 +49,10 @@ class BackendClient:
             0.0,
         )
 
-    async def check(self, max_context: int, priorities: bool) -> None:
-        """Refuse, before anything runs, a server that cannot serve the run: too short a context,
-        no priority scheduling where the run sends priorities, the wrong logprobs
-        (RemoteEngineError saying how to start it)."""
+    async def check(self, model: dict[str, Any], max_context: int, priorities: bool) -> None:
+        """Refuse, before anything runs, a server that cannot serve the run of `model` (its
+        config.json): too short a context, no priority scheduling where the run sends
+        priorities, the wrong logprobs (RemoteEngineError saying how to start it)."""
         raise NotImplementedError
 
     async def generate(

@@ -22,7 +22,7 @@ from venusrl.types import GenerationOutput, SamplingParams, TopLogprobs, TurnMet
 class SglangEngine(BackendClient):
     backend = "sglang"
 
-    async def check(self, max_context: int, priorities: bool) -> None:
+    async def check(self, model: dict[str, Any], max_context: int, priorities: bool) -> None:
         info = await self.server.call("/get_server_info")
         if not isinstance(info, dict):
             raise self.malformed("/get_server_info", TypeError(type(info).__name__))

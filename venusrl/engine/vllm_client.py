@@ -9,8 +9,9 @@ A turn is `/v1/completions` with the token ids as the prompt, `return_token_ids`
 (`processed_logprobs`: temperature applied, as `SamplingParams` promises). Critical groups go first
 through the request's `priority` (vLLM runs lower values first). New weights load in place from a
 model directory through the development route `/collective_rpc` (`reload_weights`): no other
-route of this version loads weights from a directory into a running server. The prefix cache is
-salted with the weight version, so KV computed by older weights is never reused.
+route of this version loads weights from a directory into a running server. That reload keeps
+a tied output head's old tensor, so a model with `tie_word_embeddings` is refused. The prefix
+cache is salted with the weight version, so KV computed by older weights is never reused.
 """
 
 from __future__ import annotations
@@ -31,20 +32,29 @@ START_IT = (
 class VllmEngine(BackendClient):
     backend = "vllm"
 
-    async def check(self, max_context: int, priorities: bool) -> None:
+    async def check(self, model: dict[str, Any], max_context: int, priorities: bool) -> None:
+        if model.get("tie_word_embeddings"):
+            # Measured on 0.32: `reload_weights` loads the embedding but puts the tied output
+            # head's old tensor back ("ParallelLMHead: Failed to load weights"), so the server
+            # would sample from a head the trainer no longer has.
+            raise RemoteEngineError(
+                "vLLM cannot reload a model whose output head is tied to its embedding"
+                " (tie_word_embeddings in config.json): its in-place reload keeps the old head."
+                " Train an untied model with rollout.backend=vllm, or use rollout.backend=venus"
+            )
         try:
             info = await self.server.call("/server_info?config_format=json")
             config = info["vllm_config"]
-            model, scheduler = config["model_config"], config["scheduler_config"]
+            served, scheduler = config["model_config"], config["scheduler_config"]
         except RemoteEngineError as e:
             raise RemoteEngineError(f"{e}\n  the weight updates need its development routes: "
                                     f"{START_IT}") from None  # fmt: skip
         except (KeyError, TypeError) as e:
             raise self.malformed("/server_info", e) from None
         problems = []
-        if model.get("logprobs_mode") != "processed_logprobs":
+        if served.get("logprobs_mode") != "processed_logprobs":
             problems.append(
-                f"it returns {model.get('logprobs_mode')}, not the logprobs of the distribution"
+                f"it returns {served.get('logprobs_mode')}, not the logprobs of the distribution"
                 " it samples from: start it with --logprobs-mode processed_logprobs"
             )
         if priorities and scheduler.get("policy") != "priority":
@@ -53,9 +63,9 @@ class VllmEngine(BackendClient):
                 " priorities of critical groups: start it with --scheduling-policy priority,"
                 " or set rollout.priorities=fifo"
             )
-        if int(model.get("max_model_len") or 0) < max_context:
+        if int(served.get("max_model_len") or 0) < max_context:
             problems.append(
-                f"it serves at most {model.get('max_model_len')} tokens, fewer than"
+                f"it serves at most {served.get('max_model_len')} tokens, fewer than"
                 f" rollout.max_context={max_context}: start it with --max-model-len {max_context}"
                 " or lower rollout.max_context"
             )

@@ -17,7 +17,7 @@ from venusrl.config import Config
 from venusrl.engine.async_engine import AsyncEngine
 from venusrl.engine.backend_client import BackendClient
 from venusrl.engine.engine import Engine
-from venusrl.engine.model_dir import read_model_config
+from venusrl.engine.model_dir import read_hf_config, read_model_config
 from venusrl.engine.remote import RemoteEngine, RemoteEngineError
 from venusrl.engine.sglang_client import SglangEngine
 from venusrl.engine.vllm_client import VllmEngine
@@ -131,7 +131,8 @@ async def served_engine(cfg: Config, model_dir: Path, version: int) -> ServedEng
     eos = read_model_config(model_dir).eos_token_ids
     client = BACKENDS[cfg.rollout.backend](cfg.run.engine_url, eos, version)
     try:
-        await client.check(cfg.rollout.max_context, cfg.rollout.priorities == "critical")
+        critical = cfg.rollout.priorities == "critical"
+        await client.check(read_hf_config(model_dir), cfg.rollout.max_context, critical)
         await client.update_weights(model_dir, version)
     except RemoteEngineError as e:
         await client.close()
