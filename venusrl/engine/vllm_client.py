@@ -6,7 +6,8 @@ vLLM 0.32). Start it so that it can serve a run:
 
 A turn is `/v1/completions` with the token ids as the prompt, `return_token_ids` and
 `logprobs`: the sampled tokens and each one's logprob under the sampling distribution
-(`processed_logprobs`: temperature applied, as `SamplingParams` promises). Critical groups go first
+(`processed_logprobs`: temperature applied, as `SamplingParams` promises; with top-p or top-k on,
+which the agent loop never sets, vLLM's are of the truncated distribution). Critical groups go first
 through the request's `priority` (vLLM runs lower values first). New weights load in place from a
 model directory through the development route `/collective_rpc` (`reload_weights`): no other
 route of this version loads weights from a directory into a running server. That reload keeps

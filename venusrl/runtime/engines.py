@@ -98,8 +98,9 @@ class ServedEngine:
         self.end_trajectory = self.remote.end_trajectory
 
     async def counters(self) -> dict[str, float]:
-        """The server's totals since it started; {} where it cannot say (a server without
-        `GET /stats`, or a failed read): a step's metrics are not worth failing the run."""
+        """The server's totals since it started (vLLM's and SGLang's: what this client saw of
+        them); {} where it cannot say (a server without `GET /stats`, or a failed read): a
+        step's metrics are not worth failing the run."""
         try:
             return await self.remote.counters()
         except RemoteEngineError as e:
