@@ -70,7 +70,8 @@ def vllm_server(model: Path, log: Path, max_context: int) -> Iterator[str]:
             [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
              "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
              "--max-model-len", str(max_context), "--scheduling-policy", "priority",
-             "--logprobs-mode", "processed_logprobs", "--seed", "0"],
+             "--logprobs-mode", "processed_logprobs", "--enable-prompt-tokens-details",
+             "--seed", "0"],
             stdout=out, stderr=subprocess.STDOUT, env=env,
         )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -129,6 +130,8 @@ def test_training_against_vllm_records_the_version_that_sampled_every_token(
             assert m["ratio_mean"] == pytest.approx(1, abs=2e-3) and m["clip_fraction"] == 0
         assert metrics[-1]["engine"]["weight_updates"] == 3  # one per step, counted since start
         assert metrics[-1]["engine"]["generated_tokens"] > 0
+        # A group's members share their prompt in vLLM's prefix cache, within one version.
+        assert metrics[-1]["engine"]["cached_prompt_tokens"] > 0
 
         # Each step's batch was sampled by the weights of the step before it, every token of it.
         records = list(read_records(tmp_path / "run"))

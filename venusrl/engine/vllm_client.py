@@ -2,7 +2,8 @@
 vLLM 0.32). Start it so that it can serve a run:
 
     VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR \\
-        --scheduling-policy priority --logprobs-mode processed_logprobs --max-model-len N
+        --scheduling-policy priority --logprobs-mode processed_logprobs --max-model-len N \\
+        --enable-prompt-tokens-details  # optional: cached prompt tokens in the counters
 
 A turn is `/v1/completions` with the token ids as the prompt, `return_token_ids` and
 `logprobs`: the sampled tokens and each one's logprob under the sampling distribution
