@@ -1,8 +1,14 @@
-"""Shared fixtures: real model directories written by the reference implementation."""
+"""Shared fixtures: real model directories written by the reference implementation, and a
+stand-in HTTP server for shape checks of clients of servers that cannot run here."""
 
 from __future__ import annotations
 
+import json
 import os
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -51,3 +57,52 @@ def write_hf_model(path: Path, model_type: str, seed: int = 0, **overrides: Any)
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_hf_model(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", head_dim=16)
+
+
+Reply = Callable[[dict[str, Any]], tuple[int, Any]]
+
+
+@dataclass
+class StandIn:
+    """A real HTTP server that answers each path with its reply function (404 for the rest) and
+    records every request: to check what a client sends and reads, in a shape a test writes
+    down. It checks shapes only; the server it stands in for may behave otherwise."""
+
+    url: str
+    replies: dict[str, Reply]
+    requests: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # (path, body)
+
+
+@pytest.fixture
+def stand_in() -> Iterator[StandIn]:
+    replies: dict[str, Reply] = {}
+    server = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
+    found = StandIn(f"http://127.0.0.1:{server.server_address[1]}", replies)
+
+    class Handler(BaseHTTPRequestHandler):
+        def answer(self, body: dict[str, Any]) -> None:
+            found.requests.append((self.path, body))
+            reply = replies.get(self.path)
+            status, data = reply(body) if reply else (404, {"detail": "Not Found"})
+            raw = json.dumps(data).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def do_GET(self) -> None:
+            self.answer({})
+
+        def do_POST(self) -> None:
+            self.answer(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server.RequestHandlerClass = Handler
+    thread = threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True)
+    thread.start()
+    yield found
+    server.shutdown()
+    server.server_close()

@@ -49,6 +49,13 @@ def test_yaml_and_dotted_overrides_compose(tmp_path: Path) -> None:
         (["rollout.admission=window"], "rollout.admission"),
         (["rollout.admission=aimd", "runtime.kind=ray"], "rollout.admission reads the cache"),
         (["rollout.admission=aimd", "run.engine_url=http://x"], "in-process engine"),
+        (["rollout.backend=vllm"], "rollout.backend=vllm generates with a running vllm server"),
+        (["rollout.backend=sglang"], "give its URL as run.engine_url"),
+        (["rollout.backend=tgi"], "rollout.backend: Input should be 'venus', 'vllm' or 'sglang'"),
+        (
+            ["rollout.backend=vllm", "run.engine_url=http://x", "runtime.kind=ray"],
+            "run.engine_url trains against one",
+        ),
         (["rollout.admission_period_s=0"], "rollout.admission_period_s"),
         (["rollout.admission_initial_window=0"], "rollout.admission_initial_window"),
         (["rollout.tasks=tasks.csv"], "rollout.tasks: Value error, tasks.csv: a task file is"),

@@ -63,6 +63,12 @@ class Config(Section):
             raise ValueError(
                 "run.engine_url trains against one served engine: use runtime.kind=local"
             )
+        backend = self.rollout.backend
+        if backend != "venus" and not self.run.engine_url:
+            raise ValueError(
+                f"rollout.backend={backend} generates with a running {backend} server: give its"
+                " URL as run.engine_url (e.g. run.engine_url=http://127.0.0.1:8000)"
+            )
         if self.rollout.admission != "none" and (rt.kind == "ray" or self.run.engine_url):
             raise ValueError(
                 "rollout.admission reads the cache of an in-process engine: use runtime.kind=local"

@@ -127,7 +127,9 @@ def taught_model(root: Path, template: str) -> Path:
 def least_target_probability(trainer: GRPOTrainer, demo: Trajectory) -> float:
     with torch.no_grad():
         rows = PackedRows.pack([demo.token_ids], torch.device("cpu"))
-        logits = trainer.model.forward_rows(rows, torch.arange(len(demo.token_ids)))
+        logits = trainer.model.lm_head(
+            trainer.model.forward_rows(rows, torch.arange(len(demo.token_ids)))
+        )
     probs = torch.softmax(logits[demo.prompt_len - 1 : -1], dim=-1)
     targets = torch.tensor(demo.token_ids[demo.prompt_len :])
     return float(probs.gather(-1, targets[:, None]).min())

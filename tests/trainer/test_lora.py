@@ -3,10 +3,6 @@ gets, what a checkpoint holds, what `venusrl serve` loads), and a resume trains 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.server.test_server import free_port
+from tests.server.process import serving
 from venusrl.engine.model import CausalLM, Linear
 from venusrl.engine.model_dir import init_model_dir, load_model
 from venusrl.engine.packed_rows import PackedRows
@@ -204,45 +200,9 @@ def served_lora_checkpoint(model_dir: Path, tmp_path: Path) -> Iterator[tuple[st
     checkpoint = save_checkpoint(
         tmp_path, trainer.model, trainer.optimizer, RunState(0, 0), model_dir
     )
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "venusrl.cli",
-            "serve",
-            "--model",
-            str(checkpoint),
-            "--port",
-            str(port),
-            "engine.threads=1",
-            "engine.page_size=4",
-            "engine.device_kv_pages=64",
-            "engine.max_context=128",
-            "server.model_name=lora",
-        ],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited early:\n{proc.stdout.read() if proc.stdout else ''}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                if time.monotonic() > deadline:
-                    pytest.fail("server did not become healthy within 60 s")
-                time.sleep(0.2)
+    overrides = ["engine.threads=1", "engine.page_size=4", "engine.device_kv_pages=64"]
+    with serving(checkpoint, *overrides, "engine.max_context=128", "server.model_name=lora") as url:
         yield url, trainer.model
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def test_venusrl_serve_loads_a_lora_checkpoint_and_completes_as_the_adapted_model(

@@ -151,6 +151,13 @@ class RolloutConfig(Section):
     admission_initial_window: int = Field(
         8, ge=1, le=4096, description="episodes rollout.admission=aimd lets run at first"
     )
+    # Which engine the agent loops generate with.
+    backend: Literal["venus", "vllm", "sglang"] = Field(
+        "venus",
+        description="venus: our engine, in-process or `venusrl serve` at run.engine_url (the only"
+        " one that keeps a trajectory's KV across its tool calls); vllm or sglang: a running"
+        " server of that project at run.engine_url (README: what each gives up)",
+    )
 
     @model_validator(mode="after")
     def _staleness_bound(self) -> RolloutConfig:

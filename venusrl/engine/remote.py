@@ -1,6 +1,7 @@
 """An engine in another process: `venusrl serve`, or any server that speaks its `/generate`
 (token ids in; token ids, logprobs and weight versions out) and `/update_weights`; `GET /stats`
-(the engine's counters) is optional.
+(the engine's counters) is optional. `JsonEndpoint` is the HTTP under it and under the clients
+of other servers (`vllm_client.py`, `sglang_client.py`).
 
 The agent loop and the trainer use it exactly like the in-process engine: `generate` has the
 signature of `AsyncEngine.generate`. A request that fails (connection, 5xx, timeout) raises
@@ -22,24 +23,42 @@ class RemoteEngineError(RuntimeError):
     pass
 
 
-class RemoteEngine:
+class JsonEndpoint:
+    """A server that answers JSON over HTTP."""
+
     def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 600.0) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.url = url
         self._client = httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout_s)
 
-    async def _call(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        """POST `body` (GET without one); the reply's JSON, or RemoteEngineError saying why."""
+    async def call(self, path: str, body: dict[str, Any] | None = None) -> Any:
+        """POST `body` (GET without one); the reply's JSON (None for an empty reply), or
+        RemoteEngineError saying why."""
         try:
             if body is None:
                 r = await self._client.get(path)
             else:
                 r = await self._client.post(path, json=body)
         except httpx.HTTPError as e:
-            raise RemoteEngineError(f"{path}: {type(e).__name__}: {e}") from None
+            raise RemoteEngineError(f"{self.url}{path}: {type(e).__name__}: {e}") from None
         if r.status_code != 200:
-            raise RemoteEngineError(f"{path}: HTTP {r.status_code}: {r.text[:500]}")
-        data: dict[str, Any] = r.json()
+            raise RemoteEngineError(f"{self.url}{path}: HTTP {r.status_code}: {r.text[:500]}")
+        try:
+            return r.json() if r.content else None
+        except ValueError:
+            raise RemoteEngineError(f"{self.url}{path}: not JSON: {r.text[:200]!r}") from None
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+class RemoteEngine:
+    def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 600.0) -> None:
+        self.url = url
+        self._server = JsonEndpoint(url, api_key, timeout_s)
+
+    async def _call(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        data: dict[str, Any] = await self._server.call(path, body)
         return data
 
     async def generate(
@@ -80,4 +99,4 @@ class RemoteEngine:
         return int(d["weight_version"])
 
     async def close(self) -> None:
-        await self._client.aclose()
+        await self._server.close()

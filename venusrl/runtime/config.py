@@ -29,7 +29,9 @@ class RunConfig(Section):
     warm_start_batch: int = Field(8, ge=1, description="demonstrations per imitation step")
     warm_start_lr: float = Field(2e-3, gt=0, description="learning rate of the imitation steps")
     engine_url: str | None = Field(
-        None, description="train against `venusrl serve` at this URL instead of in-process"
+        None,
+        description="train against the engine served at this URL instead of in-process:"
+        " `venusrl serve`, or a vLLM or SGLang server (rollout.backend)",
     )
     loggers: list[LoggerName] = Field(
         default_factory=_record_only,

@@ -1,6 +1,6 @@
 """The rollout engine of a run in one process: in-process on its own thread, or served over
-HTTP (`venusrl serve`). On a Ray cluster each rollout worker runs a `LocalEngine` of its own
-(`runtime.cluster.workers`)."""
+HTTP (`venusrl serve`, or a vLLM or SGLang server: `rollout.backend`). On a Ray cluster each
+rollout worker runs a `LocalEngine` of its own (`runtime.cluster.workers`)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,22 @@ import logging
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from venusrl.config import Config
 from venusrl.engine.async_engine import AsyncEngine
+from venusrl.engine.backend_client import BackendClient
 from venusrl.engine.engine import Engine
+from venusrl.engine.model_dir import read_hf_config, read_model_config
 from venusrl.engine.remote import RemoteEngine, RemoteEngineError
+from venusrl.engine.sglang_client import SglangEngine
+from venusrl.engine.vllm_client import VllmEngine
 from venusrl.policy.agent_admission import CacheSignal
 from venusrl.trainer.checkpoint import write_model_dir
 from venusrl.trainer.trainer import GRPOTrainer
+from venusrl.types import GenerationOutput, SamplingParams, TurnMeta
 
 log = logging.getLogger(__name__)
 
@@ -65,17 +71,36 @@ class LocalEngine:
         self.engine.stop()
 
 
-class ServedEngine:
-    """An engine behind HTTP (`venusrl serve`): weights go through a directory both can read."""
+class ServedClient(Protocol):
+    """A served engine's client: ours (`RemoteEngine`) or another project's (`BackendClient`)."""
 
-    def __init__(self, url: str) -> None:
-        self.remote = RemoteEngine(url)
+    url: str
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, meta: TurnMeta | None = None
+    ) -> GenerationOutput: ...
+
+    async def end_trajectory(self, trajectory_id: str) -> None: ...
+
+    async def counters(self) -> dict[str, float]: ...
+
+    async def update_weights(self, path: Path, version: int) -> int: ...
+
+    async def close(self) -> None: ...
+
+
+class ServedEngine:
+    """An engine behind HTTP: weights go through a directory both can read."""
+
+    def __init__(self, remote: ServedClient) -> None:
+        self.remote = remote
         self.generate = self.remote.generate
         self.end_trajectory = self.remote.end_trajectory
 
     async def counters(self) -> dict[str, float]:
-        """The server's totals since it started; {} where it cannot say (a server without
-        `GET /stats`, or a failed read): a step's metrics are not worth failing the run."""
+        """The server's totals since it started (vLLM's and SGLang's: what this client saw of
+        them); {} where it cannot say (a server without `GET /stats`, or a failed read): a
+        step's metrics are not worth failing the run."""
         try:
             return await self.remote.counters()
         except RemoteEngineError as e:
@@ -92,3 +117,25 @@ class ServedEngine:
 
     async def close(self) -> None:
         await self.remote.close()
+
+
+BACKENDS: dict[str, type[BackendClient]] = {"vllm": VllmEngine, "sglang": SglangEngine}
+
+
+async def served_engine(cfg: Config, model_dir: Path, version: int) -> ServedEngine:
+    """The engine at `run.engine_url`, of `rollout.backend`. Another project's server is checked
+    first and loaded with the weights the run starts from (whatever it was started with: a fresh
+    run writes its start model only now), so every token it samples is of a known version."""
+    assert cfg.run.engine_url is not None
+    if cfg.rollout.backend == "venus":
+        return ServedEngine(RemoteEngine(cfg.run.engine_url))
+    eos = read_model_config(model_dir).eos_token_ids
+    client = BACKENDS[cfg.rollout.backend](cfg.run.engine_url, eos, version)
+    try:
+        critical = cfg.rollout.priorities == "critical"
+        await client.check(read_hf_config(model_dir), cfg.rollout.max_context, critical)
+        await client.update_weights(model_dir, version)
+    except RemoteEngineError as e:
+        await client.close()
+        raise ValueError(f"rollout.backend={cfg.rollout.backend}: {e}") from None
+    return ServedEngine(client)

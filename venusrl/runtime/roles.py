@@ -26,7 +26,7 @@ from venusrl.envs.service import SandboxSource
 from venusrl.envs.task_file import read_task_file
 from venusrl.envs.types import GiB
 from venusrl.policy.agent_admission import AimdAdmission
-from venusrl.runtime.engines import LocalEngine, ServedEngine
+from venusrl.runtime.engines import LocalEngine, ServedEngine, served_engine
 from venusrl.runtime.faults import engine_faults, sandbox_faults
 from venusrl.runtime.run_dir import RunStart
 from venusrl.trainer.lora import load_adapters
@@ -171,7 +171,7 @@ async def start_rollouts(
         return RolloutSide(fleet, fleet)
     assert sandboxes.pool is not None
     local: LocalEngine | ServedEngine = (
-        ServedEngine(cfg.run.engine_url)
+        await served_engine(cfg, start.model_dir, version)
         if cfg.run.engine_url
         else LocalEngine(start.model_dir, cfg, version)
     )
