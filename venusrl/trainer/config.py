@@ -43,4 +43,30 @@ class TrainerConfig(Section):
         "token_mean", description="weigh every model token alike, or every trajectory alike"
     )
 
+    world_size: int = Field(
+        1,
+        ge=1,
+        description="trainer ranks: 1 trains in the driver's process; N > 1 starts N processes"
+        " in one torch.distributed group (gloo on CPU, NCCL on CUDA, one GPU each) sharding the"
+        " model with FSDP2",
+    )
+    param_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="compute dtype of the sharded ranks' forward and backward (FSDP2's mixed"
+        " precision); master weights, gradient reduction and AdamW state stay float32",
+    )
+    activation_checkpointing: bool = Field(
+        False, description="ranks recompute each decoder layer's activations in the backward"
+    )
+    cpu_offload: bool = Field(
+        False, description="ranks keep sharded weights, gradients and AdamW state in host memory"
+    )
+    rank_threads: int = Field(1, ge=1, description="torch threads of each trainer rank")
+    rank_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="longest wait on the trainer ranks for one command (a step, a checkpoint)"
+        " before the run stops",
+    )
+
     _device = field_validator("device")(torch_device)
