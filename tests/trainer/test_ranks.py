@@ -45,6 +45,8 @@ def batch(seed: int, rows: int = 6) -> tuple[list[Trajectory], list[float]]:
 
 
 def config(**overrides: object) -> TrainerConfig:
+    # lr 1e-4: Adam's first steps move every weight by about lr * sign(gradient), so where a
+    # gradient is ~1e-8 (Adam's eps), float noise in its sum moves the update by up to lr.
     base: dict[str, object] = dict(
         lr=1e-4, kl_coef=0.0, entropy_coef=0.01, micro_batch_tokens=40, max_grad_norm=0.5
     )
@@ -103,6 +105,31 @@ def test_ranks_with_activation_checkpointing_imitate_as_one_process(model_dir: P
     assert_same_weights(weights, one.model.hf_state_dict())
 
 
+def test_bf16_compute_steps_near_the_fp32_step_and_keeps_fp32_master_weights(
+    model_dir: Path,
+) -> None:
+    trajectories, advantages = batch(1)
+    expected = GRPOTrainer(load_model(model_dir), config()).step(trajectories, advantages)
+    ranks = RankedTrainer(model_dir, config(world_size=2, param_dtype="bfloat16"))
+    try:
+        got = ranks.step(trajectories, advantages)
+        dtypes = {t.dtype for _, t in ranks.hf_weights()}
+    finally:
+        ranks.close()
+    assert got.loss == pytest.approx(expected.loss, rel=1e-2)
+    assert got.grad_norm == pytest.approx(expected.grad_norm, rel=1e-2)
+    assert dtypes == {torch.float32}  # what the engines get and the checkpoints hold
+
+
+def test_options_of_the_ranks_are_refused_in_one_process_by_name() -> None:
+    with pytest.raises(
+        ValueError, match=r"param_dtype=bfloat16 .*trainer\.world_size > 1"
+    ):
+        TrainerConfig(param_dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"trainer\.cpu_offload .* trainer\.device is cpu"):
+        TrainerConfig(world_size=2, cpu_offload=True)
+
+
 def test_a_killed_rank_stops_the_step_with_an_error_naming_it(model_dir: Path) -> None:
     ranks = RankedTrainer(model_dir, config(world_size=2))
     os.kill(ranks.pids[1], signal.SIGKILL)
@@ -112,6 +139,7 @@ def test_a_killed_rank_stops_the_step_with_an_error_naming_it(model_dir: Path) -
     assert not any(p.is_alive() for p in ranks._processes)
 
 
+@pytest.mark.slow  # ~50 s: two sets of ranks
 def test_a_sharded_checkpoint_resumes_with_the_same_weights_and_optimizer_state(
     model_dir: Path, tmp_path: Path
 ) -> None:

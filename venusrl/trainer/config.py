@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from venusrl.sections import Section, torch_device
 
@@ -70,3 +70,24 @@ class TrainerConfig(Section):
     )
 
     _device = field_validator("device")(torch_device)
+
+    @model_validator(mode="after")
+    def _ranks_only(self) -> TrainerConfig:
+        """The sharded ranks' options, refused where they would be silently ignored."""
+        if self.world_size == 1:
+            for key, default in (
+                ("param_dtype", "float32"),
+                ("activation_checkpointing", False),
+                ("cpu_offload", False),
+            ):
+                if getattr(self, key) != default:
+                    raise ValueError(
+                        f"trainer.{key}={getattr(self, key)} applies to the sharded ranks:"
+                        " set trainer.world_size > 1"
+                    )
+        if self.cpu_offload and not self.device.startswith("cuda"):
+            raise ValueError(
+                "trainer.cpu_offload keeps a CUDA trainer's shards in host memory; trainer.device"
+                f" is {self.device}"
+            )
+        return self

@@ -78,6 +78,11 @@ class RankedTrainer:
                 f"{model_dir} has no {SHARDED}/ (written by trainer.world_size=1?): a sharded"
                 " trainer resumes from a sharded checkpoint only"
             )
+        gpus = torch.cuda.device_count()
+        if torch.device(config.device).type == "cuda" and gpus < config.world_size:
+            raise ValueError(
+                f"trainer.world_size={config.world_size} needs a GPU per rank; {gpus} visible"
+            )
         self.config, self.version = config, version
         self._lock = threading.Lock()  # one command at a time
         self._scratch = Path(tempfile.mkdtemp(prefix="venusrl-ranks-"))
@@ -228,9 +233,9 @@ def _rank_main(spec: _RankSpec, conn: Connection) -> None:
     config = spec.config
     torch.set_num_threads(config.rank_threads)
     cuda = torch.device(config.device).type == "cuda"
+    device = torch.device("cuda", spec.rank) if cuda else torch.device("cpu")
     if cuda:
-        torch.cuda.set_device(spec.rank % torch.cuda.device_count())
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        torch.cuda.set_device(device)
     dist.init_process_group(
         "nccl" if cuda else "gloo",
         init_method=spec.store,
