@@ -135,6 +135,11 @@ def new_trainer(cfg: Config, start: RunStart, sampling: SamplingParams) -> Train
         load_model(start.model_dir, cfg.trainer.device), cfg.trainer, version, None, temperature
     )
     if not start.fresh:
+        if not (start.model_dir / "optimizer.pt").exists():
+            raise ValueError(
+                f"--resume: {start.model_dir} holds a sharded trainer's checkpoint: resume with"
+                " its trainer.world_size"
+            )
         trainer.optimizer.load_state_dict(
             torch.load(start.model_dir / "optimizer.pt", map_location=cfg.trainer.device)
         )

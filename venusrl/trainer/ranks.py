@@ -84,6 +84,7 @@ class RankedTrainer:
                 f"trainer.world_size={config.world_size} needs a GPU per rank; {gpus} visible"
             )
         self.config, self.version = config, version
+        self._has_reference = False
         self._lock = threading.Lock()  # one command at a time
         self._scratch = Path(tempfile.mkdtemp(prefix="venusrl-ranks-"))
         store = f"file://{self._scratch / 'store'}"
@@ -117,6 +118,10 @@ class RankedTrainer:
         """`GRPOTrainer.step`, each rank training its share of the rows."""
         if len(trajectories) != len(advantages):
             raise ValueError("one advantage per trajectory")
+        if self.config.kl_coef and not self._has_reference:
+            # As in one process, the weights the first step starts from.
+            self._call("freeze_reference", [()] * self.config.world_size)
+            self._has_reference = True
         rows = weighted_rows(trajectories, advantages, self.config.loss_aggregation)
         total = sum(t.model_tokens for t, _, _ in rows)
         shares = token_shares(rows, self.config.world_size)
@@ -133,6 +138,7 @@ class RankedTrainer:
 
     def use_reference(self, model_dir: Path) -> None:
         self._call("use_reference", [(model_dir,)] * self.config.world_size)
+        self._has_reference = True
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The weights under Hugging Face names, gathered by the ranks one parameter at a time
@@ -275,6 +281,7 @@ def _serve(spec: _RankSpec, device: torch.device, conn: Connection) -> None:
         "step": trainer.train_rows,
         "imitate": trainer.imitate_rows,
         "use_reference": trainer.use_reference,
+        "freeze_reference": lambda: trainer.freeze_reference() and None,  # the model stays
         "weights": weights,
         "write_model_dir": trainer.write_model_dir,
         "save": save,

@@ -95,9 +95,8 @@ class ShardedTrainer(GRPOTrainer):
         return trainer
 
     def freeze_reference(self) -> CausalLM:
-        weight = self.model.config
-        reference = build_model(weight, self.device)
-        reference.load_weights(self.hf_weights())
+        reference = build_model(self.model.config, self.device)
+        reference.load_weights(self.hf_weights())  # whole, then sharded
         self.reference = shard_model(reference, self.config).requires_grad_(False).eval()
         return self.reference
 
@@ -117,7 +116,7 @@ class ShardedTrainer(GRPOTrainer):
 
     def write_model_dir(self, out: Path, like: Path) -> None:
         """Rank 0 writes the consolidated model directory (one whole copy, in host memory)."""
-        weights = ((k, v.cpu()) for k, v in self.hf_weights())
+        weights = self.hf_weights()
         if dist.get_rank() == 0:
             write_weights_dir(out, weights, like)
         else:
