@@ -171,13 +171,13 @@ class RankedTrainer:
 
         return commit_checkpoint(run_dir, state, model_dir, write)
 
-    def close(self) -> None:
-        """Stops the ranks (those still alive are told, then ended) and removes the store."""
+    def close(self, grace_s: float = 10.0) -> None:
+        """Stops the ranks (told, then ended after `grace_s`) and removes the store."""
         for conn in self._conns:
             with contextlib.suppress(OSError):  # that rank is gone
                 conn.send(("close", ()))
         for process in self._processes:
-            process.join(timeout=10)
+            process.join(timeout=grace_s)
             if process.is_alive():
                 process.kill()
                 process.join(timeout=10)
@@ -225,7 +225,7 @@ class RankedTrainer:
         process = self._processes[rank]
         process.join(timeout=5)
         code = process.exitcode
-        self.close()
+        self.close(grace_s=0)  # the others wait on it in a collective: no use waiting on them
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
         return RankFailed(
             f"trainer rank {rank} (pid {process.pid}) died ({how}) during {command!r}; the"
