@@ -17,7 +17,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -30,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from venusrl.engine.model import CausalLM, Linear
-from venusrl.engine.model_dir import build_model, load_model
+from venusrl.engine.model_dir import build_model, load_model, read_model_config
 from venusrl.trainer.checkpoint import SHARDED, write_weights_dir
 from venusrl.trainer.config import TrainerConfig
 from venusrl.trainer.trainer import GRPOTrainer, _Row
@@ -65,6 +70,22 @@ def shard_model(model: CausalLM, config: TrainerConfig) -> CausalLM:
     return model
 
 
+def load_sharded_model(model_dir: Path, config: TrainerConfig, device: torch.device) -> CausalLM:
+    """The model of `model_dir`, sharded: rank 0 reads the weights and sends each rank its
+    shards; the others never hold the whole model."""
+    whole = load_model(model_dir, "cpu").state_dict() if dist.get_rank() == 0 else {}
+    with torch.device("meta"):
+        model = CausalLM(read_model_config(model_dir))
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    shard_model(model, config)
+    model.to_empty(device=device)
+    model.rotary.reset_cache(device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, whole, options=options)
+    return model
+
+
 def _padding_row() -> _Row:
     """A row that trains nothing (weight 0), for a rank with fewer micro-batches than another."""
     t = Trajectory.start("padding", "padding", "padding", [0])
@@ -88,7 +109,7 @@ class ShardedTrainer(GRPOTrainer):
     ) -> ShardedTrainer:
         """The model of `model_dir`, sharded; on `resume` (a checkpoint's directory), with the
         model and optimizer shards saved there."""
-        model = shard_model(load_model(model_dir, device), config)
+        model = load_sharded_model(model_dir, config, device)
         trainer = cls(model, config, version, temperature=temperature)
         if resume:
             trainer.load_sharded(model_dir / SHARDED)
@@ -101,7 +122,7 @@ class ShardedTrainer(GRPOTrainer):
         return self.reference
 
     def use_reference(self, model_dir: Path) -> None:
-        reference = shard_model(load_model(model_dir, self.device), self.config)
+        reference = load_sharded_model(model_dir, self.config, self.device)
         self.reference = reference.requires_grad_(False).eval()
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
