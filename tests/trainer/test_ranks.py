@@ -143,6 +143,7 @@ def test_a_killed_rank_stops_the_step_with_an_error_naming_it(model_dir: Path) -
     assert not any(p.is_alive() for p in ranks._processes)
 
 
+@pytest.mark.slow  # 15-50 s on 2 shared cores: two sets of ranks start
 def test_a_sharded_checkpoint_resumes_with_the_same_weights_and_optimizer_state(
     model_dir: Path, tmp_path: Path
 ) -> None:
