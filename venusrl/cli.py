@@ -246,6 +246,7 @@ def _train(args: argparse.Namespace) -> int:
     import asyncio
 
     from venusrl.runtime.train import train
+    from venusrl.trainer.ranks import RankFailed
 
     flags = {"model": args.model, "runtime.kind": args.runtime}
     config = args.config
@@ -266,7 +267,14 @@ def _train(args: argparse.Namespace) -> int:
 
     run_dir = Path(args.run_dir or time.strftime("runs/train-%Y%m%d-%H%M%S"))
     console.print(f"run directory {run_dir}")
-    asyncio.run(train(cfg, run_dir, on_step=show, resume=args.resume, on_message=console.print))
+    try:
+        asyncio.run(train(cfg, run_dir, on_step=show, resume=args.resume, on_message=console.print))
+    except RankFailed as e:  # the run stops; its checkpoints stay
+        print(
+            f"venusrl train: error: {e}\n--resume continues from the last checkpoint",
+            file=sys.stderr,
+        )
+        return 1
     console.print(f"metrics in {run_dir / 'metrics.jsonl'}")
     if "tensorboard" in cfg.run.loggers:
         console.print(f"TensorBoard: tensorboard --logdir {run_dir / 'tensorboard'}")

@@ -11,7 +11,7 @@ the matmuls), reading and writing the paged KV cache through `attention.py`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -359,45 +359,57 @@ class CausalLM(nn.Module):
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """This model's weights under Hugging Face names (views into the fused tensors), with
         any adapter's update merged in: what the engines and checkpoints get."""
-        return {name: t.detach() for name, t in self._hf_targets(merged=True).items()}
+        return {name: t.detach() for name, t in self.hf_named(self._merged_parameter)}
 
-    def _hf_targets(self, merged: bool = False) -> dict[str, torch.Tensor]:
-        """The parameters under Hugging Face names (`merged`: the linear layers' merged weights,
-        new tensors, read-only)."""
+    def _merged_parameter(self, name: str) -> torch.Tensor:
+        """Parameter `name`, or for a linear layer's weight the weight it computes with
+        (`Linear.merged_weight`: a new, read-only tensor where an adapter is attached)."""
+        module_name, _, leaf = name.rpartition(".")
+        module = self.get_submodule(module_name)
+        if leaf == "weight" and isinstance(module, Linear):
+            return module.merged_weight()
+        return self.get_parameter(name)
 
-        def weight(linear: Linear) -> torch.Tensor:
-            return linear.merged_weight() if merged else linear.weight
+    def _hf_targets(self) -> dict[str, torch.Tensor]:
+        return dict(self.hf_named(self.get_parameter))
 
+    def hf_named(
+        self, parameter: Callable[[str], torch.Tensor]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Hugging Face-named weights, each a view of `parameter(name)`, the tensor of this
+        model's (fused) parameter `name`. Lazy, and each parameter is read once: a sharded
+        model's ranks gather one parameter at a time (`trainer.sharded`)."""
         cfg = self.config
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        out: dict[str, torch.Tensor] = {
-            "model.embed_tokens.weight": self.embed_tokens.weight,
-            "model.norm.weight": self.norm.weight,
-        }
+        yield "model.embed_tokens.weight", parameter("embed_tokens.weight")
+        yield "model.norm.weight", parameter("norm.weight")
         if not cfg.tie_word_embeddings:
-            out["lm_head.weight"] = self.lm_head.weight
+            yield "lm_head.weight", parameter("lm_head.weight")
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, DecoderLayer)
-            p = f"model.layers.{i}."
-            qkv, gate_up = weight(layer.qkv_proj), weight(layer.gate_up_proj)
-            out[p + "self_attn.q_proj.weight"] = qkv[:q_dim]
-            out[p + "self_attn.k_proj.weight"] = qkv[q_dim : q_dim + kv_dim]
-            out[p + "self_attn.v_proj.weight"] = qkv[q_dim + kv_dim :]
+            p, m = f"model.layers.{i}.", f"layers.{i}."
+            qkv = parameter(m + "qkv_proj.weight")
+            yield p + "self_attn.q_proj.weight", qkv[:q_dim]
+            yield p + "self_attn.k_proj.weight", qkv[q_dim : q_dim + kv_dim]
+            yield p + "self_attn.v_proj.weight", qkv[q_dim + kv_dim :]
             if layer.qkv_proj.bias is not None:
-                bias = layer.qkv_proj.bias
-                out[p + "self_attn.q_proj.bias"] = bias[:q_dim]
-                out[p + "self_attn.k_proj.bias"] = bias[q_dim : q_dim + kv_dim]
-                out[p + "self_attn.v_proj.bias"] = bias[q_dim + kv_dim :]
-            out[p + "self_attn.o_proj.weight"] = weight(layer.o_proj)
+                bias = parameter(m + "qkv_proj.bias")
+                yield p + "self_attn.q_proj.bias", bias[:q_dim]
+                yield p + "self_attn.k_proj.bias", bias[q_dim : q_dim + kv_dim]
+                yield p + "self_attn.v_proj.bias", bias[q_dim + kv_dim :]
+            yield p + "self_attn.o_proj.weight", parameter(m + "o_proj.weight")
             if layer.q_norm is not None and layer.k_norm is not None:
-                out[p + "self_attn.q_norm.weight"] = layer.q_norm.weight
-                out[p + "self_attn.k_norm.weight"] = layer.k_norm.weight
-            out[p + "mlp.gate_proj.weight"] = gate_up[: cfg.intermediate_size]
-            out[p + "mlp.up_proj.weight"] = gate_up[cfg.intermediate_size :]
-            out[p + "mlp.down_proj.weight"] = weight(layer.down_proj)
-            out[p + "input_layernorm.weight"] = layer.input_layernorm.weight
-            out[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
-        return out
+                yield p + "self_attn.q_norm.weight", parameter(m + "q_norm.weight")
+                yield p + "self_attn.k_norm.weight", parameter(m + "k_norm.weight")
+            gate_up = parameter(m + "gate_up_proj.weight")
+            yield p + "mlp.gate_proj.weight", gate_up[: cfg.intermediate_size]
+            yield p + "mlp.up_proj.weight", gate_up[cfg.intermediate_size :]
+            yield p + "mlp.down_proj.weight", parameter(m + "down_proj.weight")
+            yield p + "input_layernorm.weight", parameter(m + "input_layernorm.weight")
+            yield (
+                p + "post_attention_layernorm.weight",
+                parameter(m + "post_attention_layernorm.weight"),
+            )
 
     def init_random(self, seed: int, std: float = 0.02) -> None:
         """Random weights as Hugging Face initialises them (normal(0, std), norms at 1)."""

@@ -22,8 +22,7 @@ from venusrl.engine.remote import RemoteEngine, RemoteEngineError
 from venusrl.engine.sglang_client import SglangEngine
 from venusrl.engine.vllm_client import VllmEngine
 from venusrl.policy.agent_admission import CacheSignal
-from venusrl.trainer.checkpoint import write_model_dir
-from venusrl.trainer.trainer import GRPOTrainer
+from venusrl.trainer.api import Trainer
 from venusrl.types import GenerationOutput, SamplingParams, TurnMeta
 
 log = logging.getLogger(__name__)
@@ -64,8 +63,8 @@ class LocalEngine:
         # KV and record the new version on the tokens they produce from now on.
         await self.engine.call(lambda e: e.update_weights(weights, version=version))
 
-    async def publish(self, trainer: GRPOTrainer, run_dir: Path, model_dir: Path) -> None:
-        await self.load_weights(trainer.model.hf_state_dict().items(), trainer.version)
+    async def publish(self, trainer: Trainer, run_dir: Path, model_dir: Path) -> None:
+        await self.load_weights(trainer.hf_weights(), trainer.version)
 
     async def close(self) -> None:
         self.engine.stop()
@@ -107,9 +106,9 @@ class ServedEngine:
             log.warning("no engine counters from %s: %s", self.remote.url, e)
             return {}
 
-    async def publish(self, trainer: GRPOTrainer, run_dir: Path, model_dir: Path) -> None:
+    async def publish(self, trainer: Trainer, run_dir: Path, model_dir: Path) -> None:
         out = run_dir / "published" / f"v{trainer.version}"
-        await asyncio.to_thread(write_model_dir, out, trainer.model, model_dir)
+        await asyncio.to_thread(trainer.write_model_dir, out, model_dir)
         await self.remote.update_weights(out, trainer.version)
         for old in (run_dir / "published").glob("v*"):
             if old != out:

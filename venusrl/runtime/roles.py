@@ -29,7 +29,9 @@ from venusrl.policy.agent_admission import AimdAdmission
 from venusrl.runtime.engines import LocalEngine, ServedEngine, served_engine
 from venusrl.runtime.faults import engine_faults, sandbox_faults
 from venusrl.runtime.run_dir import RunStart
+from venusrl.trainer.api import Trainer
 from venusrl.trainer.lora import load_adapters
+from venusrl.trainer.ranks import RankedTrainer
 from venusrl.trainer.trainer import GRPOTrainer
 from venusrl.types import SamplingParams
 
@@ -41,7 +43,7 @@ class RolloutEngine(Protocol):
     """Where new weights are published and the engine counters read: the in-process engine, a
     served one, or the engines of a cluster's rollout workers."""
 
-    async def publish(self, trainer: GRPOTrainer, run_dir: Path, model_dir: Path) -> None: ...
+    async def publish(self, trainer: Trainer, run_dir: Path, model_dir: Path) -> None: ...
 
     async def counters(self) -> dict[str, float]:
         """The engines' totals (`Engine.counters`), summed; never lower than before."""
@@ -127,16 +129,25 @@ async def check_tools(env: type[Environment], pool: SandboxSource) -> None:
         )
 
 
-def new_trainer(cfg: Config, start: RunStart, sampling: SamplingParams) -> GRPOTrainer:
-    """The trainer, on the model the run starts from (its optimizer state too, on a resume)."""
+def new_trainer(cfg: Config, start: RunStart, sampling: SamplingParams) -> Trainer:
+    """The trainer, on the model the run starts from (its optimizer state too, on a resume):
+    in this process, or as `trainer.world_size` ranks."""
+    version = start.state.weight_version
+    # The engine records greedy tokens' logprobs under the raw logits.
+    temperature = 1.0 if sampling.greedy else sampling.temperature
+    if cfg.trainer.world_size > 1:
+        return RankedTrainer(
+            start.model_dir, cfg.trainer, version, temperature, resume=not start.fresh
+        )
     trainer = GRPOTrainer(
-        load_model(start.model_dir, cfg.trainer.device),
-        cfg.trainer,
-        version=start.state.weight_version,
-        # The engine records greedy tokens' logprobs under the raw logits.
-        temperature=1.0 if sampling.greedy else sampling.temperature,
+        load_model(start.model_dir, cfg.trainer.device), cfg.trainer, version, None, temperature
     )
     if not start.fresh:
+        if not (start.model_dir / "optimizer.pt").exists():
+            raise ValueError(
+                f"--resume: {start.model_dir} holds a sharded trainer's checkpoint: resume with"
+                " its trainer.world_size"
+            )
         load_adapters(trainer.model, start.model_dir)
         trainer.optimizer.load_state_dict(
             torch.load(start.model_dir / "optimizer.pt", map_location=cfg.trainer.device)

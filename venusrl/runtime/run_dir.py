@@ -18,8 +18,8 @@ import yaml
 
 from venusrl.config import Config
 from venusrl.runtime import record
-from venusrl.trainer.checkpoint import RunState, latest_checkpoint, load_run_state, write_model_dir
-from venusrl.trainer.trainer import GRPOTrainer
+from venusrl.trainer.api import Trainer
+from venusrl.trainer.checkpoint import RunState, latest_checkpoint, load_run_state
 
 
 @dataclass(frozen=True)
@@ -121,10 +121,10 @@ def has_weights(model_dir: Path) -> bool:
     return (model_dir / "model.safetensors").exists()
 
 
-def write_start_policy(run_dir: Path, trainer: GRPOTrainer, model_dir: Path) -> None:
+def write_start_policy(run_dir: Path, trainer: Trainer, model_dir: Path) -> None:
     tmp, final = run_dir / ".tmp-start-model", run_dir / "start-model"
     shutil.rmtree(tmp, ignore_errors=True)
-    write_model_dir(tmp, trainer.model, model_dir)
+    trainer.write_model_dir(tmp, model_dir)
     # One left by a run stopped before its first step, in this directory started again.
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)

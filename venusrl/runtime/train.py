@@ -38,12 +38,12 @@ from venusrl.runtime.roles import (
     start_background,
     start_rollouts,
 )
-from venusrl.runtime.run_dir import RunStart, prepare_run_dir
+from venusrl.runtime.run_dir import RunStart, prepare_run_dir, start_policy
 from venusrl.runtime.step_metrics import admission_metrics, since, step_metrics
-from venusrl.runtime.warm_start import OnTrainer, prepare_model, reference_policy, warm_start
-from venusrl.trainer.checkpoint import save_checkpoint
+from venusrl.runtime.warm_start import OnTrainer, prepare_model, warm_start
+from venusrl.trainer.api import Trainer
 from venusrl.trainer.grpo import group_advantages
-from venusrl.trainer.trainer import GRPOTrainer, StepStats
+from venusrl.trainer.trainer import StepStats
 from venusrl.types import SamplingParams, Trajectory
 
 T = TypeVar("T")
@@ -81,6 +81,7 @@ async def train(
             sandboxes = await open_sandboxes(cfg, mix, stack)
             prepared = await prepare_model(cfg, start, mix, sandboxes.source)
             trainer = new_trainer(cfg, start, sampling)
+            stack.callback(trainer.close)
             side = await start_rollouts(cfg, start, sandboxes, prepared.fmt, sampling, stack)
             stack.callback(_cancel, side.background)
             if sandboxes.fleet is not None:
@@ -89,7 +90,8 @@ async def train(
                 await warm_start(cfg, start, run_dir, prepared, trainer, on_trainer, on_message)
                 await side.engine.publish(trainer, run_dir, start.model_dir)
             if cfg.trainer.kl_coef:
-                trainer.reference = await on_trainer(reference_policy, cfg, run_dir, trainer.device)
+                # Read from disk, so that a resumed run is held to the same reference.
+                await on_trainer(trainer.use_reference, start_policy(cfg, run_dir))
             start_background(cfg, sandboxes, side)
             coordinator = Coordinator(
                 mixed_tasks(mix, cfg.run.seed, set(start.state.consumed_tasks)),
@@ -140,7 +142,7 @@ class _Run:
     run_dir: Path
     start: RunStart
     mix: list[EnvShare]
-    trainer: GRPOTrainer
+    trainer: Trainer
     sandboxes: Sandboxes
     side: RolloutSide
     coordinator: Coordinator
@@ -171,13 +173,8 @@ class _Run:
             self.loggers.log(line)  # metrics.jsonl first; a failing TensorBoard or W&B is dropped
             metrics.append(line)
             if (step + 1) % cfg.run.checkpoint_every == 0 or step == cfg.run.steps - 1:
-                await asyncio.to_thread(
-                    save_checkpoint,
-                    self.run_dir,
-                    self.trainer.model,
-                    self.trainer.optimizer,
-                    state,
-                    self.start.model_dir,
+                await self.on_trainer(
+                    self.trainer.save_checkpoint, self.run_dir, state, self.start.model_dir
                 )
             if on_step is not None:
                 on_step(line)

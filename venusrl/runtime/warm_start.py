@@ -16,21 +16,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from venusrl.config import Config
 from venusrl.coordinator.agent_loop import ChatFormat, run_episode
 from venusrl.coordinator.config import RolloutConfig
 from venusrl.coordinator.demonstrations import ScriptedGenerate, retokenize
 from venusrl.coordinator.mixing import EnvShare, task_stream
-from venusrl.engine.model import CausalLM
-from venusrl.engine.model_dir import init_model_dir, load_model
+from venusrl.engine.model_dir import init_model_dir
 from venusrl.engine.presets import PRESETS
 from venusrl.engine.tokenizer import CHATML_TEMPLATE, Tokenizer, build_byte_level_tokenizer
 from venusrl.envs.environment import Environment, Task
 from venusrl.envs.service import SandboxSource
-from venusrl.runtime.run_dir import RunStart, start_policy, write_start_policy
-from venusrl.trainer.trainer import GRPOTrainer
+from venusrl.runtime.run_dir import RunStart, write_start_policy
+from venusrl.trainer.api import Trainer
 from venusrl.types import Finish, SamplingParams, Trajectory
 
 
@@ -86,7 +83,7 @@ async def warm_start(
     start: RunStart,
     run_dir: Path,
     prepared: Prepared,
-    trainer: GRPOTrainer,
+    trainer: Trainer,
     on_trainer: OnTrainer,
     tell: Callable[[str], None] | None,
 ) -> None:
@@ -146,7 +143,7 @@ async def play_demonstrations(
     return [d for d in demos if d.finish is not Finish.INFRA]
 
 
-def imitate(cfg: Config, demos: list[Trajectory], trainer: GRPOTrainer) -> dict[str, Any]:
+def imitate(cfg: Config, demos: list[Trajectory], trainer: Trainer) -> dict[str, Any]:
     """The warm start: imitate the demonstrations, so that RL starts from a policy that knows the
     tool-call format and sometimes succeeds (with no success at all, every group's rewards are
     equal and GRPO has no signal)."""
@@ -201,11 +198,3 @@ def longest_turn(traj: Trajectory) -> int:
     """The most tokens the model wrote in one turn of `traj`."""
     bounds = [*traj.turn_starts, len(traj.token_ids)]
     return max((sum(traj.mask[a:b]) for a, b in itertools.pairwise(bounds)), default=0)
-
-
-def reference_policy(cfg: Config, run_dir: Path, device: torch.device) -> CausalLM:
-    """The KL penalty's reference, the start policy, read from disk so that a resumed run is
-    held to the same one."""
-    reference = load_model(start_policy(cfg, run_dir), device)
-    reference.requires_grad_(False)
-    return reference

@@ -2,8 +2,10 @@
 
 A checkpoint is a directory `checkpoints/step-NNNNNN/` in Hugging Face layout (`config.json`,
 `model.safetensors`, the tokenizer files: `venusrl serve` and `transformers` load it as it is) plus
-`optimizer.pt` and `state.json` (the step it follows, the weight version, the coordinator's data
-position); with LoRA, the weights are merged and `lora_adapters.pt` holds the adapters. It is
+the optimizer's state (`optimizer.pt`; a sharded trainer's model and optimizer shards in
+`sharded/`, written by `torch.distributed.checkpoint`, which any number of ranks read back) and
+`state.json` (the step it follows, the weight version, the coordinator's data position); with
+LoRA, the weights are merged and `lora_adapters.pt` holds the adapters. It is
 written under a temporary name, flushed, then renamed: a directory with the final name is always
 complete, whatever moment the process dies at. The newest one that reads back wins.
 """
@@ -13,13 +15,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.distributed.checkpoint import FileSystemReader
 
 from venusrl.engine.model import CausalLM
 from venusrl.trainer.lora import ADAPTERS_FILE, save_adapters
@@ -42,14 +45,22 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+SHARDED = "sharded"  # the directory of a sharded trainer's `torch.distributed.checkpoint`
+
+
 def write_model_dir(out: Path, model: CausalLM, like: Path) -> None:
     """`model`'s weights as a Hugging Face model directory, with `like`'s config and tokenizer."""
+    write_weights_dir(out, model.hf_state_dict().items(), like)
+
+
+def write_weights_dir(out: Path, weights: Iterable[tuple[str, torch.Tensor]], like: Path) -> None:
+    """Hugging Face-named `weights` as a model directory, with `like`'s config and tokenizer."""
     out.mkdir(parents=True, exist_ok=True)
     for name in MODEL_FILES:
         if (like / name).exists():
             shutil.copy2(like / name, out / name)
-    weights = {k: v.to("cpu", copy=True).contiguous() for k, v in model.hf_state_dict().items()}
-    save_file(weights, str(out / "model.safetensors"))
+    tensors = {k: v.to("cpu", copy=True).contiguous() for k, v in weights}
+    save_file(tensors, str(out / "model.safetensors"))
 
 
 def save_checkpoint(
@@ -60,19 +71,33 @@ def save_checkpoint(
     model_dir: Path,
     keep: int = 2,
 ) -> Path:
+    def write(tmp: Path) -> None:
+        write_model_dir(tmp, model, model_dir)
+        save_adapters(model, tmp)
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+
+    return commit_checkpoint(run_dir, state, model_dir, write, keep)
+
+
+def commit_checkpoint(
+    run_dir: Path, state: RunState, model_dir: Path, write: Callable[[Path], None], keep: int = 2
+) -> Path:
+    """The checkpoint of `state`, its files written by `write(directory)`, then made durable and
+    renamed into place; the oldest beyond `keep` go."""
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{state.step:06d}"
     tmp = root / f".tmp-step-{state.step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
-    write_model_dir(tmp, model, model_dir)
-    save_adapters(model, tmp)
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    tmp.mkdir()
+    write(tmp)
     (tmp / "state.json").write_text(json.dumps(asdict(state)))
-    for f in tmp.iterdir():
-        with f.open("rb") as fh:
-            os.fsync(fh.fileno())
-    _fsync_dir(tmp)
+    for f in tmp.rglob("*"):
+        if f.is_file():
+            with f.open("rb") as fh:
+                os.fsync(fh.fileno())
+    for d in [*(d for d in tmp.rglob("*") if d.is_dir()), tmp]:
+        _fsync_dir(d)
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     _fsync_dir(root)
@@ -113,6 +138,12 @@ def check_checkpoint(checkpoint: Path) -> RunState:
             f.keys()
     except Exception as e:  # safetensors raises its own error types
         raise ValueError(f"{weights}: unreadable ({e})") from None
+    if (checkpoint / SHARDED).is_dir():
+        try:  # the index of the shards, each shard's files named in it
+            FileSystemReader(checkpoint / SHARDED).read_metadata()
+        except Exception as e:
+            raise ValueError(f"{checkpoint / SHARDED}: unreadable ({e})") from None
+        return state
     for archive in (checkpoint / "optimizer.pt", checkpoint / ADAPTERS_FILE):
         if archive.name == ADAPTERS_FILE and not archive.exists():
             continue  # written without LoRA

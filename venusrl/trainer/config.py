@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from venusrl.sections import Section, torch_device
 
@@ -62,6 +62,32 @@ class TrainerConfig(Section):
         "token_mean", description="weigh every model token alike, or every trajectory alike"
     )
 
+    world_size: int = Field(
+        1,
+        ge=1,
+        description="trainer ranks: 1 trains in the driver's process; N > 1 starts N processes"
+        " in one torch.distributed group (gloo on CPU, NCCL on CUDA, one GPU each) sharding the"
+        " model with FSDP2",
+    )
+    param_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="compute dtype of the sharded ranks' forward and backward (FSDP2's mixed"
+        " precision); master weights, gradient reduction and AdamW state stay float32",
+    )
+    activation_checkpointing: bool = Field(
+        False, description="ranks recompute each decoder layer's activations in the backward"
+    )
+    cpu_offload: bool = Field(
+        False, description="ranks keep sharded weights, gradients and AdamW state in host memory"
+    )
+    rank_threads: int = Field(1, ge=1, description="torch threads of each trainer rank")
+    rank_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="longest wait on the trainer ranks for one command (a step, a checkpoint)"
+        " before the run stops",
+    )
+
     _device = field_validator("device")(torch_device)
 
     @field_validator("lora_targets")
@@ -70,3 +96,29 @@ class TrainerConfig(Section):
         if len(set(targets)) != len(targets):
             raise ValueError(f"each projection at most once, got {targets}")
         return targets
+
+    @model_validator(mode="after")
+    def _ranks_only(self) -> TrainerConfig:
+        """The sharded ranks' options, refused where they would be silently ignored."""
+        if self.world_size == 1:
+            for key, default in (
+                ("param_dtype", "float32"),
+                ("activation_checkpointing", False),
+                ("cpu_offload", False),
+            ):
+                if getattr(self, key) != default:
+                    raise ValueError(
+                        f"trainer.{key}={getattr(self, key)} applies to the sharded ranks:"
+                        " set trainer.world_size > 1"
+                    )
+        if self.lora_rank and self.world_size > 1:
+            raise ValueError(
+                "trainer.lora_rank applies to one trainer process for now: the sharded ranks"
+                " do not attach adapters (set trainer.world_size=1)"
+            )
+        if self.cpu_offload and not self.device.startswith("cuda"):
+            raise ValueError(
+                "trainer.cpu_offload keeps a CUDA trainer's shards in host memory; trainer.device"
+                f" is {self.device}"
+            )
+        return self

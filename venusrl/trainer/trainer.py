@@ -17,16 +17,18 @@ The vocabulary projection runs a chunk of positions at a time (`chunked_logprobs
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from venusrl.engine.model import CausalLM
-from venusrl.engine.model_dir import build_model
+from venusrl.engine.model_dir import build_model, load_model
 from venusrl.engine.packed_rows import PackedRows
+from venusrl.trainer.checkpoint import RunState, save_checkpoint, write_model_dir
 from venusrl.trainer.chunked_logprobs import token_logprobs
-from venusrl.trainer.config import TrainerConfig
+from venusrl.trainer.config import LossAggregation, TrainerConfig
 from venusrl.trainer.grpo import policy_loss, row_weights
 from venusrl.trainer.lora import add_adapters
 from venusrl.types import Trajectory
@@ -91,6 +93,23 @@ class GRPOTrainer:
         self.reference = reference
         return reference
 
+    def use_reference(self, model_dir: Path) -> None:
+        """The KL penalty's reference: the model of `model_dir`, frozen."""
+        self.reference = load_model(model_dir, self.device).requires_grad_(False)
+
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights under Hugging Face names (views, not copies)."""
+        return iter(self.model.hf_state_dict().items())
+
+    def write_model_dir(self, out: Path, like: Path) -> None:
+        write_model_dir(out, self.model, like)
+
+    def save_checkpoint(self, run_dir: Path, state: RunState, model_dir: Path) -> Path:
+        return save_checkpoint(run_dir, self.model, self.optimizer, state, model_dir)
+
+    def close(self) -> None:
+        """Nothing to release in one process (a sharded trainer stops its ranks)."""
+
     def step(self, trajectories: Sequence[Trajectory], advantages: Sequence[float]) -> StepStats:
         """`advantages[i]` applies to every model token of `trajectories[i]`; masked members
         (infrastructure failures) must be left out by the caller."""
@@ -98,17 +117,12 @@ class GRPOTrainer:
             raise ValueError("one advantage per trajectory")
         if self.config.kl_coef and self.reference is None:
             self.freeze_reference()  # the KL penalty holds the policy near where RL started
-        # A zero advantage (a group whose members all scored the same) carries no policy
-        # gradient; leaving it in would let the entropy bonus alone push those tokens toward
-        # uniform (measured: 15 such steps at lr 2e-3 turned a warm-started policy into noise).
-        kept = [
-            (t, a)
-            for t, a in zip(trajectories, advantages, strict=True)
-            if t.model_tokens and a != 0
-        ]
-        weights = row_weights([t.model_tokens for t, _ in kept], self.config.loss_aggregation)
-        rows = [(t, a, w) for (t, a), w in zip(kept, weights, strict=True)]
-        total = sum(t.model_tokens for t, _, _ in rows)
+        rows = weighted_rows(trajectories, advantages, self.config.loss_aggregation)
+        return self.train_rows(rows, sum(t.model_tokens for t, _, _ in rows), len(rows))
+
+    def train_rows(self, rows: list[_Row], total: int, trajectories: int) -> StepStats:
+        """The step over weighted rows: all of the batch's here, a share of them on a trainer
+        rank (`total` model tokens and `trajectories` rows in the whole batch)."""
         self.model.train()
         # PPO's several passes over one batch: each pass recomputes the ratio against the
         # behaviour logprobs, and the clip stops a token once it has moved far enough. Reported
@@ -127,7 +141,7 @@ class GRPOTrainer:
             first["entropy"],
             first["kl"],
             total,
-            len(rows),
+            trajectories,
             first["grad_norm"],
         )
 
@@ -161,7 +175,7 @@ class GRPOTrainer:
             sums["ratio"] += stats.mean_ratio * weight
             sums["entropy"] += stats.entropy * weight
             sums["kl"] += stats.kl * weight
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trained, self.config.max_grad_norm))
+        grad_norm = self._clip_grads()
         if total:
             self.optimizer.step()
         return sums, grad_norm
@@ -175,7 +189,10 @@ class GRPOTrainer:
         took hundreds of RL steps to decay, and meanwhile every RL update was a small fraction of
         the configured learning rate (measured: a flat training reward over 150 steps)."""
         rows = [(t, 0.0, 1.0) for t in trajectories if t.model_tokens]
-        total = sum(t.model_tokens for t, _, _ in rows)
+        return self.imitate_rows(rows, sum(t.model_tokens for t, _, _ in rows), lr)
+
+    def imitate_rows(self, rows: list[_Row], total: int, lr: float) -> float:
+        """`imitation_step` over rows weighted 1 (0: a rank's padding) of `total` tokens."""
         if self._imitation is None:
             self._imitation = torch.optim.AdamW(self.trained, lr=lr, weight_decay=0.0)
         for g in self._imitation.param_groups:
@@ -185,14 +202,24 @@ class GRPOTrainer:
         nll = 0.0
         for rows_in_batch in self._micro_batches(rows):
             batch = _pack(rows_in_batch, self.device)
-            loss = -self._logprobs(self.model, batch, 1.0)[0].sum() / max(total, 1)
+            picked = self._logprobs(self.model, batch, 1.0)[0]
+            loss = -(picked * batch.weights).sum() / max(total, 1)
             loss.backward()
             nll += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(self.trained, self.config.max_grad_norm)
+        self._clip_grads()
         self._imitation.step()
         self._imitation.zero_grad(set_to_none=True)
         self.model.eval()
-        return nll
+        return self._summed(nll)
+
+    def _clip_grads(self) -> float:
+        """Clips the gradients to `max_grad_norm`; their norm before."""
+        norm = torch.nn.utils.clip_grad_norm_(self.trained, self.config.max_grad_norm)
+        return float(norm)
+
+    def _summed(self, value: float) -> float:
+        """`value` summed over the trainer's ranks: itself, in one process."""
+        return value
 
     def _logprobs(
         self, model: CausalLM, batch: _Batch, temperature: float
@@ -223,6 +250,20 @@ class GRPOTrainer:
         if current:
             batches.append(current)
         return batches
+
+
+def weighted_rows(
+    trajectories: Sequence[Trajectory], advantages: Sequence[float], aggregation: LossAggregation
+) -> list[_Row]:
+    """The rows a GRPO step trains, each with its tokens' loss weight (summing to 1)."""
+    # A zero advantage (a group whose members all scored the same) carries no policy
+    # gradient; leaving it in would let the entropy bonus alone push those tokens toward
+    # uniform (measured: 15 such steps at lr 2e-3 turned a warm-started policy into noise).
+    kept = [
+        (t, a) for t, a in zip(trajectories, advantages, strict=True) if t.model_tokens and a != 0
+    ]
+    weights = row_weights([t.model_tokens for t, _ in kept], aggregation)
+    return [(t, a, w) for (t, a), w in zip(kept, weights, strict=True)]
 
 
 @dataclass(frozen=True)

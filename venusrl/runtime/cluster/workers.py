@@ -64,7 +64,7 @@ from venusrl.runtime.cluster.ray_cluster import (
 )
 from venusrl.runtime.engines import LocalEngine
 from venusrl.runtime.faults import engine_faults, sandbox_faults
-from venusrl.trainer.trainer import GRPOTrainer
+from venusrl.trainer.api import Trainer
 from venusrl.types import (
     FailureKind,
     Finish,
@@ -493,8 +493,8 @@ class RolloutFleet:
 
     # --- the trainer's side -----------------------------------------------------------------
 
-    async def publish(self, trainer: GRPOTrainer, run_dir: Path, model_dir: Path) -> None:
-        weights = {k: v.detach().cpu() for k, v in trainer.model.hf_state_dict().items()}
+    async def publish(self, trainer: Trainer, run_dir: Path, model_dir: Path) -> None:
+        weights = {k: v.detach().cpu() for k, v in trainer.hf_weights()}
         self._weights = (ray.put(weights), trainer.version)
         await asyncio.gather(*(self._load_weights(i) for i in self.up()))
 

@@ -1,0 +1,173 @@
+"""The trainer as ranks: real processes in one gloo group sharding the model with FSDP2."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from venusrl.engine.model_dir import init_model_dir, load_model
+from venusrl.trainer.checkpoint import RunState, latest_checkpoint
+from venusrl.trainer.config import TrainerConfig
+from venusrl.trainer.ranks import RankedTrainer, RankFailed, token_shares
+from venusrl.trainer.trainer import GRPOTrainer
+from venusrl.types import Trajectory
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_model_dir(tmp_path_factory.mktemp("m") / "micro", preset="micro", seed=0)
+
+
+def batch(seed: int, rows: int = 6) -> tuple[list[Trajectory], list[float]]:
+    """Trajectories of different lengths, with observations between turns, off-policy logprobs
+    (so that the clip and the ratio matter) and advantages of both signs."""
+    rng = random.Random(seed)
+    trajectories = []
+    for i in range(rows):
+        t = Trajectory.start(f"t{i}", "g", "p", [rng.randrange(1, 1000) for _ in range(5)])
+        for _ in range(rng.randrange(1, 4)):
+            n = rng.randrange(2, 9)
+            t.add_model_turn(
+                [rng.randrange(1, 1000) for _ in range(n)],
+                [-rng.uniform(5.0, 9.0) for _ in range(n)],
+                [0] * n,
+            )
+            t.add_observation([rng.randrange(1, 1000) for _ in range(3)])
+        trajectories.append(t)
+    return trajectories, [rng.choice([-1.5, -0.5, 0.5, 1.0]) for _ in range(rows)]
+
+
+def config(**overrides: object) -> TrainerConfig:
+    # lr 1e-4: Adam's first steps move every weight by about lr * sign(gradient), so where a
+    # gradient is ~1e-8 (Adam's eps), float noise in its sum moves the update by up to lr.
+    base: dict[str, object] = dict(
+        lr=1e-4, kl_coef=0.0, entropy_coef=0.01, micro_batch_tokens=40, max_grad_norm=0.5
+    )
+    return TrainerConfig(**{**base, **overrides})
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=0, msg=name)
+
+
+def test_rows_are_dealt_to_ranks_by_tokens() -> None:
+    trajectories, advantages = batch(0, rows=9)
+    rows = [(t, a, 1.0) for t, a in zip(trajectories, advantages, strict=True)]
+    shares = token_shares(rows, 2)
+    assert sorted(id(r) for s in shares for r in s) == sorted(id(r) for r in rows)
+    tokens = [sum(len(t.token_ids) for t, _, _ in s) for s in shares]
+    assert abs(tokens[0] - tokens[1]) <= max(len(t.token_ids) for t in trajectories)
+    assert token_shares(rows[:1], 3)[1:] == [[], []]  # a rank may have nothing to train
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied-head", "own-head"])
+def test_a_two_rank_fsdp_step_equals_the_one_rank_step(tmp_path: Path, tied: bool) -> None:
+    # The output head is read outside the sharded forward (the logprobs project a chunk at a
+    # time): its gradient must reach the shards whether it is the embedding's or its own.
+    overrides = {"tie_word_embeddings": tied}
+    model_dir = init_model_dir(tmp_path / "micro", preset="micro", overrides=overrides, seed=0)
+    trajectories, advantages = batch(1)
+    # The KL penalty's reference: the weights of the first step, frozen by each trainer.
+    cfg = config(world_size=2, updates_per_batch=2, kl_coef=0.1)
+    one = GRPOTrainer(load_model(model_dir), cfg)
+    expected = [one.step(trajectories, advantages), one.step(*batch(2))]
+    ranks = RankedTrainer(model_dir, cfg)
+    try:
+        got = [ranks.step(trajectories, advantages), ranks.step(*batch(2))]
+        weights = dict(ranks.hf_weights())
+    finally:
+        ranks.close()
+    for e, g in zip(expected, got, strict=True):
+        assert g.version == e.version and g.tokens == e.tokens
+        assert g.trajectories == e.trajectories
+        # Within 1e-5, relative where a figure is large (a norm of ~10, mean off-policy ratios
+        # of ~2): summed in another order, fp32 moves in the 6th digit.
+        for field in ("loss", "grad_norm", "clip_fraction", "mean_ratio", "entropy", "kl"):
+            want = pytest.approx(getattr(e, field), rel=1e-5, abs=1e-5)
+            assert getattr(g, field) == want, field
+    assert expected[0].grad_norm > cfg.max_grad_norm  # the clip was at work
+    assert expected[1].kl > 0  # and the KL penalty
+    assert_same_weights(weights, one.model.hf_state_dict())
+
+
+def test_ranks_with_activation_checkpointing_imitate_as_one_process(model_dir: Path) -> None:
+    demos, _ = batch(3, rows=5)
+    cfg = config(world_size=2, activation_checkpointing=True)
+    one = GRPOTrainer(load_model(model_dir), cfg)
+    expected = one.imitation_step(demos, lr=1e-3)
+    ranks = RankedTrainer(model_dir, cfg)
+    try:
+        assert ranks.imitation_step(demos, lr=1e-3) == pytest.approx(expected, abs=1e-5)
+        weights = dict(ranks.hf_weights())
+    finally:
+        ranks.close()
+    assert_same_weights(weights, one.model.hf_state_dict())
+
+
+def test_bf16_compute_steps_near_the_fp32_step_and_keeps_fp32_master_weights(
+    model_dir: Path,
+) -> None:
+    trajectories, advantages = batch(1)
+    expected = GRPOTrainer(load_model(model_dir), config()).step(trajectories, advantages)
+    ranks = RankedTrainer(model_dir, config(world_size=2, param_dtype="bfloat16"))
+    try:
+        stopped = ranks.hf_weights()  # an engine that refuses the first tensor it is sent
+        next(stopped)
+        stopped.close()  # the ranks finish the gather all the same, ready for the step
+        got = ranks.step(trajectories, advantages)
+        dtypes = {t.dtype for _, t in ranks.hf_weights()}
+    finally:
+        ranks.close()
+    assert got.loss == pytest.approx(expected.loss, rel=1e-2)
+    assert got.grad_norm == pytest.approx(expected.grad_norm, rel=1e-2)
+    assert dtypes == {torch.float32}  # what the engines get and the checkpoints hold
+
+
+def test_options_of_the_ranks_are_refused_in_one_process_by_name() -> None:
+    with pytest.raises(ValueError, match=r"param_dtype=bfloat16 .*trainer\.world_size > 1"):
+        TrainerConfig(param_dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"trainer\.cpu_offload .* trainer\.device is cpu"):
+        TrainerConfig(world_size=2, cpu_offload=True)
+
+
+def test_a_killed_rank_stops_the_step_with_an_error_naming_it(model_dir: Path) -> None:
+    ranks = RankedTrainer(model_dir, config(world_size=2))
+    os.kill(ranks.pids[1], signal.SIGKILL)
+    with pytest.raises(RankFailed, match=r"trainer rank 1 \(pid \d+\) died \(killed by signal 9\)"):
+        ranks.step(*batch(4))
+    ranks.close()
+    assert not any(p.is_alive() for p in ranks._processes)
+
+
+@pytest.mark.slow  # 15-50 s on 2 shared cores: two sets of ranks start
+def test_a_sharded_checkpoint_resumes_with_the_same_weights_and_optimizer_state(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    cfg = config(world_size=2)
+    ranks = RankedTrainer(model_dir, cfg)
+    try:
+        ranks.step(*batch(5))
+        saved = ranks.save_checkpoint(tmp_path, RunState(step=0, weight_version=1), model_dir)
+        after = ranks.step(*batch(6))  # the second moments of step 1 shape this one
+        expected = dict(ranks.hf_weights())
+    finally:
+        ranks.close()
+    assert latest_checkpoint(tmp_path) == saved
+    load_model(saved)  # the consolidated model loads as it is (`venusrl serve`)
+    resumed = RankedTrainer(saved, cfg, version=1, resume=True)
+    try:
+        again = resumed.step(*batch(6))
+        weights = dict(resumed.hf_weights())
+    finally:
+        resumed.close()
+    assert again.version == 2 and again.loss == pytest.approx(after.loss, abs=1e-6)
+    assert_same_weights(weights, expected)

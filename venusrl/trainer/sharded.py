@@ -1,0 +1,181 @@
+"""One trainer rank: the model sharded over the ranks' process group with FSDP2 (`fully_shard`
+per decoder layer and at the root), and the GRPO trainer that steps it.
+
+The step is `GRPOTrainer`'s, over this rank's share of the rows, with three differences that make
+N ranks' update the 1-rank update: the rows' loss weights sum to 1 over the whole batch (the
+driver computes them) and FSDP sums the ranks' gradients instead of averaging them; every rank
+runs as many micro-batches (FSDP's gathers and reductions are collectives); the gradient norm is
+of the whole gradient (its shards are DTensors).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+
+from venusrl.engine.model import CausalLM, Linear
+from venusrl.engine.model_dir import build_model, load_model, read_model_config
+from venusrl.trainer.checkpoint import SHARDED, write_weights_dir
+from venusrl.trainer.config import TrainerConfig
+from venusrl.trainer.trainer import GRPOTrainer, _Row
+from venusrl.types import Trajectory
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def shard_model(model: CausalLM, config: TrainerConfig) -> CausalLM:
+    """`model`, its parameters now this rank's shards (in place)."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module._packed = None  # an inference copy of the whole weight: not on a rank
+    mixed = MixedPrecisionPolicy(param_dtype=DTYPES[config.param_dtype], reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy()
+    for layer in model.layers:
+        if config.activation_checkpointing:
+            # Inside the layer's FSDP unit, as torchtitan does: the recomputation in the
+            # backward runs while the layer's parameters are gathered for its gradients.
+            forward = functools.partial(checkpoint, layer.forward_rows, use_reentrant=False)
+            setattr(layer, "forward_rows", forward)  # noqa: B010 - an instance's, not the class's
+        fully_shard(layer, mp_policy=mixed, offload_policy=offload)
+        register_fsdp_forward_method(layer, "forward_rows")
+    fully_shard(model, mp_policy=mixed, offload_policy=offload)
+    register_fsdp_forward_method(model, "forward_rows")
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # The loss weights already sum to 1 over all ranks' tokens: the ranks' gradients
+            # add up to the whole batch's, where FSDP's default would average them.
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no pre-multiplied sum
+    return model
+
+
+def load_sharded_model(model_dir: Path, config: TrainerConfig, device: torch.device) -> CausalLM:
+    """The model of `model_dir`, sharded: rank 0 reads the weights and sends each rank its
+    shards; the others never hold the whole model."""
+    whole = load_model(model_dir, "cpu").state_dict() if dist.get_rank() == 0 else {}
+    with torch.device("meta"):
+        model = CausalLM(read_model_config(model_dir))
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    shard_model(model, config)
+    model.to_empty(device=device)
+    model.rotary.reset_cache(device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, whole, options=options)
+    return model
+
+
+def _padding_row() -> _Row:
+    """A row that trains nothing (weight 0), for a rank with fewer micro-batches than another."""
+    t = Trajectory.start("padding", "padding", "padding", [0])
+    t.add_model_turn([0], [0.0], [0])
+    return t, 0.0, 0.0
+
+
+class ShardedTrainer(GRPOTrainer):
+    """`GRPOTrainer` on one rank of a sharded model; every call is collective (all ranks make
+    it, in the same order)."""
+
+    @classmethod
+    def load(
+        cls,
+        model_dir: Path,
+        config: TrainerConfig,
+        device: torch.device,
+        version: int,
+        temperature: float,
+        resume: bool,
+    ) -> ShardedTrainer:
+        """The model of `model_dir`, sharded; on `resume` (a checkpoint's directory), with the
+        model and optimizer shards saved there."""
+        model = load_sharded_model(model_dir, config, device)
+        trainer = cls(model, config, version, temperature=temperature)
+        if resume:
+            trainer.load_sharded(model_dir / SHARDED)
+        return trainer
+
+    def freeze_reference(self) -> CausalLM:
+        reference = build_model(self.model.config, self.device)
+        reference.load_weights(self.hf_weights())  # whole, then sharded
+        self.reference = shard_model(reference, self.config).requires_grad_(False).eval()
+        return self.reference
+
+    def use_reference(self, model_dir: Path) -> None:
+        reference = load_sharded_model(model_dir, self.config, self.device)
+        self.reference = reference.requires_grad_(False).eval()
+
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The whole weights under Hugging Face names, gathered one parameter at a time (fp32
+        master weights, whatever the compute dtype)."""
+
+        def gathered(name: str) -> torch.Tensor:
+            shard = self.model.get_parameter(name).detach()
+            return shard.full_tensor() if isinstance(shard, DTensor) else shard
+
+        return self.model.hf_named(gathered)
+
+    def write_model_dir(self, out: Path, like: Path) -> None:
+        """Rank 0 writes the consolidated model directory (one whole copy, in host memory)."""
+        weights = self.hf_weights()
+        if dist.get_rank() == 0:
+            write_weights_dir(out, weights, like)
+        else:
+            for _ in weights:  # the gathers are collective
+                pass
+
+    def save_sharded(self, out: Path) -> None:
+        model, optimizer = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model, "optimizer": optimizer}, checkpoint_id=out)
+
+    def load_sharded(self, path: Path) -> None:
+        model, optimizer = get_state_dict(self.model, self.optimizer)
+        dcp.load({"model": model, "optimizer": optimizer}, checkpoint_id=path)  # in place
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=model, optim_state_dict=optimizer
+        )
+
+    def _micro_batches(self, rows: list[_Row]) -> list[list[_Row]]:
+        batches = super()._micro_batches(rows)
+        count = torch.tensor([len(batches)])
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        return batches + [[_padding_row()]] * (int(count) - len(batches))
+
+    def _update(self, rows: list[_Row], total: int) -> tuple[dict[str, float], float]:
+        sums, grad_norm = super()._update(rows, total)
+        values = torch.tensor(list(sums.values()), dtype=torch.float64)
+        dist.all_reduce(values)
+        return dict(zip(sums, values.tolist(), strict=True)), grad_norm
+
+    def _clip_grads(self) -> float:
+        parameters = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
+        if isinstance(norm, DTensor):  # a partial norm on each rank, reduced here
+            norm = norm.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(parameters, self.config.max_grad_norm, norm)
+        return float(norm)
+
+    def _summed(self, value: float) -> float:
+        total = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(total)
+        return float(total)
