@@ -121,6 +121,24 @@ def test_a_parquet_file_is_read_like_a_jsonl_one_and_its_errors_name_the_row(
         read_task_file(tmp_path / "not.parquet", ARITHMETIC, fields)
 
 
+def test_a_treasure_hunt_parquet_file_with_a_list_column_gives_the_tasks_its_jsonl_gives(
+    tmp_path: Path,
+) -> None:
+    rows = [
+        {"id": "a", "prompt": "Open cell 7 first.", "trail": [7, 1, 2, 3]},
+        {"id": "b", "prompt": "Open cell 9 first.", "trail": [9, 4, 5, 6, 8], "opens": 5},
+    ]
+    # A row without `opens` has a null there, which is no value.
+    columns = {key: [r.get(key) for r in rows] for key in ("id", "prompt", "trail", "opens")}
+    pq.write_table(pa.table(columns), tmp_path / "hunts.parquet")
+    from_parquet = read_task_file(tmp_path / "hunts.parquet", TreasureHunt)
+    assert from_parquet == read_task_file(write(tmp_path / "hunts.jsonl", *rows), TreasureHunt)
+    assert [t.setup for t in from_parquet] == [
+        "trail = [7, 1, 2, 3]\nopens_left = 5",  # the default: the trail and the slack
+        "trail = [9, 4, 5, 6, 8]\nopens_left = 5",
+    ]
+
+
 def test_a_task_file_is_played_in_epochs_each_a_new_seeded_order_with_ids_that_never_repeat(
     tmp_path: Path,
 ) -> None:

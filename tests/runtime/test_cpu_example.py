@@ -75,6 +75,7 @@ def test_the_cpu_example_trains_from_a_task_file_into_tensorboard_and_wandb_and_
         points = [(e.step, e.value) for e in events.Scalars(f"engine/{counter}")]
         expected = [(m["step"], pytest.approx(m["engine"][counter], rel=1e-5)) for m in metrics]
         assert points == expected, counter
+        assert points[-1][1] > 0, counter
     created = [e.value for e in events.Scalars("pool/sandboxes_created")]
     assert created == [m["pool"]["sandboxes_created"] for m in metrics] and created[-1] > 0
 
