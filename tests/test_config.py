@@ -63,7 +63,10 @@ def test_yaml_and_dotted_overrides_compose(tmp_path: Path) -> None:
             ["rollout.tasks=missing.jsonl"],
             "rollout.tasks: Value error, missing.jsonl: no such file",
         ),
-        ([f"rollout.tasks={TASKS}"], "tasks: treasure_hunt makes its tasks in code"),
+        (
+            ["rollout.env=guess_number", f"rollout.tasks={TASKS}"],
+            "tasks: guess_number makes its tasks in code",
+        ),
         (
             ["rollout.env=math_python", f"rollout.tasks={TASKS}", "rollout.task_fields={answr: x}"],
             "task_fields: 'answr' is no field of math_python's tasks; they have id, prompt, answer",

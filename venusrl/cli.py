@@ -282,6 +282,12 @@ def _train(args: argparse.Namespace) -> int:
 
     console.print("plots: " + ", ".join(str(p) for p in plot_run(run_dir)))
     console.print(f"transcripts of the last step's trajectories: venusrl show {run_dir}")
+    if "wandb" in cfg.run.loggers:
+        console.print(
+            f"W&B: the run's files in {run_dir / 'wandb'} (an offline run is uploaded by"
+            f" `wandb sync {run_dir / 'wandb'}/offline-run-*`)"
+        )
+    console.print(f"its last checkpoint on held-out tasks: venusrl eval {run_dir} --k 4")
     return 0
 
 

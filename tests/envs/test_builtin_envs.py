@@ -7,9 +7,12 @@ import json
 import os
 import random
 import re
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from itertools import islice
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -30,10 +33,16 @@ from venusrl.envs.builtin.treasure_hunt import (
     MAX_CELLS,
     MIN_CELLS,
     SLACK,
+    TASK_FILE,
+    TASK_FILE_ROWS,
+    TASK_FILE_SEED,
     TrailFollower,
     TreasureHunt,
 )
 from venusrl.envs.environment import Environment, StepResult, Task, Tool
+from venusrl.envs.task_file import read_task_file
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0, reason="sandboxes need root for namespaces and cgroups"
@@ -131,6 +140,51 @@ def test_treasure_hunt_is_won_by_following_every_clue_and_lost_by_ignoring_them(
     assert lost == 0.0
     # Out of opens (the trail's length and the slack) ends the game, not the turn cap.
     assert len(lost_steps) == len(trail) + SLACK and not lost_steps[-1].info["truncated"]
+
+
+def test_treasure_hunt_tasks_read_from_its_shipped_file_are_those_of_its_stream():
+    check = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/make_treasure_hunt_tasks.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    # Same id, prompt, sandbox setup and reference (whence the same reward and demonstrator).
+    from_file = read_task_file(TASK_FILE, TreasureHunt)
+    assert from_file == list(islice(TreasureHunt.tasks(TASK_FILE_SEED), TASK_FILE_ROWS))
+    assert all(t.setup.startswith("trail = [") for t in from_file)
+
+
+def test_a_treasure_hunt_task_from_a_file_is_played_in_a_sandbox_set_up_from_its_row(
+    tmp_path: Path,
+):
+    # No slack: `opens` from the row, not the default, reaches the sandbox and the game's end.
+    row = {
+        "id": "tight",
+        "prompt": "Start by opening cell 40.",
+        "trail": [40, 2, 63, 17],
+        "opens": 4,
+    }
+    (tmp_path / "hunt.jsonl").write_text(json.dumps(row) + "\n")
+    [task] = read_task_file(tmp_path / "hunt.jsonl", TreasureHunt)
+
+    def rereading(observation: str) -> str:  # opens the first clue's cell, then that one again
+        return call("open_cell", cell=2 if "clue" in observation else 40)
+
+    async def body(pool: SandboxPool) -> tuple[Episode, Episode]:
+        group = await pool.create_group(TreasureHunt.template.name, 2, setup=task.setup)
+        try:
+            return await asyncio.gather(
+                play(TreasureHunt(task, group[0]), TrailFollower(40, random.Random(0))),
+                play(TreasureHunt(task, group[1]), rereading),
+            )
+        finally:
+            await group.close()
+
+    (won, won_steps), (lost, lost_steps) = with_pool(TreasureHunt, body)
+    assert won == 1.0 and len(won_steps) == 4
+    assert lost == 0.0 and len(lost_steps) == 4  # out of opens after 4, not 4 + SLACK
 
 
 def test_a_careless_trail_follower_copies_the_wrong_number_of_a_clue_at_its_rate():

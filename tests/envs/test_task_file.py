@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from venusrl.envs.builtin.guess_number import GuessNumber
 from venusrl.envs.builtin.treasure_hunt import TreasureHunt
 from venusrl.envs.loading import environment_class
 from venusrl.envs.task_file import looped_tasks, parse_fields, read_task_file
@@ -47,8 +48,8 @@ def test_a_task_file_that_cannot_be_read_as_tasks_is_refused_naming_the_line(
     tmp_path: Path,
 ) -> None:
     good = {"id": "a", "prompt": "2 + 3?", "expression": "2 + 3", "answer": 5}
-    with pytest.raises(ValueError, match=r"treasure_hunt makes its tasks in code"):
-        read_task_file(write(tmp_path / "t.jsonl", good), TreasureHunt)
+    with pytest.raises(ValueError, match=r"guess_number makes its tasks in code"):
+        read_task_file(write(tmp_path / "t.jsonl", good), GuessNumber)
     bad = {k: v for k, v in good.items() if k != "answer"}
     with pytest.raises(ValueError, match=r"t.jsonl:2: no field 'answer' \(the task's answer;"):
         read_task_file(write(tmp_path / "t.jsonl", good, bad), ARITHMETIC)
@@ -71,6 +72,26 @@ def test_a_task_file_that_cannot_be_read_as_tasks_is_refused_naming_the_line(
         parse_fields(["prompt"])
     with pytest.raises(ValueError, match=r"a task file is .jsonl or .parquet"):
         read_task_file(write(tmp_path / "t.json", good), ARITHMETIC)
+
+
+@pytest.mark.parametrize(
+    ("row", "problem"),
+    [
+        ({"trail": [5, 9, 12, 70]}, "the trail's cell 70 is not between 1 and 63"),
+        ({"trail": [5, 9, 5, 12]}, "the trail holds cell 5 twice; its cells must be distinct"),
+        ({"trail": [5, 9, 12]}, "the trail must hold 4 to 7 cells, got 3"),
+        ({"trail": [5, 9, 12, "13"]}, "the trail must be a list of cell numbers, got"),
+        ({"trail": 5}, "the trail must be a list of cell numbers, got 5"),
+        ({"trail": [5, 9, 12, 13], "opens": 3}, r"opens must be an integer from the trail's"),
+        ({"path": [5, 9, 12, 13]}, r"no field 'trail' \(the task's trail;"),
+    ],
+)
+def test_a_treasure_hunt_row_whose_trail_could_not_be_played_is_refused_naming_line_and_field(
+    tmp_path: Path, row: dict[str, object], problem: str
+) -> None:
+    good = {"prompt": "Start by opening cell 7.", "trail": [7, 1, 2, 3]}
+    with pytest.raises(ValueError, match=rf"t\.jsonl:2: {problem}"):
+        read_task_file(write(tmp_path / "t.jsonl", good, {"prompt": "?", **row}), TreasureHunt)
 
 
 def test_a_parquet_file_is_read_like_a_jsonl_one_and_its_errors_name_the_row(
@@ -98,6 +119,24 @@ def test_a_parquet_file_is_read_like_a_jsonl_one_and_its_errors_name_the_row(
     (tmp_path / "not.parquet").write_text("question,answer\n")
     with pytest.raises(ValueError, match=r"cannot read task file .*not.parquet"):
         read_task_file(tmp_path / "not.parquet", ARITHMETIC, fields)
+
+
+def test_a_treasure_hunt_parquet_file_with_a_list_column_gives_the_tasks_its_jsonl_gives(
+    tmp_path: Path,
+) -> None:
+    rows = [
+        {"id": "a", "prompt": "Open cell 7 first.", "trail": [7, 1, 2, 3]},
+        {"id": "b", "prompt": "Open cell 9 first.", "trail": [9, 4, 5, 6, 8], "opens": 5},
+    ]
+    # A row without `opens` has a null there, which is no value.
+    columns = {key: [r.get(key) for r in rows] for key in ("id", "prompt", "trail", "opens")}
+    pq.write_table(pa.table(columns), tmp_path / "hunts.parquet")
+    from_parquet = read_task_file(tmp_path / "hunts.parquet", TreasureHunt)
+    assert from_parquet == read_task_file(write(tmp_path / "hunts.jsonl", *rows), TreasureHunt)
+    assert [t.setup for t in from_parquet] == [
+        "trail = [7, 1, 2, 3]\nopens_left = 5",  # the default: the trail and the slack
+        "trail = [9, 4, 5, 6, 8]\nopens_left = 5",
+    ]
 
 
 def test_a_task_file_is_played_in_epochs_each_a_new_seeded_order_with_ids_that_never_repeat(

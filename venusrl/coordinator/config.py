@@ -42,7 +42,8 @@ def _task_file(path: str | None) -> str | None:
 TaskFile = Annotated[str | None, AfterValidator(_task_file)]
 TASKS_DESCRIPTION = (
     "a .jsonl or .parquet file of tasks, played in epochs in a seeded order, for an environment"
-    " that declares `reference_fields` (math_python: prompt, answer); None: its own tasks(seed)"
+    " that declares `reference_fields` (math_python: prompt, answer; treasure_hunt: prompt, trail);"
+    " None: its own tasks(seed)"
 )
 FIELDS_DESCRIPTION = "the task's fields read from other columns of the file: {prompt: question}"
 

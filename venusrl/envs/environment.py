@@ -199,7 +199,8 @@ class Environment(ABC):
     tool_timeout_s: ClassVar[float] = 10.0
     max_observation_chars: ClassVar[int] = 4096  # per tool response
     # The `reference` keys a task read from a file gives (`envs/task_file.py`), beside its id and
-    # prompt; None: the tasks are made in code only (`tasks`).
+    # prompt (its setup and files come from them: `task_from_reference`); None: the tasks are
+    # made in code only (`tasks`).
     reference_fields: ClassVar[tuple[str, ...] | None] = None
     # `reference` keys a file's task may give, read when its row has them (a worked solution
     # the demonstrator plays): a file without them still trains.
@@ -237,6 +238,14 @@ class Environment(ABC):
         """What is wrong with the `reference` of a task read from a file (an answer that is no
         number), or None: said when the file is read, naming its line, not by every reward."""
         return None
+
+    @classmethod
+    def task_from_reference(cls, task_id: str, prompt: str, reference: Mapping[str, Any]) -> Task:
+        """The task a file's row gives (its reference checked by `reference_problem`), with what
+        the environment derives from the reference: a sandbox `setup` that hides a secret, the
+        `files` of its workspace, defaults of optional fields. An environment whose `tasks(seed)`
+        builds its tasks through it plays a file's tasks exactly as its own."""
+        return Task(task_id, prompt, reference=dict(reference))
 
     @classmethod
     def demonstrator(cls, task: Task, seed: int) -> Callable[[str], str] | None:

@@ -2,9 +2,10 @@
 
 Each line (or row) is one task; `fields` maps a task's `id`, `prompt` and each key of `reference`
 the environment reads (`Environment.reference_fields`, and those of `optional_fields` a row has)
-to the field that holds it (by default the field of the same name). An environment whose tasks are
-made in code (a secret set up in its sandbox, as `treasure_hunt`'s) declares no `reference_fields`
-and takes no file. Training plays a file in epochs, each in a new seeded order (`looped_tasks`).
+to the field that holds it (by default the field of the same name); the environment builds the
+task from them (`task_from_reference`: treasure_hunt's trail becomes the sandbox setup that hides
+it). One that declares no `reference_fields` takes no file. Training plays a file in epochs, each
+in a new seeded order (`looped_tasks`).
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def read_task_file(
         problem = env.reference_problem(reference)
         if problem is not None:
             raise ValueError(f"{where}: {problem}")
-        tasks.append(Task(task_id, prompt, reference=reference))
+        tasks.append(env.task_from_reference(task_id, prompt, reference))
     if not tasks:
         raise ValueError(f"task file {path} holds no task")
     return tasks

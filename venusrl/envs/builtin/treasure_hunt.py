@@ -12,19 +12,26 @@ the observations: a policy that ignores them finds the treasure with probability
 (1 / CELLS) ** 3. Every turn needs the same skill, so what reinforcement learning improves on one
 turn it improves on all of them, and a small gain per turn compounds over the trail: this is the
 task of the CPU example (`guess_number`, whose deep decisions are each visited by one secret in
-63, stalls there: BENCHMARKS.md).
+63, stalls there: BENCHMARKS.md). Tasks come from `tasks(seed)` or from a file whose rows give a
+`prompt` and a `trail` (`data/treasure_hunt.jsonl`, the stream's first tasks, written by
+`scripts/make_treasure_hunt_tasks.py`); both are built by `task_from_reference`.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
 
 from venusrl.envs.environment import Environment, SandboxVerbs, Task, Tool
 from venusrl.envs.tool_calls import format_tool_call
 from venusrl.envs.types import MiB, TemplateSpec
 
+TASK_FILE = Path(__file__).with_name("data") / "treasure_hunt.jsonl"
+TASK_FILE_SEED, TASK_FILE_ROWS = 20261204, 128  # its rows are the first of tasks(TASK_FILE_SEED)
 CELLS = 63
 MIN_CELLS, MAX_CELLS = 4, 7  # cells on a trail, the treasure's included
 SLACK = 1  # opens beyond the trail's length: room for one wrong cell
@@ -76,6 +83,8 @@ class TreasureHunt(Environment):
         ),
     )
     max_turns = MAX_CELLS + SLACK + 1  # every open in its own turn, and one malformed turn
+    reference_fields = ("trail",)  # a task file's: the cells in order, the treasure's last
+    optional_fields = ("opens",)  # default: the trail's length and SLACK
 
     def __init__(self, task: Task, sandbox: SandboxVerbs) -> None:
         super().__init__(task, sandbox)
@@ -90,21 +99,44 @@ class TreasureHunt(Environment):
     @classmethod
     def tasks(cls, seed: int) -> Iterator[Task]:
         rng = random.Random(seed)
-        index = 0
-        while True:
+        for index in itertools.count():
             trail = rng.sample(range(1, CELLS + 1), rng.randint(MIN_CELLS, MAX_CELLS))
-            opens = len(trail) + SLACK
-            yield Task(
-                id=f"hunt-{seed}-{index}",
-                prompt=(
-                    f"A treasure is hidden in one of {CELLS} cells. Start by opening cell"
-                    f" {trail[0]}: each clue names the next cell to open. You may open {opens}"
-                    " cells."
-                ),
-                setup=f"trail = {trail}\nopens_left = {opens}",
-                reference={"trail": trail, "opens": opens},
+            prompt = hunt_prompt(trail[0], len(trail) + SLACK)
+            yield cls.task_from_reference(f"hunt-{seed}-{index}", prompt, {"trail": trail})
+
+    @classmethod
+    def task_from_reference(cls, task_id: str, prompt: str, reference: Mapping[str, Any]) -> Task:
+        trail = list(reference["trail"])
+        opens = int(reference.get("opens", len(trail) + SLACK))
+        return Task(
+            task_id,
+            prompt,
+            setup=f"trail = {trail}\nopens_left = {opens}",
+            reference={"trail": trail, "opens": opens},
+        )
+
+    @classmethod
+    def reference_problem(cls, reference: Mapping[str, Any]) -> str | None:
+        """A trail that `tasks(seed)` could have drawn (so the turn cap and the slack fit it),
+        and opens enough to walk it."""
+        trail = reference["trail"]
+        if not isinstance(trail, list) or not all(_is_int(c) for c in trail):
+            return f"the trail must be a list of cell numbers, got {trail!r}"
+        if not MIN_CELLS <= len(trail) <= MAX_CELLS:
+            return f"the trail must hold {MIN_CELLS} to {MAX_CELLS} cells, got {len(trail)}"
+        outside = [c for c in trail if not 1 <= c <= CELLS]
+        if outside:
+            return f"the trail's cell {outside[0]} is not between 1 and {CELLS}"
+        twice = [c for i, c in enumerate(trail) if c in trail[:i]]
+        if twice:
+            return f"the trail holds cell {twice[0]} twice; its cells must be distinct"
+        opens = reference.get("opens", len(trail) + SLACK)
+        if not _is_int(opens) or not len(trail) <= opens <= MAX_CELLS + SLACK:
+            return (
+                f"opens must be an integer from the trail's length ({len(trail)}) to"
+                f" {MAX_CELLS + SLACK} (the turn cap leaves room for no more), got {opens!r}"
             )
-            index += 1
+        return None
 
     @classmethod
     def demonstrator(cls, task: Task, seed: int) -> TrailFollower:
@@ -112,6 +144,17 @@ class TreasureHunt(Environment):
 
     async def reward(self) -> float:
         return await self.flag_reward("found")
+
+
+def hunt_prompt(first_cell: int, opens: int) -> str:
+    return (
+        f"A treasure is hidden in one of {CELLS} cells. Start by opening cell {first_cell}: each"
+        f" clue names the next cell to open. You may open {opens} cells."
+    )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def open_call(cell: int) -> str:
