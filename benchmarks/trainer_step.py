@@ -10,7 +10,7 @@ figure and their median the summary; absolute times are context only. The ranks'
 dealing the rows to them over pipes and their collectives (FSDP2's all-gathers and
 reduce-scatters over gloo), which is the overhead this measures.
 
-    python benchmarks/trainer_step.py                      # micro, 32 rows, 4 pairs, 2 threads
+    python benchmarks/trainer_step.py                      # micro, 32 rows, 8 pairs, 2 threads
     python benchmarks/trainer_step.py --preset tiny --pairs 6
 """
 
@@ -78,9 +78,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         ranks: Trainer = RankedTrainer(model_dir, ranked)
         start_ranks = time.perf_counter() - started
         try:
-            # A first step each, untimed: the KL reference is frozen, allocators warm.
+            # A first step of each kind, untimed: the KL reference is frozen, the imitation
+            # optimizer made, the allocators warm.
             for trainer in (one, ranks):
                 trainer.step(*batches[0])
+                trainer.imitation_step(batches[0][0], lr=1e-4)
             grpo: dict[str, list[float]] = {"one_s": [], "ranks_s": []}
             imitation: dict[str, list[float]] = {"one_s": [], "ranks_s": []}
             for trajectories, advantages in batches[1:]:
@@ -126,7 +128,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--prefix", type=int, default=190, help="shared system-prompt tokens")
     parser.add_argument("--tokens", type=int, default=500, help="tokens per row, about")
-    parser.add_argument("--pairs", type=int, default=4)
+    parser.add_argument("--pairs", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2, help="total: 2 ranks get half each")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
