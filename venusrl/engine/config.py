@@ -16,6 +16,11 @@ class EngineConfig(Section):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="model and KV dtype; fp32 on CPU (bf16 decode is ~2x slower there)"
     )
+    attention_backend: Literal["auto", "torch", "triton"] = Field(
+        "auto",
+        description="paged attention: torch (gathers pages; any device), triton (reads pages in"
+        " place; CUDA); auto: triton on CUDA when it imports, else torch",
+    )
     page_size: int = Field(
         8, ge=1, le=1024, description="tokens per KV page (only whole pages are shared)"
     )

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from venusrl.engine.attention_backend import attention_backend
 from venusrl.engine.batch import BatchBuilder
 from venusrl.engine.config import EngineConfig
 from venusrl.engine.host_malloc import keep_freed_memory_in_heap
@@ -78,6 +79,7 @@ class Engine:
         if torch.device(cfg.device).type == "cpu":
             keep_freed_memory_in_heap()
         self.model = model
+        model.use_attention(attention_backend(cfg.attention_backend, torch.device(cfg.device)))
         self.tokenizer = tokenizer
         self.scheduler = scheduler or PriorityScheduler()
         mc = model.config
