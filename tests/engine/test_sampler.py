@@ -114,7 +114,9 @@ def _numpy_uniforms(seeds: list[int], counters: list[int]) -> np.ndarray:
 @given(
     st.lists(st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**20)), min_size=1, max_size=8)
 )
-def test_device_uniforms_match_the_host_splitmix64_bit_for_bit(pairs: list[tuple[int, int]]) -> None:
+def test_device_uniforms_match_the_host_splitmix64_bit_for_bit(
+    pairs: list[tuple[int, int]],
+) -> None:
     seeds, counters = [s for s, _ in pairs], [c for _, c in pairs]
     assert uniforms(seeds, counters).tolist() == _numpy_uniforms(seeds, counters).tolist()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -24,6 +25,10 @@ from venusrl.engine.attention import (
     needs_prefill_mask,
     paged_attention,
 )
+from venusrl.engine.attention_backend import attention_backend
+from venusrl.engine.config import EngineConfig
+from venusrl.engine.engine import Engine
+from venusrl.types import SamplingParams
 
 
 def _interpreted_kernels() -> ModuleType:
@@ -31,13 +36,16 @@ def _interpreted_kernels() -> ModuleType:
     import) whether it is interpreted, so the flag is set only while triton and the kernels are
     imported, and the environment is restored after: no other test sees it."""
     if "triton" in sys.modules and "TRITON_INTERPRET" not in os.environ:
-        pytest.skip("triton was imported before TRITON_INTERPRET could be set", allow_module_level=True)
+        reason = "triton was imported before TRITON_INTERPRET could be set"
+        pytest.skip(reason, allow_module_level=True)
     before = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
         pytest.importorskip("triton", reason="triton is not installed (the `gpu` or `dev` extra)")
         name = "venusrl.engine.triton_attention"
-        return importlib.reload(sys.modules[name]) if name in sys.modules else importlib.import_module(name)
+        if name in sys.modules:
+            return importlib.reload(sys.modules[name])
+        return importlib.import_module(name)
     finally:
         if before is None:
             del os.environ["TRITON_INTERPRET"]
@@ -52,6 +60,8 @@ kernels = _interpreted_kernels()
 def _interpreting(monkeypatch: pytest.MonkeyPatch) -> None:
     """The interpreter reads the flag again while kernels run; set for this module's tests only."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
 NUM_PAGES = 12  # a small pool, so that rows drawing pages at random share some
 
 
@@ -110,16 +120,18 @@ def steps(draw: st.DrawFn) -> tuple[dict[str, int], StepBatch]:
     ps, group = layout["page_size"], layout["group"]
     decode_rows = draw(st.integers(0, 4))
     num_spans = draw(st.integers(0 if decode_rows else 1, 2))
-    decode, slots = (None, []) if not decode_rows else _decode_batch(draw, decode_rows, ps, torch.float32)
+    decode, slots = None, []
+    if decode_rows:
+        decode, slots = _decode_batch(draw, decode_rows, ps, torch.float32)
     spans = []
     for _ in range(num_spans):
         start, n = draw(st.integers(0, 12)), draw(st.integers(1, 20))
         pages = _pages(draw, -(-(start + n) // ps))
         row = len(slots)
         slots += [pages[p // ps] * ps + p % ps for p in range(start, start + n)]
-        mask = causal_mask(start, n, group, torch.device("cpu"))
-        spans.append(PrefillSpan(row, n, torch.tensor(pages), start + n,
-                                 mask if needs_prefill_mask(torch.device("cpu")) else None))  # fmt: skip
+        cpu = torch.device("cpu")
+        mask = causal_mask(start, n, group, cpu) if needs_prefill_mask(cpu) else None
+        spans.append(PrefillSpan(row, n, torch.tensor(pages), start + n, mask))
     tokens = len(slots)
     batch = StepBatch(
         input_ids=torch.zeros(tokens, dtype=torch.long),
@@ -181,3 +193,33 @@ def test_split_kv_merged_by_log_sum_exp_equals_one_pass(
     beyond = torch.arange(width * ps)[None, :] >= lengths[:, None]
     scores.masked_fill_(beyond[:, None, None], float("-inf"))
     torch.testing.assert_close(whole_lse, scores.logsumexp(-1), rtol=1e-5, atol=1e-5)
+
+
+def test_an_engine_on_the_triton_backend_generates_what_the_torch_backend_does(
+    tiny_qwen3: Path,
+) -> None:
+    """Prefill chunks (a 12-token budget splits prompts), a cached prefix, decode rows and
+    mixed steps, end to end through the model: the same greedy tokens and logprobs."""
+    prompts = [list(range(5, 5 + n)) for n in (3, 17, 9)] + [[*range(5, 5 + 17), 40, 41]]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    outputs = {}
+    for backend in ("torch", "triton"):
+        config = EngineConfig(page_size=4, device_kv_pages=256, token_budget=12,
+                              attention_backend=backend)  # fmt: skip
+        engine = Engine.from_model_dir(tiny_qwen3, config)
+        if backend == "triton":
+            assert engine.model.layers[0].attention is kernels.triton_paged_attention
+        outputs[backend] = engine.generate(prompts, params)
+    for torch_out, triton_out in zip(outputs["torch"], outputs["triton"], strict=True):
+        assert triton_out.token_ids == torch_out.token_ids
+        assert triton_out.logprobs == pytest.approx(torch_out.logprobs, abs=1e-4)
+
+
+def test_auto_picks_torch_on_a_cpu_and_triton_refuses_one_by_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cpu = torch.device("cpu")
+    assert attention_backend("auto", cpu) is paged_attention
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match=r"engine\.attention_backend=triton needs a CUDA"):
+        attention_backend("triton", cpu)

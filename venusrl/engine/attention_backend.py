@@ -8,6 +8,7 @@ anywhere and is the reference; `triton` (triton_attention.py) reads KV pages in 
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Literal, Protocol
 
 import torch
@@ -34,9 +35,10 @@ def attention_backend(name: BackendName, device: torch.device) -> AttentionBacke
     """`auto` is triton on CUDA when triton imports, torch otherwise."""
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return paged_attention
-    if device.type != "cuda":
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             f"engine.attention_backend=triton needs a CUDA device, got engine.device={device}"
+            " (or TRITON_INTERPRET=1: Triton's interpreter, for tests)"
         )
     try:
         # Imported only here: importing triton costs ~1 s, and a CPU engine never needs it.

@@ -88,7 +88,10 @@ def sample(
     )
     ints = _to_device(
         torch.tensor(
-            [[_int64(s or 0), c, p.top_k, p.greedy] for p, s, c in zip(params, seeds, counters)],
+            [
+                [_int64(s or 0), c, p.top_k, p.greedy]
+                for p, s, c in zip(params, seeds, counters, strict=True)
+            ],
             dtype=torch.int64,
         ),
         dev,

@@ -61,7 +61,7 @@ def triton_paged_attention(
 def decode(q: torch.Tensor, layer_kv: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
     """q: [rows, kv_heads, group, dim] -> attention output of the same shape and dtype."""
     out, lse = paged_decode(q, layer_kv, batch.pages, batch.lengths)
-    rows, kv_heads, group, dim = q.shape
+    kv_heads, group, dim = q.shape[1:]
     page_size = layer_kv.shape[3]
     for g in batch.prefix_groups:
         pages = g.pages
@@ -97,7 +97,9 @@ def paged_decode(
     page_size = layer_kv.shape[3]
     width = pages.shape[1] * page_size  # a bound on every length, known without a sync
     if split_tokens is None:
-        splits = min(triton.cdiv(width, MIN_SPLIT_TOKENS), triton.cdiv(TARGET_PROGRAMS, rows * kv_heads))
+        splits = min(
+            triton.cdiv(width, MIN_SPLIT_TOKENS), triton.cdiv(TARGET_PROGRAMS, rows * kv_heads)
+        )
         split_tokens = triton.cdiv(width, max(splits, 1))
     splits = triton.cdiv(width, split_tokens)
     block_n = 16
@@ -137,7 +139,7 @@ def extend(q: torch.Tensor, layer_kv: torch.Tensor, table: PrefillTable, out: to
     """Every prefill span of the step in one launch: each new token attends its span's cached
     prefix and the span's tokens up to itself (causal), all read from the pages. q, out:
     [T, heads, dim]; writes the spans' rows of `out`."""
-    tokens, heads, dim = q.shape
+    heads, dim = q.shape[1:]
     kv_heads, page_size = layer_kv.shape[1], layer_kv.shape[3]
     block_m = 16
     grid = (len(table.rows), heads, triton.cdiv(table.max_tokens, block_m))
@@ -198,9 +200,7 @@ def _decode_kernel(
         rescale = tl.exp(top - new_top)
         probs = tl.exp(scores - new_top[:, None])
         total = total * rescale + tl.sum(probs, 1)
-        acc = acc * rescale[:, None] + tl.dot(
-            probs.to(v.dtype), v, input_precision=PRECISION
-        )
+        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
         top = new_top
 
     # A split past the row's end has no keys: output 0, lse -inf, so the merge ignores it.
@@ -260,9 +260,7 @@ def _extend_kernel(
         rescale = tl.exp(top - new_top)
         probs = tl.exp(scores - new_top[:, None])
         total = total * rescale + tl.sum(probs, 1)
-        acc = acc * rescale[:, None] + tl.dot(
-            probs.to(v.dtype), v, input_precision=PRECISION
-        )
+        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
         top = new_top
 
     out = acc / total[:, None]
