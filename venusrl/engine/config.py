@@ -46,6 +46,12 @@ class EngineConfig(Section):
         " (policy.layer_residency; needs host_kv_pages); None: off",
     )
     max_running: int = Field(256, ge=1, description="most requests decoded in one batch")
+    cuda_graphs: bool = Field(
+        False,
+        description="replay pure decode steps from CUDA graphs, one per batch-size bucket"
+        " (engine/decode_graphs.py; untested on a GPU so far); off CUDA the same padded"
+        " buffers run eagerly",
+    )
     token_budget: int = Field(
         2048, ge=1, description="most tokens (decode + prefill chunks) in one forward pass"
     )
