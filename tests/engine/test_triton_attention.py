@@ -156,7 +156,7 @@ def _inputs(layout: dict[str, int], tokens: int, seed: int) -> list[torch.Tensor
     ]
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(steps(), st.integers(0, 2**16))
 def test_triton_attention_equals_the_torch_backend_on_random_page_tables(
     step: tuple[dict[str, int], StepBatch], seed: int
@@ -168,6 +168,19 @@ def test_triton_attention_equals_the_torch_backend_on_random_page_tables(
     got = kernels.triton_paged_attention(q, k, v, layer_kv, batch)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(layer_kv, expected_kv, rtol=0, atol=0)  # same keys written
+
+
+@settings(max_examples=10, deadline=None)
+@given(steps(), st.integers(0, 2**16))
+def test_bf16_pages_are_attended_in_fp32_to_within_bf16_rounding_of_the_output(
+    step: tuple[dict[str, int], StepBatch], seed: int
+) -> None:
+    layout, batch = step
+    q, k, v, layer_kv = (t.bfloat16() for t in _inputs(layout, len(batch.slots), seed))
+    expected = paged_attention(q.float(), k.float(), v.float(), layer_kv.float(), batch)
+    got = kernels.triton_paged_attention(q, k, v, layer_kv, batch)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2)
 
 
 @settings(max_examples=15, deadline=None)

@@ -155,7 +155,9 @@ def extend(q: torch.Tensor, layer_kv: torch.Tensor, table: PrefillTable, out: to
 
 
 def _precision(dtype: torch.dtype) -> str:
-    # fp32 models ask for fp32 parity with the torch backend: no TF32 in the matmuls.
+    """Keys and values are read in their dtype and multiplied in fp32: fp32 models ask for
+    parity with the torch backend (no TF32); bf16/fp16 lose nothing to TF32's 10-bit mantissa.
+    (Triton's interpreter also multiplies bf16 wrongly: 3.9 on a CPU gave 1e10 errors.)"""
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
@@ -177,7 +179,7 @@ def _decode_kernel(
     d = tl.arange(0, BLOCK_D)
     q_mask = (g[:, None] < GROUP) & (d[None, :] < DIM)
     q_addr = q_ptr + row * stride_q_row + head * stride_q_head + g[:, None] * stride_q_group
-    q = tl.load(q_addr + d[None, :], mask=q_mask, other=0.0)
+    q = tl.load(q_addr + d[None, :], mask=q_mask, other=0.0).to(tl.float32)
 
     length = tl.load(lengths_ptr + row)
     start = split * split_tokens
@@ -192,15 +194,15 @@ def _decode_kernel(
         key = kv_ptr + head * stride_kv_head + page * stride_kv_page
         key = key + (n % PAGE_SIZE) * stride_kv_token
         kv_mask = valid[:, None] & (d[None, :] < DIM)
-        k = tl.load(key[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(key[:, None] + stride_kv + d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(key[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(key[:, None] + stride_kv + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
         scores = tl.where(valid[None, :], scores, float("-inf"))
         new_top = tl.maximum(top, tl.max(scores, 1))
         rescale = tl.exp(top - new_top)
         probs = tl.exp(scores - new_top[:, None])
         total = total * rescale + tl.sum(probs, 1)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * rescale[:, None] + tl.dot(probs, v, input_precision=PRECISION)
         top = new_top
 
     # A split past the row's end has no keys: output 0, lse -inf, so the merge ignores it.
@@ -235,7 +237,7 @@ def _extend_kernel(
     is_query = i < num_tokens
     q_mask = is_query[:, None] & (d[None, :] < DIM)
     q_addr = q_ptr + (first_row + i[:, None]) * stride_q_token + q_head * stride_q_head
-    q = tl.load(q_addr + d[None, :], mask=q_mask, other=0.0)
+    q = tl.load(q_addr + d[None, :], mask=q_mask, other=0.0).to(tl.float32)
     position = start + i
 
     # Keys up to the block's last query, causal within; a block past the span's end reads one.
@@ -250,8 +252,8 @@ def _extend_kernel(
         key = kv_ptr + kv_head * stride_kv_head + page * stride_kv_page
         key = key + (n % PAGE_SIZE) * stride_kv_token
         kv_mask = valid[:, None] & (d[None, :] < DIM)
-        k = tl.load(key[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(key[:, None] + stride_kv + d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(key[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(key[:, None] + stride_kv + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
         allowed = valid[None, :] & (n[None, :] <= position[:, None])
         scores = tl.where(allowed, scores, float("-inf"))
@@ -260,7 +262,7 @@ def _extend_kernel(
         rescale = tl.exp(top - new_top)
         probs = tl.exp(scores - new_top[:, None])
         total = total * rescale + tl.sum(probs, 1)
-        acc = acc * rescale[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * rescale[:, None] + tl.dot(probs, v, input_precision=PRECISION)
         top = new_top
 
     out = acc / total[:, None]
