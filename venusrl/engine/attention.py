@@ -1,4 +1,6 @@
-"""Attention over the paged KV cache, for one packed engine step.
+"""Attention over the paged KV cache, for one packed engine step: the step's description every
+backend reads, and the `torch` backend, which runs anywhere and is the others' reference
+(`attention_backend.py` picks one; `triton_attention.py` reads pages in place on CUDA).
 
 A step packs every scheduled token of every sequence into one `[tokens, ...]` batch. The first
 `decode.num_rows` tokens are single-token sequences (decode); each multi-token span (a prefill
