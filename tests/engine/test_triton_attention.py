@@ -212,20 +212,23 @@ def test_an_engine_on_the_triton_backend_generates_what_the_torch_backend_does(
     tiny_qwen3: Path,
 ) -> None:
     """Prefill chunks (a 12-token budget splits prompts), a cached prefix, decode rows and
-    mixed steps, end to end through the model: the same greedy tokens and logprobs."""
+    mixed steps, end to end through the model: the same greedy tokens and logprobs; also with
+    decode steps on the padded buffers of `engine.cuda_graphs` (run eagerly on a CPU)."""
     prompts = [list(range(5, 5 + n)) for n in (3, 17, 9)] + [[*range(5, 5 + 17), 40, 41]]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    outputs = {}
-    for backend in ("torch", "triton"):
-        config = EngineConfig(page_size=4, device_kv_pages=256, token_budget=12,
-                              attention_backend=backend)  # fmt: skip
+    outputs = []
+    for backend, graphs in (("torch", False), ("triton", False), ("triton", True)):
+        config = EngineConfig(page_size=4, device_kv_pages=256, token_budget=12, max_context=64,
+                              attention_backend=backend, cuda_graphs=graphs)  # fmt: skip
         engine = Engine.from_model_dir(tiny_qwen3, config)
         if backend == "triton":
             assert engine.model.layers[0].attention is kernels.triton_paged_attention
-        outputs[backend] = engine.generate(prompts, params)
-    for torch_out, triton_out in zip(outputs["torch"], outputs["triton"], strict=True):
-        assert triton_out.token_ids == torch_out.token_ids
-        assert triton_out.logprobs == pytest.approx(torch_out.logprobs, abs=1e-4)
+        outputs.append(engine.generate(prompts, params))
+        assert not graphs or (engine.graphs is not None and engine.graphs._by_rows)
+    for torch_out, *triton_outs in zip(*outputs, strict=True):
+        for triton_out in triton_outs:
+            assert triton_out.token_ids == torch_out.token_ids
+            assert triton_out.logprobs == pytest.approx(torch_out.logprobs, abs=1e-4)
 
 
 def test_auto_picks_torch_on_a_cpu_and_triton_refuses_one_by_name(
