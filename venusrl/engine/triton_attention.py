@@ -191,7 +191,8 @@ def _decode_kernel(
         n = first + tl.arange(0, BLOCK_N)
         valid = n < end
         page = tl.load(pages_ptr + row * stride_pages_row + n // PAGE_SIZE, mask=valid, other=0)
-        key = kv_ptr + head * stride_kv_head + page * stride_kv_page
+        # int64: a KV head's stride times its index passes 2**31 on large caches
+        key = kv_ptr + head.to(tl.int64) * stride_kv_head + page * stride_kv_page
         key = key + (n % PAGE_SIZE) * stride_kv_token
         kv_mask = valid[:, None] & (d[None, :] < DIM)
         k = tl.load(key[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
@@ -249,7 +250,7 @@ def _extend_kernel(
         n = first + tl.arange(0, BLOCK_N)
         valid = n < key_end
         page = tl.load(pages_ptr + span * stride_pages_span + n // PAGE_SIZE, mask=valid, other=0)
-        key = kv_ptr + kv_head * stride_kv_head + page * stride_kv_page
+        key = kv_ptr + kv_head.to(tl.int64) * stride_kv_head + page * stride_kv_page
         key = key + (n % PAGE_SIZE) * stride_kv_token
         kv_mask = valid[:, None] & (d[None, :] < DIM)
         k = tl.load(key[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
