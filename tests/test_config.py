@@ -26,7 +26,7 @@ def test_yaml_and_dotted_overrides_compose(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "words"),
     [
-        (["engine.page_sz=3"], "engine.page_sz: unknown key; known keys: device"),
+        (["engine.page_sz=3"], "engine.page_sz: unknown key; known keys: attention_backend, cuda"),
         (["engine.page_size=0"], "engine.page_size: Input should be greater than or equal to 1"),
         (["engine.page_size=many"], "engine.page_size"),
         (["engine.dtype=float8"], "engine.dtype"),

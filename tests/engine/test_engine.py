@@ -480,3 +480,41 @@ def test_live_kv_counts_running_and_waiting_trajectories_not_ended_ones(tiny_qwe
     assert (
         engine.cache.kv.device_pages.num_free < engine.cache.kv.device_pages.capacity
     )  # still cached
+
+
+# What, on a GPU, makes the host wait for the device: every way a tensor's values reach Python.
+DEVICE_TO_HOST = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+def test_a_step_copies_from_the_device_to_the_host_once(
+    tiny_qwen3: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Token ids, logprobs and top logprobs come back in one copy, whatever the mix of greedy,
+    sampled, truncated and top-logprob rows, prefill chunks and decode rows. On a CPU there is
+    no synchronisation to observe, so this counts the tensor methods that would cause one; a
+    torch op that synchronises inside (a data-dependent shape) would escape it."""
+    engine = engine_for(tiny_qwen3, token_budget=24)
+    mixes = [
+        GREEDY,
+        SamplingParams(max_tokens=6, temperature=0.9, top_p=0.8, seed=3),
+        SamplingParams(max_tokens=6, temperature=1.2, top_k=7, top_logprobs=3, seed=4),
+        SamplingParams(max_tokens=6, temperature=0, top_logprobs=2),
+    ]
+    for i, params in enumerate(mixes):
+        engine.add_request(list(range(3, 3 + 10 * (i + 1))), params)
+    copies = [0]
+    for name in DEVICE_TO_HOST:
+        method = getattr(torch.Tensor, name)
+
+        def counted(self: torch.Tensor, *args: object, _method=method, **kw: object) -> object:  # type: ignore[no-untyped-def]
+            copies[0] += 1
+            return _method(self, *args, **kw)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    per_step = []
+    while engine.has_work():
+        copies[0] = 0
+        engine.step()
+        per_step.append(copies[0])
+    monkeypatch.undo()
+    assert len(per_step) > 6 and set(per_step) == {1}

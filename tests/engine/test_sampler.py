@@ -3,8 +3,11 @@ rows that ask for top logprobs get that distribution's most likely tokens."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from venusrl.engine.sampler import sample, uniforms
 from venusrl.types import SamplingParams
@@ -90,3 +93,84 @@ def test_a_vocabulary_smaller_than_the_count_asked_gives_all_of_it() -> None:
 def test_top_logprobs_outside_0_to_20_is_refused_by_name(count: int) -> None:
     with pytest.raises(ValueError, match="top_logprobs must be in \\[0, 20\\]"):
         SamplingParams(top_logprobs=count)
+
+
+def _numpy_uniforms(seeds: list[int], counters: list[int]) -> np.ndarray:
+    """The uniforms as the host computed them before sampling moved to the device."""
+
+    def mix(x: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            z = x + np.uint64(0x9E3779B97F4A7C15)
+            z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+            z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+            return z ^ (z >> np.uint64(31))
+
+    with np.errstate(over="ignore"):
+        bits = mix(mix(np.asarray(seeds, dtype=np.uint64)) + np.asarray(counters, np.uint64))
+    return ((bits >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0**-53
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**20)), min_size=1, max_size=8)
+)
+def test_device_uniforms_match_the_host_splitmix64_bit_for_bit(
+    pairs: list[tuple[int, int]],
+) -> None:
+    seeds, counters = [s for s, _ in pairs], [c for _, c in pairs]
+    assert uniforms(seeds, counters).tolist() == _numpy_uniforms(seeds, counters).tolist()
+
+
+def _reference_sample(logits: torch.Tensor, p: SamplingParams, u: float) -> int:
+    """One row the way the sampler drew before it ran on the device: sort, fp32 nucleus cut, and
+    a float64 cumsum over the whole vocabulary in vocabulary order."""
+    probs = torch.softmax(logits / p.temperature, dim=-1)
+    sorted_probs, order = probs.sort(descending=True)
+    keep = torch.ones_like(sorted_probs, dtype=torch.bool)
+    if p.top_k > 0:
+        keep[p.top_k :] = False
+    if p.top_p < 1.0:
+        keep &= sorted_probs.cumsum(0) - sorted_probs < p.top_p
+    keep[0] = True
+    cut = torch.zeros_like(probs)
+    cut[order[keep]] = sorted_probs[keep]
+    cdf = cut.double().cumsum(0)
+    return int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64)))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.integers(1, 3000),
+    st.lists(
+        st.tuples(
+            st.sampled_from([0.0, 0.5, 1.0, 1.7]),
+            st.sampled_from([0, 1, 5, 40]),
+            st.sampled_from([1.0, 0.9, 0.3]),
+            st.integers(0, 2**63 - 1),
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+    st.integers(0, 2**16),
+)
+def test_seeded_draws_are_those_of_a_float64_cumsum_over_the_whole_vocabulary(
+    vocab: int, rows: list[tuple[float, int, float, int]], data_seed: int
+) -> None:
+    """Block-wise inverse CDF, batched truncation and device uniforms pick, for every row and
+    whatever the batch, the token the host's full-vocabulary float64 CDF picked."""
+    logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(data_seed)) * 4
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p, _ in rows]
+    seeds = [None if p.greedy else s for p, (*_, s) in zip(params, rows, strict=True)]
+    counters = list(range(len(rows)))
+    tokens, logprobs, _ = sample(logits, params, seeds, counters)
+    u = _numpy_uniforms([s or 0 for s in seeds], counters)
+    for row, p in enumerate(params):
+        expected = (
+            int(logits[row].argmax())
+            if p.greedy
+            else _reference_sample(logits[row], p, float(u[row]))
+        )
+        assert tokens[row] == expected
+        temp = 1.0 if p.greedy else p.temperature
+        reference_logprob = torch.log_softmax(logits[row] / temp, -1)[expected]
+        assert logprobs[row] == pytest.approx(float(reference_logprob), abs=1e-5)

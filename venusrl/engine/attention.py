@@ -1,4 +1,6 @@
-"""Attention over the paged KV cache, for one packed engine step.
+"""Attention over the paged KV cache, for one packed engine step: the step's description every
+backend reads, and the `torch` backend, which runs anywhere and is the others' reference
+(`attention_backend.py` picks one; `triton_attention.py` reads pages in place on CUDA).
 
 A step packs every scheduled token of every sequence into one `[tokens, ...]` batch. The first
 `decode.num_rows` tokens are single-token sequences (decode); each multi-token span (a prefill
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +48,7 @@ class PrefixGroup:
 class DecodeBatch:
     num_rows: int
     pages: torch.Tensor  # [rows, pages] each row's own pages after its shared prefix, 0-padded
+    lengths: torch.Tensor  # [rows] int32: keys in each row's own pages
     key_mask: torch.Tensor  # [1, rows, 1, pages * page_size] additive: 0 valid, -inf padding
     prefix_groups: tuple[PrefixGroup, ...]
     # (row, its band pages, `first` counted among the row's own pages after its shared prefix)
@@ -73,6 +77,17 @@ class PrefillSpan:
 
 
 @dataclass(frozen=True)
+class PrefillTable:
+    """The step's prefill spans as tensors, for kernels that take them all in one launch."""
+
+    rows: torch.Tensor  # [spans] int32: first row of each span in the packed batch
+    starts: torch.Tensor  # [spans] int32: tokens cached before the span
+    lengths: torch.Tensor  # [spans] int32: the span's new tokens
+    pages: torch.Tensor  # [spans, pages] page ids covering each span's context, 0-padded
+    max_tokens: int
+
+
+@dataclass(frozen=True)
 class StepBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
@@ -80,6 +95,17 @@ class StepBatch:
     logits_rows: torch.Tensor  # rows whose logits are needed (last token of sampling sequences)
     decode: DecodeBatch | None
     prefills: tuple[PrefillSpan, ...]
+
+    @cached_property
+    def prefill_table(self) -> PrefillTable:
+        """Built on first use and kept for the step's other layers."""
+        spans, dev = self.prefills, self.input_ids.device
+        table = [(s.row, s.context_len - s.num_tokens, s.num_tokens) for s in spans]
+        columns = torch.tensor(table, dtype=torch.int32, device=dev).view(-1, 3).T.contiguous()
+        rows, starts, lengths = columns
+        pages = torch.nn.utils.rnn.pad_sequence([s.pages for s in spans], batch_first=True)
+        max_tokens = max((s.num_tokens for s in spans), default=0)
+        return PrefillTable(rows, starts, lengths, pages, max_tokens)
 
 
 def needs_prefill_mask(device: torch.device) -> bool:

@@ -89,10 +89,8 @@ class BatchBuilder:
         own = [r.pages[skip[i] : pages_for(r.num_computed + 1, ps)] for i, r in enumerate(rows)]
         own_lens = [r.num_computed + 1 - skip[i] * ps for i, r in enumerate(rows)]
         width = max(len(p) for p in own)
-        beyond = (
-            torch.arange(width * ps, device=dev)[None, :]
-            >= torch.tensor(own_lens, device=dev)[:, None]
-        )
+        lengths = torch.tensor(own_lens, dtype=torch.int32, device=dev)
+        beyond = torch.arange(width * ps, device=dev)[None, :] >= lengths[:, None]
         # Additive (0 / -inf) once per step, rather than converted from bool in every layer.
         key_mask = torch.zeros(beyond.shape, dtype=self.kv_dtype, device=dev)
         key_mask.masked_fill_(beyond, float("-inf"))
@@ -111,6 +109,7 @@ class BatchBuilder:
         return DecodeBatch(
             num_rows=len(rows),
             pages=_padded(own, width, dev),
+            lengths=lengths,
             key_mask=key_mask[None, :, None],
             prefix_groups=tuple(prefix_groups),
             banded=tuple((i, b) for i, b in banded if b is not None),

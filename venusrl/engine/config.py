@@ -16,6 +16,11 @@ class EngineConfig(Section):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="model and KV dtype; fp32 on CPU (bf16 decode is ~2x slower there)"
     )
+    attention_backend: Literal["auto", "torch", "triton"] = Field(
+        "auto",
+        description="paged attention: torch (gathers pages; any device), triton (reads pages in"
+        " place; CUDA); auto: triton on CUDA when it imports, else torch",
+    )
     page_size: int = Field(
         8, ge=1, le=1024, description="tokens per KV page (only whole pages are shared)"
     )
@@ -41,6 +46,12 @@ class EngineConfig(Section):
         " (policy.layer_residency; needs host_kv_pages); None: off",
     )
     max_running: int = Field(256, ge=1, description="most requests decoded in one batch")
+    cuda_graphs: bool = Field(
+        False,
+        description="replay pure decode steps from CUDA graphs, one per batch-size bucket"
+        " (engine/decode_graphs.py; untested on a GPU so far); off CUDA the same padded"
+        " buffers run eagerly",
+    )
     token_budget: int = Field(
         2048, ge=1, description="most tokens (decode + prefill chunks) in one forward pass"
     )

@@ -27,8 +27,10 @@ from pathlib import Path
 
 import torch
 
+from venusrl.engine.attention_backend import attention_backend
 from venusrl.engine.batch import BatchBuilder
 from venusrl.engine.config import EngineConfig
+from venusrl.engine.decode_graphs import DecodeGraphs
 from venusrl.engine.host_malloc import keep_freed_memory_in_heap
 from venusrl.engine.kv_manager import DTYPES, REPREFILL_CAUSES, EngineStats, KVManager
 from venusrl.engine.model import CausalLM
@@ -39,6 +41,7 @@ from venusrl.engine.snapshot import snapshot
 from venusrl.engine.tokenizer import Tokenizer
 from venusrl.policy.engine_schedule import (
     PriorityScheduler,
+    pages_for,
     queue_order,
 )
 from venusrl.types import GenerationOutput, SamplingParams, TurnMeta
@@ -78,6 +81,7 @@ class Engine:
         if torch.device(cfg.device).type == "cpu":
             keep_freed_memory_in_heap()
         self.model = model
+        model.use_attention(attention_backend(cfg.attention_backend, torch.device(cfg.device)))
         self.tokenizer = tokenizer
         self.scheduler = scheduler or PriorityScheduler()
         mc = model.config
@@ -101,6 +105,11 @@ class Engine:
             DTYPES[cfg.dtype],
             self.cache.host_reads,
         )
+        self.graphs: DecodeGraphs | None = None
+        if cfg.cuda_graphs:
+            max_pages = pages_for(self.max_context, cfg.page_size)
+            capture = self.device.type == "cuda"
+            self.graphs = DecodeGraphs(model, self.cache.kv, cfg.max_running, max_pages, capture)
         eos = set(mc.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
         self.eos_token_ids = frozenset(eos)
         self.weight_version = 0
@@ -286,7 +295,10 @@ class Engine:
             return []
         work.sort(key=lambda item: item[1] > 1)  # the packed batch puts decode rows first
         batch = self.batches.build(work)
-        logits = self.model(batch, self.cache.kv)
+        if self.graphs is not None and self.graphs.fits(batch):
+            logits = self.graphs.run(batch)
+        else:
+            logits = self.model(batch, self.cache.kv)
         self.stats.steps += 1
         finished = self._postprocess(work, logits)
         self.stats.busy_s += time.perf_counter() - began

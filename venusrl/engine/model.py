@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from venusrl.engine.attention import StepBatch, paged_attention
+from venusrl.engine.attention_backend import AttentionBackend
 from venusrl.engine.kv_cache import KVCache
 from venusrl.engine.packed_rows import PackedRows, packed_attention
 
@@ -247,6 +248,7 @@ class DecoderLayer(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attention: AttentionBackend = paged_attention  # `CausalLM.use_attention`
 
     def _qkv(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, ...]
@@ -273,7 +275,7 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         q, k, v = self._qkv(x, rope)
         i = self.layer_index
-        attn = paged_attention(q, k, v, kv.layer(i), batch, i, kv.host_layer(i))
+        attn = self.attention(q, k, v, kv.layer(i), batch, i, kv.host_layer(i))
         return self._residual_and_mlp(x, attn)
 
     def forward_rows(
@@ -296,6 +298,11 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+
+    def use_attention(self, backend: AttentionBackend) -> None:
+        """The paged attention every layer runs (`engine.attention_backend`)."""
+        for layer in self.layers:
+            cast(DecoderLayer, layer).attention = backend
 
     def forward(self, batch: StepBatch, kv: KVCache) -> torch.Tensor:
         """Runs every token of the step; returns logits for `batch.logits_rows` only."""
