@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import os
 from pathlib import Path
 
 import pytest
 import ray
+import torch
 from ray.cluster_utils import Cluster
 from ray.util import placement_group_table
 
-from tests.runtime import NAMESPACE
+from tests.runtime import NAMESPACE, SMALL
 from tests.trainer.test_ranks import assert_same_weights, batch, config
 from venusrl.config import load_config
 from venusrl.engine.model_dir import init_model_dir, load_model
@@ -75,16 +77,19 @@ def test_a_killed_trainer_actor_stops_the_step_with_an_error_naming_it(
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
-@pytest.mark.slow  # 20-27 s alone on 2 shared cores (a run and its resume), more under load
+@pytest.mark.slow  # 35 s alone on 2 shared cores: a warm start, a run and its resume
 def test_a_ray_run_on_two_trainer_actors_stops_naming_a_killed_one_and_resumes(
-    two_nodes: Cluster, tmp_path: Path, warm_started_small: list[str]
+    two_nodes: Cluster, tmp_path: Path
 ) -> None:
     """One rollout worker and two trainer actors (half a CPU each: the two nodes' two CPUs hold
-    them all). The actors hold the KL reference, publish to the rollout worker after every step
-    and checkpoint; trainer-rank-1 killed after step 1 stops the run, naming it; `--resume` goes
-    on from the sharded checkpoint with step 2."""
+    them all). The actors imitate the warm start's demonstrations, hold the KL reference, train
+    every step, publish to the rollout worker after it and checkpoint; trainer-rank-1 killed
+    after step 1 stops the run, naming it; `--resume` goes on from the sharded checkpoint with
+    step 2."""
     trainer = ["trainer.world_size=2", "runtime.trainer_cpus=0.5", "run.checkpoint_every=1"]
-    cfg = load_config(None, [*warm_started_small, *ON_RAY, "runtime.engines=1", *trainer])
+    # Half its replies win: every step has groups whose rewards differ, so each trains tokens.
+    parity = ["rollout.env=tests.runtime.reply_parity:ReplyParity", "rollout.group_size=4"]
+    cfg = load_config(None, [*SMALL, *parity, *ON_RAY, "runtime.engines=1", *trainer])
 
     def kill_rank_1(line: dict[str, object]) -> None:
         if line["step"] == 1:
@@ -93,11 +98,18 @@ def test_a_ray_run_on_two_trainer_actors_stops_naming_a_killed_one_and_resumes(
     named = r"trainer rank 1 \(Ray actor trainer-rank-1, pid \d+ on [\d.]+\) died"
     with pytest.raises(RankFailed, match=named):
         asyncio.run(train(cfg, tmp_path, on_step=kill_rank_1))
+    warm = json.loads((tmp_path / "warm_start.json").read_text())
+    assert warm["nll_last"] < warm["nll_first"]  # the actors imitated the demonstrations
     checkpoint = latest_checkpoint(tmp_path)
     assert checkpoint is not None and checkpoint.name == "step-000001"
     assert (checkpoint / SHARDED / ".metadata").is_file()
-    load_model(checkpoint)  # rank 0's consolidated model, as `venusrl serve` loads it
+    # Rank 0's consolidated model, as `venusrl serve` loads it: trained since the start policy.
+    start, trained = (load_model(d).hf_state_dict() for d in (tmp_path / "start-model", checkpoint))
+    assert any(not torch.equal(start[name], trained[name]) for name in start)
     asyncio.run(train(load_config(tmp_path / "config.yaml"), tmp_path, resume=True))
-    steps = [(m["step"], m["weight_version"]) for m in read_metrics(tmp_path)]
-    assert steps == [(0, 1), (1, 2), (2, 3)]
-    assert ray.util.list_named_actors() == []
+    metrics = read_metrics(tmp_path)
+    assert [(m["step"], m["weight_version"]) for m in metrics] == [(0, 1), (1, 2), (2, 3)]
+    assert all(m["tokens"] > 0 and m["grad_norm"] > 0 for m in metrics)
+    assert metrics[-1]["kl"] > 0  # the actors hold the KL reference, the resumed ones too
+    # The trainer actors are gone with the run (the rollout worker goes in the background).
+    assert not [a for a in ray.util.list_named_actors() if a.startswith("trainer-rank")]
