@@ -4,6 +4,7 @@ group of a real two-node Ray cluster, torch.distributed (gloo) meeting at rank 0
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import os
@@ -22,6 +23,7 @@ from venusrl.engine.model_dir import init_model_dir, load_model
 from venusrl.runtime.cluster.trainer_actors import RayRanks
 from venusrl.runtime.config import RuntimeConfig
 from venusrl.runtime.record import read_metrics
+from venusrl.runtime.roles import start_fleet
 from venusrl.runtime.train import train
 from venusrl.trainer.checkpoint import SHARDED, latest_checkpoint
 from venusrl.trainer.ranks import RankedTrainer, RankFailed
@@ -58,6 +60,21 @@ def test_two_trainer_actors_step_as_one_local_process(two_nodes: Cluster, tmp_pa
     assert_same_weights(weights, one.model.hf_state_dict())
     assert ray.util.list_named_actors() == []  # closed, placement group and all
     assert placement_group_table()[group["placement_group_id"]]["state"] == "REMOVED"
+
+
+def test_trainer_ranks_the_cluster_cannot_hold_beside_the_engines_are_refused_at_once(
+    two_nodes: Cluster,
+) -> None:
+    cfg = load_config(None, [*ON_RAY, "runtime.engines=1", "trainer.world_size=2"])
+
+    async def start() -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(start_fleet(cfg, stack))
+
+    words = r"runtime.engines=1 x runtime.engine_cpus=1.0 \+ trainer.world_size=2 x 1 needs 3 CPUs"
+    with pytest.raises(ValueError, match=rf"{words}; the cluster has 2"):
+        asyncio.run(start())
+    assert ray.util.list_named_actors() == []
 
 
 def test_a_killed_trainer_actor_stops_the_step_with_an_error_naming_it(

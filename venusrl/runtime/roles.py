@@ -114,7 +114,7 @@ def start_fleet(cfg: Config, stack: contextlib.AsyncExitStack) -> RolloutFleet:
         raise ValueError(f"runtime.kind=ray needs Ray ({e}): pip install 'venusrl[ray]'") from None
     cluster = RayCluster(cfg.runtime)
     stack.callback(cluster.shutdown)
-    cluster.check_room()
+    cluster.check_room(cfg.trainer)
     return RolloutFleet(cfg, cluster)
 
 

@@ -71,14 +71,6 @@ class RayRanks:
         gpus = 1.0 if job.config.device.startswith("cuda") else 0.0
         wanted = {"GPU": gpus, "CPU": runtime.trainer_cpus}
         bundle = {k: v for k, v in wanted.items() if v > 0}  # Ray refuses a zero
-        total = ray.cluster_resources()
-        for resource, each in bundle.items():
-            if world_size * each > total.get(resource, 0.0):
-                raise ValueError(
-                    f"trainer.world_size={world_size} ranks of {each:g} {resource} each need"
-                    f" {world_size * each:g} {resource}s; the cluster has"
-                    f" {total.get(resource, 0.0):g}"
-                )
         self._group = placement_group([bundle] * world_size, strategy="PACK")
         self._actors: list[Any] = []
         self._sentinels: list[Any] = []
