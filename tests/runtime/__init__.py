@@ -10,3 +10,5 @@ SMALL = [
     "run.warm_start_episodes=16",
     "run.warm_start_epochs=1",
 ]
+
+NAMESPACE = "venusrl-test"  # of the actors of the Ray tests

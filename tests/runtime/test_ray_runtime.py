@@ -10,14 +10,13 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from tests.runtime import SMALL
+from tests.runtime import NAMESPACE, SMALL
 from venusrl.config import load_config
 from venusrl.engine.model_dir import init_model_dir, load_model
 from venusrl.envs.builtin.treasure_hunt import TreasureHunt
@@ -31,23 +30,8 @@ from venusrl.types import Finish, SamplingParams, Trajectory
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
 
-NAMESPACE = "venusrl-test"
 ON_TWO_ENGINES = ["runtime.kind=ray", "runtime.engines=2", f"runtime.namespace={NAMESPACE}"]
 RAY_RUN = [*SMALL, *ON_TWO_ENGINES]
-
-
-@pytest.fixture(scope="module")
-def two_nodes() -> Iterator[Cluster]:
-    node = {"num_cpus": 1, "object_store_memory": 256 << 20}
-    cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
-    cluster.add_node(**node)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, namespace=NAMESPACE, logging_level="WARNING")
-    try:
-        yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 class KillAfterFirstStep(threading.Thread):

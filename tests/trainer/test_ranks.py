@@ -13,6 +13,7 @@ import torch
 from venusrl.engine.model_dir import init_model_dir, load_model
 from venusrl.trainer.checkpoint import RunState, latest_checkpoint
 from venusrl.trainer.config import TrainerConfig
+from venusrl.trainer.rank_processes import ProcessRanks
 from venusrl.trainer.ranks import RankedTrainer, RankFailed, token_shares
 from venusrl.trainer.trainer import GRPOTrainer
 from venusrl.types import Trajectory
@@ -141,11 +142,13 @@ def test_options_of_the_ranks_are_refused_in_one_process_by_name() -> None:
 
 def test_a_killed_rank_stops_the_step_with_an_error_naming_it(model_dir: Path) -> None:
     ranks = RankedTrainer(model_dir, config(world_size=2))
-    os.kill(ranks.pids[1], signal.SIGKILL)
+    processes = ranks.link
+    assert isinstance(processes, ProcessRanks)
+    os.kill(processes.pids[1], signal.SIGKILL)
     with pytest.raises(RankFailed, match=r"trainer rank 1 \(pid \d+\) died \(killed by signal 9\)"):
         ranks.step(*batch(4))
     ranks.close()
-    assert not any(p.is_alive() for p in ranks._processes)
+    assert not any(p.is_alive() for p in processes._processes)
 
 
 @pytest.mark.slow  # 15-50 s on 2 shared cores: two sets of ranks start

@@ -92,4 +92,10 @@ class RuntimeConfig(Section):
     )
     engine_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves for each engine")
     engine_gpus: float = Field(0.0, ge=0, description="GPUs Ray reserves for each engine")
+    trainer_cpus: float = Field(
+        1.0,
+        gt=0,
+        description="CPUs Ray reserves for each trainer rank (trainer.world_size > 1; with"
+        " trainer.device=cuda each also gets one GPU)",
+    )
     actor_restarts: int = Field(3, ge=0, description="times Ray restarts a worker that died")

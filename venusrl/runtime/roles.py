@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -31,6 +32,8 @@ from venusrl.runtime.faults import engine_faults, sandbox_faults
 from venusrl.runtime.run_dir import RunStart
 from venusrl.trainer.api import Trainer
 from venusrl.trainer.lora import load_adapters
+from venusrl.trainer.rank_link import Launch
+from venusrl.trainer.rank_processes import ProcessRanks
 from venusrl.trainer.ranks import RankedTrainer
 from venusrl.trainer.trainer import GRPOTrainer
 from venusrl.types import SamplingParams
@@ -111,7 +114,7 @@ def start_fleet(cfg: Config, stack: contextlib.AsyncExitStack) -> RolloutFleet:
         raise ValueError(f"runtime.kind=ray needs Ray ({e}): pip install 'venusrl[ray]'") from None
     cluster = RayCluster(cfg.runtime)
     stack.callback(cluster.shutdown)
-    cluster.check_room()
+    cluster.check_room(cfg.trainer)
     return RolloutFleet(cfg, cluster)
 
 
@@ -131,13 +134,19 @@ async def check_tools(env: type[Environment], pool: SandboxSource) -> None:
 
 def new_trainer(cfg: Config, start: RunStart, sampling: SamplingParams) -> Trainer:
     """The trainer, on the model the run starts from (its optimizer state too, on a resume):
-    in this process, or as `trainer.world_size` ranks."""
+    in this process, or as `trainer.world_size` ranks (local processes, or Ray actors on a
+    Ray run)."""
     version = start.state.weight_version
     # The engine records greedy tokens' logprobs under the raw logits.
     temperature = 1.0 if sampling.greedy else sampling.temperature
     if cfg.trainer.world_size > 1:
+        launch: Launch = ProcessRanks
+        if cfg.runtime.kind == "ray":  # the cluster is joined: the rollout workers are up
+            from venusrl.runtime.cluster.trainer_actors import RayRanks
+
+            launch = functools.partial(RayRanks, cfg.runtime)
         return RankedTrainer(
-            start.model_dir, cfg.trainer, version, temperature, resume=not start.fresh
+            start.model_dir, cfg.trainer, version, temperature, not start.fresh, launch
         )
     trainer = GRPOTrainer(
         load_model(start.model_dir, cfg.trainer.device), cfg.trainer, version, None, temperature

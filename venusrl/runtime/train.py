@@ -1,6 +1,7 @@
 """`venusrl train`: engine, sandbox pool, coordinator and trainer, in one process by default;
 with `runtime.kind: ray`, the rollout side (engines, sandbox pools and the agent loops between
-them) runs in rollout workers on a Ray cluster (`runtime.cluster`) and the rest stays as it is.
+them) runs in rollout workers on a Ray cluster (`runtime.cluster`), with them the trainer's ranks
+when it has several, and the rest stays as it is.
 
 The loop: the coordinator streams groups through the engine and the sandbox pool (`rollouts`);
 each trainer step takes B complete groups, computes group-normalised advantages (masked members

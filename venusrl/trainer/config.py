@@ -66,8 +66,8 @@ class TrainerConfig(Section):
         1,
         ge=1,
         description="trainer ranks: 1 trains in the driver's process; N > 1 starts N processes"
-        " in one torch.distributed group (gloo on CPU, NCCL on CUDA, one GPU each) sharding the"
-        " model with FSDP2",
+        " (Ray actors with runtime.kind=ray) in one torch.distributed group (gloo on CPU, NCCL on"
+        " CUDA, one GPU each) sharding the model with FSDP2",
     )
     param_dtype: Literal["float32", "bfloat16"] = Field(
         "float32",

@@ -1,34 +1,27 @@
-"""The trainer as N processes in one torch.distributed group (`trainer.world_size`), driven from
-the run's process: `RankedTrainer` has the in-process trainer's verbs; each call sends every
-rank its share of the batch (rows balanced by tokens) and waits for all of them.
+"""The trainer as N ranks in one torch.distributed group (`trainer.world_size`), driven from the
+run's process: `RankedTrainer` has the in-process trainer's verbs; each call sends every rank its
+share of the batch (rows balanced by tokens) and waits for all of them. What carries the commands
+is a `RankLink`: local processes (`trainer/rank_processes.py`) or Ray actors in a placement group
+(`runtime/cluster/trainer_actors.py`); the ranks' side is `RankServer` either way.
 
-Every wait is bounded (`trainer.rank_timeout_s`) and watches the ranks' process sentinels: a rank
-that dies stops the run with an error that names it, instead of the others waiting in a
-collective for ever.
+Every wait is bounded (`trainer.rank_timeout_s`) and watches every rank: a rank that dies stops
+the run with an error that names it, instead of the others waiting in a collective for ever.
 """
 
 from __future__ import annotations
 
-import contextlib
 import heapq
-import os
-import shutil
-import tempfile
 import threading
-import traceback
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from datetime import timedelta
-from multiprocessing.connection import Connection, wait
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from venusrl.trainer.checkpoint import SHARDED, RunState, commit_checkpoint
 from venusrl.trainer.config import TrainerConfig
+from venusrl.trainer.rank_link import Launch, Message, RankGone, RankJob
+from venusrl.trainer.rank_processes import ProcessRanks
 from venusrl.trainer.trainer import StepStats, _Row, weighted_rows
 from venusrl.types import Trajectory
 
@@ -49,21 +42,10 @@ def token_shares(rows: Sequence[_Row], ranks: int) -> list[list[_Row]]:
     return [[rows[i] for i in sorted(share)] for share in shares]
 
 
-@dataclass(frozen=True)
-class _RankSpec:
-    rank: int
-    world_size: int
-    store: str  # torch.distributed's init_method
-    model_dir: Path
-    config: TrainerConfig
-    version: int
-    temperature: float
-    resume: bool
-
-
 class RankedTrainer:
     """`trainer.world_size` ranks sharding the model of `model_dir` with FSDP2; with `resume`
-    (`model_dir` a checkpoint with `sharded/`), its weights and optimizer state."""
+    (`model_dir` a checkpoint with `sharded/`), its weights and optimizer state. `launch` starts
+    them: local processes by default."""
 
     def __init__(
         self,
@@ -72,47 +54,24 @@ class RankedTrainer:
         version: int = 0,
         temperature: float = 1.0,
         resume: bool = False,
+        launch: Launch = ProcessRanks,
     ) -> None:
         if resume and not (model_dir / SHARDED).is_dir():
             raise ValueError(
                 f"{model_dir} has no {SHARDED}/ (written by trainer.world_size=1?): a sharded"
                 " trainer resumes from a sharded checkpoint only"
             )
-        gpus = torch.cuda.device_count()
-        if torch.device(config.device).type == "cuda" and gpus < config.world_size:
-            raise ValueError(
-                f"trainer.world_size={config.world_size} needs a GPU per rank; {gpus} visible"
-            )
         self.config, self.version = config, version
         self._has_reference = False
         self._lock = threading.Lock()  # one command at a time
-        self._scratch = Path(tempfile.mkdtemp(prefix="venusrl-ranks-"))
-        store = f"file://{self._scratch / 'store'}"
-        context = mp.get_context("spawn")
-        self._conns: list[Connection] = []
-        self._processes: list[Any] = []
-        for rank in range(config.world_size):
-            spec = _RankSpec(
-                rank, config.world_size, store, model_dir, config, version, temperature, resume
-            )
-            ours, theirs = context.Pipe()
-            process = context.Process(
-                target=_rank_main, args=(spec, theirs), name=f"venusrl-trainer-rank{rank}"
-            )
-            process.daemon = True  # never outlives the run
-            process.start()
-            theirs.close()
-            self._conns.append(ours)
-            self._processes.append(process)
+        self._closed = False
+        job = RankJob(model_dir, config, version, temperature, resume)
+        self.link = launch(job, config.world_size)
         try:
-            self._call("start", [()] * config.world_size)
+            self._call("start", [(self.link.init_method,)] * config.world_size)
         except BaseException:
             self.close()
             raise
-
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self._processes]
 
     def step(self, trajectories: Sequence[Trajectory], advantages: Sequence[float]) -> StepStats:
         """`GRPOTrainer.step`, each rank training its share of the rows."""
@@ -142,7 +101,7 @@ class RankedTrainer:
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The weights under Hugging Face names, gathered by the ranks one parameter at a time
-        and streamed from rank 0 (in shared memory): never a whole copy on the ranks' side."""
+        and streamed from rank 0: never a whole copy on the ranks' side."""
         with self._lock:
             self._send_all("weights", [()] * self.config.world_size)
             done = False
@@ -164,7 +123,9 @@ class RankedTrainer:
         self._call("write_model_dir", [(out, like)] * self.config.world_size)
 
     def save_checkpoint(self, run_dir: Path, state: RunState, model_dir: Path) -> Path:
-        """The sharded checkpoint (`torch.distributed.checkpoint`) and the consolidated model."""
+        """The sharded checkpoint (`torch.distributed.checkpoint`, every rank its shards) and
+        the consolidated model (rank 0), in `run_dir`: every rank must see it, as its own
+        disk or a shared filesystem."""
 
         def write(tmp: Path) -> None:
             self._call("save", [(tmp, model_dir)] * self.config.world_size)
@@ -172,18 +133,9 @@ class RankedTrainer:
         return commit_checkpoint(run_dir, state, model_dir, write)
 
     def close(self, grace_s: float = 10.0) -> None:
-        """Stops the ranks (told, then ended after `grace_s`) and removes the store."""
-        for conn in self._conns:
-            with contextlib.suppress(OSError):  # that rank is gone
-                conn.send(("close", ()))
-        for process in self._processes:
-            process.join(timeout=grace_s)
-            if process.is_alive():
-                process.kill()
-                process.join(timeout=10)
-        for conn in self._conns:
-            conn.close()
-        shutil.rmtree(self._scratch, ignore_errors=True)
+        if not self._closed:
+            self._closed = True
+            self.link.close(grace_s)
 
     def _call(self, command: str, args: list[tuple[Any, ...]]) -> list[Any]:
         """`command` on every rank, with its own arguments; their results, by rank."""
@@ -192,110 +144,31 @@ class RankedTrainer:
             return [self._reply(rank, command)[1] for rank in range(self.config.world_size)]
 
     def _send_all(self, command: str, args: list[tuple[Any, ...]]) -> None:
-        for rank, (conn, arg) in enumerate(zip(self._conns, args, strict=True)):
-            try:
-                conn.send((command, arg))
-            except OSError:
-                raise self._failure(rank, command) from None
+        try:
+            for rank, arg in enumerate(args):
+                self.link.send(rank, command, arg)
+        except RankGone as e:
+            raise self._failure(e, command) from None
 
-    def _reply(self, rank: int, command: str) -> tuple[str, Any]:
+    def _reply(self, rank: int, command: str) -> Message:
         """Rank `rank`'s next message, while every rank lives, within the timeout."""
-        conn = self._conns[rank]
-        sentinels = {p.sentinel: r for r, p in enumerate(self._processes)}
-        ready = wait([conn, *sentinels], timeout=self.config.rank_timeout_s)
-        for r in sorted(sentinels[s] for s in ready if s in sentinels):
-            raise self._failure(r, command)
-        if not ready:
+        try:
+            message = self.link.receive(rank, self.config.rank_timeout_s)
+        except RankGone as e:
+            raise self._failure(e, command) from None
+        if message is None:
             self.close()
             raise RankFailed(
                 f"trainer rank {rank} did not answer {command!r} within"
                 f" trainer.rank_timeout_s={self.config.rank_timeout_s:g} s; the ranks are stopped"
             )
-        try:
-            kind, payload = conn.recv()
-        except (EOFError, OSError):
-            raise self._failure(rank, command) from None
+        kind, payload = message
         if kind == "error":
             self.close()
             raise RankFailed(f"trainer rank {rank} failed in {command!r}:\n{payload}")
         return kind, payload
 
-    def _failure(self, rank: int, command: str) -> RankFailed:
-        """The error of rank `rank` gone (the others are stopped)."""
-        process = self._processes[rank]
-        process.join(timeout=5)
-        code = process.exitcode
+    def _failure(self, gone: RankGone, command: str) -> RankFailed:
         self.close(grace_s=0)  # the others wait on it in a collective: no use waiting on them
-        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-        return RankFailed(
-            f"trainer rank {rank} (pid {process.pid}) died ({how}) during {command!r}; the"
-            " other ranks are stopped"
-        )
-
-
-def _rank_main(spec: _RankSpec, conn: Connection) -> None:
-    """One rank: joins the group, loads its shard, then runs the driver's commands until told
-    to close (or the driver is gone)."""
-    config = spec.config
-    torch.set_num_threads(config.rank_threads)
-    cuda = torch.device(config.device).type == "cuda"
-    device = torch.device("cuda", spec.rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group(
-        "nccl" if cuda else "gloo",
-        init_method=spec.store,
-        rank=spec.rank,
-        world_size=spec.world_size,
-        timeout=timedelta(seconds=config.rank_timeout_s),
-    )
-    try:
-        _serve(spec, device, conn)
-    finally:
-        dist.destroy_process_group()
-        conn.close()
-
-
-def _serve(spec: _RankSpec, device: torch.device, conn: Connection) -> None:
-    from venusrl.trainer.sharded import ShardedTrainer  # FSDP only where a rank runs
-
-    try:
-        trainer = ShardedTrainer.load(
-            spec.model_dir, spec.config, device, spec.version, spec.temperature, spec.resume
-        )
-    except Exception:  # the answer to the driver's first command, "start"
-        conn.send(("error", f"{traceback.format_exc()}(pid {os.getpid()})"))
-        return
-
-    def weights() -> None:
-        for name, tensor in trainer.hf_weights():
-            if spec.rank == 0:  # the others took part in the gather
-                conn.send(("weight", (name, tensor.cpu())))
-
-    def save(out: Path, like: Path) -> None:
-        trainer.save_sharded(out / SHARDED)
-        trainer.write_model_dir(out, like)
-
-    commands: dict[str, Callable[..., Any]] = {
-        "start": lambda: None,  # loaded above: the driver's first call waits for it
-        "step": trainer.train_rows,
-        "imitate": trainer.imitate_rows,
-        "use_reference": trainer.use_reference,
-        "freeze_reference": lambda: trainer.freeze_reference() and None,  # the model stays
-        "weights": weights,
-        "write_model_dir": trainer.write_model_dir,
-        "save": save,
-    }
-    while True:
-        try:
-            command, args = conn.recv()
-        except (EOFError, OSError):
-            return  # the driver is gone
-        if command == "close":
-            return
-        try:
-            result = commands[command](*args)
-        except Exception:
-            conn.send(("error", f"{traceback.format_exc()}(pid {os.getpid()})"))
-            continue
-        conn.send(("ok", result))
+        detail = f"\n{gone.detail}" if gone.detail else ""
+        return RankFailed(f"{gone} during {command!r}; the other ranks are stopped{detail}")

@@ -16,6 +16,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from venusrl.runtime.config import RuntimeConfig
+from venusrl.trainer.config import TrainerConfig
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -45,19 +46,24 @@ class RayCluster:
                 logging_level=logging.WARNING,
             )
 
-    def check_room(self) -> None:
-        """Refuse, before anything starts, engines the cluster can never hold (Ray would keep
-        them pending forever)."""
+    def check_room(self, trainer: TrainerConfig) -> None:
+        """Refuse, before anything starts, engines and trainer ranks the cluster can never hold
+        together (Ray would keep them pending forever)."""
         total = ray.cluster_resources()
         rt = self.cfg
-        for resource, each in (("CPU", rt.engine_cpus), ("GPU", rt.engine_gpus)):
-            have = total.get(resource, 0.0)
-            if rt.engines * each > have:
+        ranks = trainer.world_size if trainer.world_size > 1 else 0  # else in the driver
+        rank_gpus = 1.0 if trainer.device.startswith("cuda") else 0.0
+        for resource, each, rank_each in (
+            ("CPU", rt.engine_cpus, rt.trainer_cpus),
+            ("GPU", rt.engine_gpus, rank_gpus),
+        ):
+            have, need = total.get(resource, 0.0), rt.engines * each + ranks * rank_each
+            if need > have:
                 key = f"runtime.engine_{resource.lower()}s"
-                raise ValueError(
-                    f"runtime.engines={rt.engines} x {key}={each} needs {rt.engines * each:g} "
-                    f"{resource}s; the cluster has {have:g}"
-                )
+                asked = f"runtime.engines={rt.engines} x {key}={each}"
+                if ranks * rank_each:
+                    asked += f" + trainer.world_size={ranks} x {rank_each:g}"
+                raise ValueError(f"{asked} needs {need:g} {resource}s; the cluster has {have:g}")
 
     def nodes(self) -> list[str]:
         """The ids of the nodes that are alive, in a stable order (the head's first)."""
