@@ -80,7 +80,8 @@ def _add_train(sub: Subcommands) -> None:
 def _add_eval(sub: Subcommands) -> None:
     ev = sub.add_parser(
         "eval",
-        help="play a model or checkpoint on an environment's held-out tasks: reward, pass@k",
+        help="play a model or checkpoint on an environment's tasks (its held-out stream, or a"
+        " task file): reward, pass@k",
     )
     ev.add_argument(
         "model",
@@ -98,7 +99,7 @@ def _add_eval(sub: Subcommands) -> None:
         "--tasks",
         metavar="FILE",
         help="play the tasks of a .jsonl or .parquet file, in order (default: the run's"
-        " rollout.tasks, else the environment's held-out stream)",
+        " rollout.tasks (tasks it trained on), else the environment's held-out stream)",
     )
     ev.add_argument(
         "--field",
@@ -270,10 +271,9 @@ def _train(args: argparse.Namespace) -> int:
     try:
         asyncio.run(train(cfg, run_dir, on_step=show, resume=args.resume, on_message=console.print))
     except RankFailed as e:  # the run stops; its checkpoints stay
-        print(
-            f"venusrl train: error: {e}\n--resume continues from the last checkpoint",
-            file=sys.stderr,
-        )
+        checkpoints = any((run_dir / "checkpoints").glob("step-*"))
+        then = "--resume continues from the last checkpoint" if checkpoints else "no checkpoint yet"
+        print(f"venusrl train: error: {e}\n{then}", file=sys.stderr)
         return 1
     console.print(f"metrics in {run_dir / 'metrics.jsonl'}")
     if "tensorboard" in cfg.run.loggers:
@@ -287,7 +287,7 @@ def _train(args: argparse.Namespace) -> int:
             f"W&B: the run's files in {run_dir / 'wandb'} (an offline run is uploaded by"
             f" `wandb sync {run_dir / 'wandb'}/offline-run-*`)"
         )
-    console.print(f"its last checkpoint on held-out tasks: venusrl eval {run_dir} --k 4")
+    console.print(f"play its last checkpoint: venusrl eval {run_dir} --k 4")
     return 0
 
 

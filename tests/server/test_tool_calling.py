@@ -24,6 +24,7 @@ from venusrl.engine.tokenizer import (
     CHATML_TEMPLATE,
     Tokenizer,
     build_byte_level_tokenizer,
+    renders_tools,
     write_byte_level_tokenizer,
 )
 from venusrl.envs.tool_formats import tool_parser
@@ -89,7 +90,7 @@ def after_the_call(call_id: str) -> list[dict[str, Any]]:
 def chat_ids(tok: Tokenizer, messages: list[dict[str, Any]]) -> list[int]:
     """The prompt as the server renders it."""
     body = ChatBody.model_validate({"messages": messages, "tools": TOOLS})
-    rendered, tools = template_input(body, tok.chat_template, HERMES)
+    rendered, tools = template_input(body, tok.renders_tools, HERMES)
     return tok.encode_chat(rendered, tools=tools)
 
 
@@ -335,7 +336,7 @@ def test_a_template_without_tools_gets_them_as_hermes_text_in_the_system_message
             "tools": TOOLS,
         }
     )
-    messages, tools = template_input(body, CHATML_TEMPLATE, HERMES)
+    messages, tools = template_input(body, renders_tools(CHATML_TEMPLATE), HERMES)
     assert tools is None  # the template would not show them
     prompt = HERMES.tool_prompt([t["function"] for t in TOOLS])
     assert messages == [
@@ -353,7 +354,7 @@ def test_a_template_without_tools_gets_them_as_hermes_text_in_the_system_message
 def test_a_template_that_knows_tools_gets_them_and_the_calls_arguments_as_objects() -> None:
     # As Hugging Face's apply_chat_template passes them: the template serialises the arguments.
     body = ChatBody.model_validate({"messages": after_the_call("call_1"), "tools": TOOLS})
-    messages, tools = template_input(body, TOOLS_TEMPLATE, HERMES)
+    messages, tools = template_input(body, renders_tools(TOOLS_TEMPLATE), HERMES)
     assert tools == TOOLS
     assert messages[1] == {
         "role": "assistant",

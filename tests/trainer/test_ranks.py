@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -149,6 +150,25 @@ def test_a_killed_rank_stops_the_step_with_an_error_naming_it(model_dir: Path) -
         ranks.step(*batch(4))
     ranks.close()
     assert not any(p.is_alive() for p in processes._processes)
+
+
+def test_an_error_on_a_rank_other_than_the_first_stops_the_step_at_once_naming_it(
+    model_dir: Path,
+) -> None:
+    # Rows are dealt longest first, each to the lightest rank: the second longest goes to rank
+    # 1. A token id past the vocabulary fails its embedding there, while rank 0 waits for rank
+    # 1 in a collective: the error must come from rank 1 now, not rank 0's timeout later.
+    trajectories, advantages = batch(7, rows=4)
+    lengths = sorted(range(4), key=lambda i: -len(trajectories[i].token_ids))
+    second = trajectories[lengths[1]]
+    second.token_ids[1] = load_model(model_dir).config.vocab_size + 5
+    ranks = RankedTrainer(model_dir, config(world_size=2, rank_timeout_s=600))
+    started = time.monotonic()
+    with pytest.raises(RankFailed, match=r"trainer rank 1 failed in 'step'") as failed:
+        ranks.step(trajectories, advantages)
+    assert time.monotonic() - started < 60
+    assert "IndexError" in str(failed.value)  # the rank's own traceback, for the user
+    ranks.close()
 
 
 @pytest.mark.slow  # 15-50 s on 2 shared cores: two sets of ranks start

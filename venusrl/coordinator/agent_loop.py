@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 from venusrl.coordinator.config import RolloutConfig
 from venusrl.engine.tokenizer import Tokenizer
 from venusrl.envs.environment import Environment, acting_for
-from venusrl.envs.tool_formats import ToolParser, resolve_tool_parser
+from venusrl.envs.tool_formats import ToolParser, resolve_tool_parser, with_tool_prompt
 from venusrl.envs.types import InfraFailure, SandboxPreempted
 from venusrl.types import (
     FailureKind,
@@ -82,13 +82,8 @@ class ChatFormat:
         if self.tokenizer.renders_tools:
             wrapped = [{"type": "function", "function": dict(t)} for t in tools]
             return self.tokenizer.encode_chat(messages, add_generation_prompt=True, tools=wrapped)
-        section = self.tool_parser.tool_prompt(tools)
-        if messages and messages[0]["role"] == "system":
-            system = {**messages[0], "content": f"{messages[0]['content']}\n\n{section}"}
-            messages = [system, *messages[1:]]
-        else:
-            messages = [{"role": "system", "content": section}, *messages]
-        return self.tokenizer.encode_chat(messages, add_generation_prompt=True)
+        announced = with_tool_prompt(messages, self.tool_parser.tool_prompt(tools))
+        return self.tokenizer.encode_chat(announced, add_generation_prompt=True)
 
     def observation_ids(
         self, observation: str, model_ids: Sequence[int], tool_responses: Sequence[str] = ()

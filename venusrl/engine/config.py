@@ -17,9 +17,10 @@ class EngineConfig(Section):
         "float32", description="model and KV dtype; fp32 on CPU (bf16 decode is ~2x slower there)"
     )
     attention_backend: Literal["auto", "torch", "triton"] = Field(
-        "auto",
+        "torch",
         description="paged attention: torch (gathers pages; any device), triton (reads pages in"
-        " place; CUDA); auto: triton on CUDA when it imports, else torch",
+        " place; CUDA; its kernels are tested in Triton's interpreter, not yet on a GPU, so"
+        " it is opt-in); auto: triton on CUDA when it imports, else torch",
     )
     page_size: int = Field(
         8, ge=1, le=1024, description="tokens per KV page (only whole pages are shared)"

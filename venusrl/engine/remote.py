@@ -29,7 +29,12 @@ class JsonEndpoint:
     def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 600.0) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.url = url
-        self._client = httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout_s)
+        # No cap on connections: requests over httpx's default 100 would queue in the client,
+        # first come first served, before the server sees their priorities.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        self._client = httpx.AsyncClient(
+            base_url=url, headers=headers, timeout=timeout_s, limits=limits
+        )
 
     async def call(self, path: str, body: dict[str, Any] | None = None) -> Any:
         """POST `body` (GET without one); the reply's JSON (None for an empty reply), or

@@ -72,13 +72,15 @@ def generate_request(
     }
     if params.seed is not None:
         sampling["sampling_seed"] = params.seed
-    return {
+    request = {
         "input_ids": prompt_ids,
         "sampling_params": sampling,
         "return_logprob": True,
         "top_logprobs_num": params.top_logprobs,
-        "priority": meta.priority,
     }
+    if meta.priority:  # a server without priority scheduling may refuse the field
+        request["priority"] = meta.priority
+    return request
 
 
 def generate_output(

@@ -18,6 +18,7 @@ cache is salted with the weight version, so KV computed by older weights is neve
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,8 @@ START_IT = (
     "start vLLM with VLLM_SERVER_DEV_MODE=1 --scheduling-policy priority"
     " --logprobs-mode processed_logprobs (see venusrl/engine/vllm_client.py)"
 )
+
+log = logging.getLogger(__name__)
 
 
 class VllmEngine(BackendClient):
@@ -88,8 +91,12 @@ class VllmEngine(BackendClient):
     async def _load(self, path: Path, version: int) -> None:
         rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}
         await self.server.call("/collective_rpc", rpc)
-        # Only for people reading the server (`GET /weight_info`); our tokens carry the version.
-        await self.server.call("/update_weight_version", {"new_version": str(version)})
+        # Only for people reading the server (`GET /weight_info`); our tokens carry the version,
+        # so a failure here must not stop the run with the weights loaded and the gate behind.
+        try:
+            await self.server.call("/update_weight_version", {"new_version": str(version)})
+        except RemoteEngineError as e:
+            log.warning("vLLM at %s: weights loaded, labelling them failed: %s", self.url, e)
 
 
 def completion_request(

@@ -42,8 +42,9 @@ class WeightGate:
         async with self._changed:
             await self._changed.wait_for(lambda: not self._updating)  # one update at a time
             self._updating = True
-            await self._changed.wait_for(lambda: self._running == 0)
         try:
+            async with self._changed:  # cancelled here, the gate opens again all the same
+                await self._changed.wait_for(lambda: self._running == 0)
             yield
             self.version = version
         finally:

@@ -93,7 +93,7 @@ async def chat(body: ChatBody, request: Request, model: Model) -> Any:
     tok = model.tok
     if tok is None or tok.chat_template is None:
         raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
-    messages, tools = template_input(body, tok.chat_template, model.tool_parser)
+    messages, tools = template_input(body, tok.renders_tools, model.tool_parser)
     try:
         # Messages' text stays text: a user typing "<|im_start|>system" gets those characters,
         # not a system turn.

@@ -14,9 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from venusrl.engine.tokenizer import renders_tools
 from venusrl.envs.tool_calls import ToolCall, format_tool_response
-from venusrl.envs.tool_formats import ToolParser
+from venusrl.envs.tool_formats import ToolParser, with_tool_prompt
 
 Tools = Sequence[Mapping[str, Any]]  # OpenAI's {"type": "function", "function": {...}} schemas
 
@@ -25,14 +24,14 @@ if TYPE_CHECKING:  # the bodies bring the server's imports; naming a parser need
 
 
 def template_input(
-    body: ChatBody, chat_template: str | None, parser: ToolParser
+    body: ChatBody, template_renders_tools: bool, parser: ToolParser
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """The messages and tools the chat template is given. A template that knows tools gets them
     as Hugging Face's `apply_chat_template` passes them (call arguments as objects); for one that
     does not, the tools are announced in the system message and the calls and responses written
     as the parser's text, as Qwen's template writes them."""
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    if renders_tools(chat_template):
+    if template_renders_tools:
         return [_hf_message(m) for m in body.messages], tools
     return _as_text(body.messages, tools, parser), None
 
@@ -77,11 +76,7 @@ def _as_text(
             rendered.append({"role": m.role, "content": text})
         previous = m.role
     if tools:
-        prompt = parser.tool_prompt([t["function"] for t in tools])
-        if rendered and rendered[0]["role"] == "system":
-            rendered[0] = {**rendered[0], "content": f"{rendered[0]['content']}\n\n{prompt}"}
-        else:
-            rendered.insert(0, {"role": "system", "content": prompt})
+        return with_tool_prompt(rendered, parser.tool_prompt([t["function"] for t in tools]))
     return rendered
 
 

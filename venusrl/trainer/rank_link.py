@@ -3,7 +3,7 @@ the protocol `RankedTrainer` drives, what each rank loads, and how a dead rank i
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -43,8 +43,10 @@ class RankLink(Protocol):
 
     def send(self, rank: int, command: str, args: tuple[Any, ...]) -> None: ...
 
-    def receive(self, rank: int, timeout_s: float) -> Message | None:
-        """Rank `rank`'s next message; None if none came within `timeout_s`."""
+    def receive(self, ranks: Collection[int], timeout_s: float) -> tuple[int, Message] | None:
+        """The next message of whichever of `ranks` sends first, and its rank; None if none
+        came within `timeout_s`. Any of them, not one in turn: a rank that fails while another
+        waits for it in a collective must be heard at once, not after the other's timeout."""
         ...
 
     def close(self, grace_s: float) -> None:

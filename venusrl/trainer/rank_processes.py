@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import tempfile
+from collections.abc import Collection
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
@@ -31,18 +32,22 @@ class ProcessRanks:
         context = mp.get_context("spawn")
         self._conns: list[Connection] = []
         self._processes: list[Any] = []
-        for rank in range(world_size):
-            ours, theirs = context.Pipe()
-            process = context.Process(
-                target=_rank_main,
-                args=(job, rank, world_size, theirs),
-                name=f"venusrl-trainer-rank{rank}",
-            )
-            process.daemon = True  # never outlives the run
-            process.start()
-            theirs.close()
-            self._conns.append(ours)
-            self._processes.append(process)
+        try:
+            for rank in range(world_size):
+                ours, theirs = context.Pipe()
+                self._conns.append(ours)
+                process = context.Process(
+                    target=_rank_main,
+                    args=(job, rank, world_size, theirs),
+                    name=f"venusrl-trainer-rank{rank}",
+                )
+                process.daemon = True  # never outlives the run
+                process.start()
+                theirs.close()
+                self._processes.append(process)
+        except BaseException:  # the ranks started so far and the store go too
+            self.close(grace_s=0)
+            raise
 
     @property
     def pids(self) -> list[int]:
@@ -54,19 +59,20 @@ class ProcessRanks:
         except OSError:
             raise self._gone(rank) from None
 
-    def receive(self, rank: int, timeout_s: float) -> Message | None:
-        conn = self._conns[rank]
+    def receive(self, ranks: Collection[int], timeout_s: float) -> tuple[int, Message] | None:
+        conns = {self._conns[r]: r for r in ranks}
         sentinels = {p.sentinel: r for r, p in enumerate(self._processes)}
-        ready = wait([conn, *sentinels], timeout=timeout_s)
+        ready = wait([*conns, *sentinels], timeout=timeout_s)
         for r in sorted(sentinels[s] for s in ready if s in sentinels):
             raise self._gone(r)
         if not ready:
             return None
+        rank = min(conns[c] for c in ready if c in conns)
         try:
-            message: Message = conn.recv()
+            message: Message = self._conns[rank].recv()
         except (EOFError, OSError):
             raise self._gone(rank) from None
-        return message
+        return rank, message
 
     def close(self, grace_s: float) -> None:
         for conn in self._conns:

@@ -54,7 +54,9 @@ class RankServer:
         if device is not None:
             torch.cuda.set_device(device)
         dist.init_process_group(
-            "nccl" if cuda else "gloo",
+            # gloo beside NCCL on CUDA: host tensors (offloaded shards, a step's counts) reduce
+            # too.
+            "cpu:gloo,cuda:nccl" if cuda else "gloo",
             init_method=init_method,
             rank=self.rank,
             world_size=self.world_size,

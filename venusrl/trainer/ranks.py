@@ -104,19 +104,19 @@ class RankedTrainer:
         and streamed from rank 0: never a whole copy on the ranks' side."""
         with self._lock:
             self._send_all("weights", [()] * self.config.world_size)
-            done = False
+            pending = set(range(self.config.world_size))
             try:
-                while not done:
-                    kind, payload = self._reply(0, "weights")
+                while pending:
+                    rank, (kind, payload) = self._reply(pending, "weights")
                     if kind == "weight":
                         yield payload
                     else:
-                        done = True
+                        pending.discard(rank)
             finally:
-                while not done:  # a consumer that stopped early: the stream ends all the same
-                    done = self._reply(0, "weights")[0] != "weight"
-                for rank in range(1, self.config.world_size):
-                    self._reply(rank, "weights")
+                while pending:  # a consumer that stopped early: the stream ends all the same
+                    rank, (kind, _) = self._reply(pending, "weights")
+                    if kind != "weight":
+                        pending.discard(rank)
 
     def write_model_dir(self, out: Path, like: Path) -> None:
         """The consolidated Hugging Face model directory, written by rank 0."""
@@ -141,7 +141,11 @@ class RankedTrainer:
         """`command` on every rank, with its own arguments; their results, by rank."""
         with self._lock:
             self._send_all(command, args)
-            return [self._reply(rank, command)[1] for rank in range(self.config.world_size)]
+            results: dict[int, Any] = {}
+            while len(results) < self.config.world_size:
+                pending = set(range(self.config.world_size)) - set(results)
+                rank, (_, results[rank]) = self._reply(pending, command)
+            return [results[rank] for rank in range(self.config.world_size)]
 
     def _send_all(self, command: str, args: list[tuple[Any, ...]]) -> None:
         try:
@@ -150,23 +154,26 @@ class RankedTrainer:
         except RankGone as e:
             raise self._failure(e, command) from None
 
-    def _reply(self, rank: int, command: str) -> Message:
-        """Rank `rank`'s next message, while every rank lives, within the timeout."""
+    def _reply(self, ranks: set[int], command: str) -> tuple[int, Message]:
+        """The next message of any of `ranks`, and its rank, while every rank lives, within the
+        timeout; a rank's error ends the command at once (the others may be waiting for it in a
+        collective)."""
         try:
-            message = self.link.receive(rank, self.config.rank_timeout_s)
+            received = self.link.receive(ranks, self.config.rank_timeout_s)
         except RankGone as e:
             raise self._failure(e, command) from None
-        if message is None:
+        if received is None:
             self.close()
+            which = ", ".join(map(str, sorted(ranks)))
             raise RankFailed(
-                f"trainer rank {rank} did not answer {command!r} within"
+                f"trainer ranks {which} did not answer {command!r} within"
                 f" trainer.rank_timeout_s={self.config.rank_timeout_s:g} s; the ranks are stopped"
             )
-        kind, payload = message
+        rank, (kind, payload) = received
         if kind == "error":
-            self.close()
+            self.close(grace_s=0)  # the others may be stuck in a collective with it
             raise RankFailed(f"trainer rank {rank} failed in {command!r}:\n{payload}")
-        return kind, payload
+        return rank, (kind, payload)
 
     def _failure(self, gone: RankGone, command: str) -> RankFailed:
         self.close(grace_s=0)  # the others wait on it in a collective: no use waiting on them

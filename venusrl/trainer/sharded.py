@@ -79,7 +79,9 @@ def load_sharded_model(model_dir: Path, config: TrainerConfig, device: torch.dev
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     shard_model(model, config)
-    model.to_empty(device=device)
+    # Offloaded shards live in host memory (FSDP2 refuses them on the device); the rotary
+    # table is computed where the forward runs.
+    model.to_empty(device="cpu" if config.cpu_offload else device)
     model.rotary.reset_cache(device)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, whole, options=options)
@@ -157,13 +159,14 @@ class ShardedTrainer(GRPOTrainer):
 
     def _micro_batches(self, rows: list[_Row]) -> list[list[_Row]]:
         batches = super()._micro_batches(rows)
-        count = torch.tensor([len(batches)])
+        # On the model's device: an NCCL group reduces device tensors only.
+        count = torch.tensor([len(batches)], device=self.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         return batches + [[_padding_row()]] * (int(count) - len(batches))
 
     def _update(self, rows: list[_Row], total: int) -> tuple[dict[str, float], float]:
         sums, grad_norm = super()._update(rows, total)
-        values = torch.tensor(list(sums.values()), dtype=torch.float64)
+        values = torch.tensor(list(sums.values()), dtype=torch.float64, device=self.device)
         dist.all_reduce(values)
         return dict(zip(sums, values.tolist(), strict=True)), grad_norm
 
@@ -176,6 +179,6 @@ class ShardedTrainer(GRPOTrainer):
         return float(norm)
 
     def _summed(self, value: float) -> float:
-        total = torch.tensor([value], dtype=torch.float64)
+        total = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.all_reduce(total)
         return float(total)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from venusrl.envs.tool_formats.base import ParsedCall, ToolParser
+from venusrl.envs.tool_formats.base import ParsedCall, ToolParser, with_tool_prompt
 from venusrl.envs.tool_formats.hermes import Hermes
 from venusrl.envs.tool_formats.llama3_json import Llama3Json
 from venusrl.envs.tool_formats.qwen3_coder import Qwen3Coder
@@ -22,6 +22,7 @@ __all__ = [
     "resolve_tool_parser",
     "tool_parser",
     "tool_parser_setting",
+    "with_tool_prompt",
 ]
 
 log = logging.getLogger(__name__)

@@ -97,3 +97,15 @@ def tagged_blocks(text: str, open_tag: str, close_tag: str) -> Iterator[Block]:
             continue
         yield Block(text[body_start:end], text[start : end + len(close_tag)])
         pos = end + len(close_tag)
+
+
+def with_tool_prompt(messages: Sequence[Mapping[str, Any]], section: str) -> list[dict[str, Any]]:
+    """`messages` with a tool announcement (`ToolParser.tool_prompt`) after the system
+    message's text, or as a system message of its own where there is none: where a template
+    that does not render tools is told about them."""
+    out = [dict(m) for m in messages]
+    if out and out[0].get("role") == "system":
+        out[0]["content"] = f"{out[0]['content']}\n\n{section}"
+    else:
+        out.insert(0, {"role": "system", "content": section})
+    return out

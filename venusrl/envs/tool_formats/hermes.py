@@ -16,7 +16,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from venusrl.envs.tool_calls import ToolCall, ToolCallError, json_type
+from venusrl.envs.tool_calls import ToolCall, ToolCallError, format_tool_call, json_type
 from venusrl.envs.tool_formats.base import ParsedCall, cut_marker_start, tagged_blocks
 
 CALL_OPEN = "<tool_call>"
@@ -36,9 +36,7 @@ class Hermes:
         return calls
 
     def format_call(self, name: str, arguments: Mapping[str, Any]) -> str:
-        return (
-            f"{CALL_OPEN}\n{json.dumps({'name': name, 'arguments': dict(arguments)})}\n{CALL_CLOSE}"
-        )
+        return format_tool_call(name, dict(arguments))
 
     def call_start(self, text: str) -> int | None:
         start = text.find(CALL_OPEN)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import ray
@@ -54,7 +54,11 @@ class TrainerRank:
         return f"pid {os.getpid()} on {ray.util.get_node_ip_address()}"
 
     def run(self, command: str, args: tuple[Any, ...]) -> Iterator[Message]:
-        yield from self.server.handle(command, args)
+        for kind, payload in self.server.handle(command, args):
+            if kind == "weight":  # each item is pickled alone: a view would carry its whole
+                name, tensor = payload  # fused storage (q, k and v each the whole qkv)
+                payload = (name, tensor.clone())
+            yield kind, payload
 
     def until_closed(self) -> None:
         self._closed.wait()
@@ -117,19 +121,20 @@ class RayRanks:
             .remote(command, args)
         )
 
-    def receive(self, rank: int, timeout_s: float) -> Message | None:
-        stream = self._streams[rank]
-        ready, _ = ray.wait([stream, *self._sentinels], num_returns=1, timeout=timeout_s)
+    def receive(self, ranks: Collection[int], timeout_s: float) -> tuple[int, Message] | None:
+        streams = [self._streams[r] for r in ranks]
+        ready, _ = ray.wait([*streams, *self._sentinels], num_returns=1, timeout=timeout_s)
         for r, sentinel in enumerate(self._sentinels):
             if sentinel in ready:
                 raise self._gone(r)
         if not ready:
             return None
+        rank = min(r for r in ranks if any(self._streams[r] is x for x in ready))
         try:
-            message: Message = ray.get(next(stream))
+            message: Message = ray.get(next(self._streams[rank]))
         except (RayActorError, StopIteration):
             raise self._gone(rank) from None
-        return message
+        return rank, message
 
     def close(self, grace_s: float) -> None:
         if self._closed:

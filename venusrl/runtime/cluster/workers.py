@@ -494,7 +494,11 @@ class RolloutFleet:
     # --- the trainer's side -----------------------------------------------------------------
 
     async def publish(self, trainer: Trainer, run_dir: Path, model_dir: Path) -> None:
-        weights = {k: v.detach().cpu() for k, v in trainer.hf_weights()}
+        def gathered() -> dict[str, torch.Tensor]:
+            return {k: v.detach().cpu() for k, v in trainer.hf_weights()}
+
+        # Off the event loop: sharded ranks stream the weights a tensor at a time meanwhile.
+        weights = await asyncio.to_thread(gathered)
         self._weights = (ray.put(weights), trainer.version)
         await asyncio.gather(*(self._load_weights(i) for i in self.up()))
 
