@@ -87,12 +87,14 @@ def run_seed(seed: int, window: int, overrides: list[str], out: Path) -> dict[st
     first = sum(rewards[:window]) / window
     last = sum(rewards[-window:]) / window
     wins = [(s["wins"], s["tool_calls_per_win"]) for s in steps if s["wins"]]
-    warm = json.loads((run_dir / "warm_start.json").read_text())
+    # None: the run started from a trained model (run.warm_start_episodes=0, a LoRA run).
+    warm_file = run_dir / "warm_start.json"
+    warm = json.loads(warm_file.read_text()) if warm_file.exists() else None
     return {
         "seed": seed,
         "wall_s": round(wall_s, 1),
         "steps": len(steps),
-        "warm_start_s": round(warm["wall_s"], 1),
+        "warm_start_s": None if warm is None else round(warm["wall_s"], 1),
         "reward_first": round(first, 3),
         "reward_last": round(last, 3),
         "gain": round(last - first, 3),
