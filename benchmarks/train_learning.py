@@ -40,11 +40,13 @@ import torch
 
 
 def evaluate(run_dir: Path, episodes: int) -> dict[str, Any]:
-    """Win rates of the start policy and the final checkpoint on the same tasks of the run's
-    environment, sampled at the run's temperature and greedy."""
+    """Win rates of the start policy (`start_policy`: the warm-started model, or the one the run
+    was given) and the final checkpoint on the same tasks of the run's environment, sampled at the
+    run's temperature and greedy."""
     from venusrl.config import load_config
     from venusrl.envs.loading import environment_class
     from venusrl.runtime.evaluate import evaluation_tasks, play_policy, resolve_model, summarize
+    from venusrl.runtime.run_dir import start_policy
 
     cfg = load_config(run_dir / "config.yaml", [])
     if cfg.rollout.mix:
@@ -55,7 +57,7 @@ def evaluate(run_dir: Path, episodes: int) -> dict[str, Any]:
     out: dict[str, Any] = {"eval_episodes": episodes}
     for name, temperature in (("", cfg.rollout.temperature), ("_greedy", 0.0)):
         wins = {}
-        for which, model in (("start", run_dir / "start-model"), ("final", final)):
+        for which, model in (("start", start_policy(cfg, run_dir)), ("final", final)):
             played = asyncio.run(play_policy(model, env, tasks, cfg, temperature))
             share = summarize(played, samples=1, k=1)["pass@1"]
             if share is None:
