@@ -7,6 +7,7 @@ import asyncio
 import io
 import json
 import os
+import re
 import shutil
 import struct
 import sys
@@ -129,7 +130,9 @@ def test_an_offline_wandb_run_holds_every_step_and_a_resume_continues_it(
     metrics = read_metrics(run)
     run_id = (run / "wandb-run-id").read_text().strip()
     attempts = sorted((run / "wandb").glob("offline-run-*"))
-    assert len(attempts) == 2 and all(p.name.endswith(f"-{run_id}") for p in attempts)
+    # offline-run-DATE_TIME-ID, and -1 after it when the resume starts within the same second.
+    named = re.compile(rf"offline-run-\d{{8}}_\d{{6}}-{re.escape(run_id)}(-\d+)?")
+    assert len(attempts) == 2 and all(named.fullmatch(p.name) for p in attempts)
     rows = wandb_history(run)
     # The first attempt's two steps, then the resumed run's steps 1 and 2, over `step`.
     assert [r["step"] for r in rows] == [0, 1, 1, 2]
