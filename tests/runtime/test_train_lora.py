@@ -44,7 +44,8 @@ def test_a_lora_run_checkpoints_merged_weights_and_resumes_from_its_adapters(
     assert [m["step"] for m in read_metrics(tmp_path)] == [0, 1, 2]
 
 
-@pytest.mark.slow  # ~15 min on 2 cores; not yet run to the end (see the example's header)
+@pytest.mark.slow  # 9-10 min on 2 cores (a warm start for the base, then 150 LoRA steps)
+@pytest.mark.timeout(1200)  # twice what it took, as its two runs share the default's 600 s
 def test_the_lora_cpu_example_raises_the_reward_of_the_warm_started_policy(tmp_path: Path) -> None:
     """The example as its header runs it: the CPU example's warm start makes the base, then 150
     GRPO steps train LoRA adapters on it."""
