@@ -11,17 +11,20 @@ nothing to tell them, and `counters` are what this side saw (tokens, requests, u
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from venusrl.engine.remote import JsonEndpoint, RemoteEngineError
 from venusrl.engine.weight_gate import WeightGate
 from venusrl.types import GenerationOutput, SamplingParams, TurnMeta
 
 
-class BackendClient:
-    backend = ""  # the name users configure (`rollout.backend`), for messages
+class BackendClient(ABC):
+    """What the two backends share; each says how to check its server, generate and load."""
+
+    backend: ClassVar[str]  # the name users configure (`rollout.backend`), for messages
 
     def __init__(
         self,
@@ -49,11 +52,11 @@ class BackendClient:
             0.0,
         )
 
+    @abstractmethod
     async def check(self, model: dict[str, Any], max_context: int, priorities: bool) -> None:
         """Refuse, before anything runs, a server that cannot serve the run of `model` (its
         config.json): too short a context, no priority scheduling where the run sends
         priorities, the wrong logprobs (RemoteEngineError saying how to start it)."""
-        raise NotImplementedError
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, meta: TurnMeta | None = None
@@ -81,6 +84,7 @@ class BackendClient:
 
     async def end_trajectory(self, trajectory_id: str) -> None:
         """Nothing to tell: the server keeps no KV per trajectory."""
+        return None
 
     async def counters(self) -> dict[str, float]:
         return dict(self._counts)
@@ -95,10 +99,12 @@ class BackendClient:
     def malformed(self, path: str, error: Exception) -> RemoteEngineError:
         return RemoteEngineError(f"{self.url}{path}: malformed {self.backend} reply: {error!r}")
 
+    @abstractmethod
     async def _generate(
         self, prompt_ids: list[int], params: SamplingParams, meta: TurnMeta, version: int
     ) -> GenerationOutput:
-        raise NotImplementedError
+        """One turn on the server, its tokens labelled `version` (the gate holds it)."""
 
+    @abstractmethod
     async def _load(self, path: Path, version: int) -> None:
-        raise NotImplementedError
+        """The server loads the model directory `path` through its own route."""

@@ -162,6 +162,38 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
+def _kv_tile(
+    kv_ptr, table_ptr, n, valid, head, d,
+    stride_kv, stride_kv_head, stride_kv_page, stride_kv_token,
+    DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+):  # fmt: skip
+    """Keys and values of positions `n` of one KV head, read in place through the page table
+    at `table_ptr` (positions not `valid` read as 0), in fp32."""
+    page = tl.load(table_ptr + n // PAGE_SIZE, mask=valid, other=0)
+    # int64: a KV head's stride times its index passes 2**31 on large caches
+    key = kv_ptr + head.to(tl.int64) * stride_kv_head + page * stride_kv_page
+    key = key + (n % PAGE_SIZE) * stride_kv_token
+    kv_mask = valid[:, None] & (d[None, :] < DIM)
+    k = tl.load(key[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+    v = tl.load(key[:, None] + stride_kv + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def _attend_tile(q, k, v, allowed, top, total, acc, sm_scale, PRECISION: tl.constexpr):
+    """One tile of keys into the online softmax: the running max `top`, the sum of exponents
+    `total` and the weighted values `acc`, rescaled to the new max."""
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
+    scores = tl.where(allowed, scores, float("-inf"))
+    new_top = tl.maximum(top, tl.max(scores, 1))
+    rescale = tl.exp(top - new_top)
+    probs = tl.exp(scores - new_top[:, None])
+    total = total * rescale + tl.sum(probs, 1)
+    acc = acc * rescale[:, None] + tl.dot(probs, v, input_precision=PRECISION)
+    return new_top, total, acc
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, kv_ptr, pages_ptr, lengths_ptr, out_ptr, lse_ptr,
     sm_scale, split_tokens,
@@ -190,21 +222,13 @@ def _decode_kernel(
     for first in range(start, end, BLOCK_N):
         n = first + tl.arange(0, BLOCK_N)
         valid = n < end
-        page = tl.load(pages_ptr + row * stride_pages_row + n // PAGE_SIZE, mask=valid, other=0)
-        # int64: a KV head's stride times its index passes 2**31 on large caches
-        key = kv_ptr + head.to(tl.int64) * stride_kv_head + page * stride_kv_page
-        key = key + (n % PAGE_SIZE) * stride_kv_token
-        kv_mask = valid[:, None] & (d[None, :] < DIM)
-        k = tl.load(key[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(key[:, None] + stride_kv + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        new_top = tl.maximum(top, tl.max(scores, 1))
-        rescale = tl.exp(top - new_top)
-        probs = tl.exp(scores - new_top[:, None])
-        total = total * rescale + tl.sum(probs, 1)
-        acc = acc * rescale[:, None] + tl.dot(probs, v, input_precision=PRECISION)
-        top = new_top
+        k, v = _kv_tile(
+            kv_ptr, pages_ptr + row * stride_pages_row, n, valid, head, d,
+            stride_kv, stride_kv_head, stride_kv_page, stride_kv_token, DIM, PAGE_SIZE,
+        )  # fmt: skip
+        top, total, acc = _attend_tile(
+            q, k, v, valid[None, :], top, total, acc, sm_scale, PRECISION
+        )
 
     # A split past the row's end has no keys: output 0, lse -inf, so the merge ignores it.
     has_keys = total > 0
@@ -249,22 +273,13 @@ def _extend_kernel(
     for first in range(0, key_end, BLOCK_N):
         n = first + tl.arange(0, BLOCK_N)
         valid = n < key_end
-        page = tl.load(pages_ptr + span * stride_pages_span + n // PAGE_SIZE, mask=valid, other=0)
-        key = kv_ptr + kv_head.to(tl.int64) * stride_kv_head + page * stride_kv_page
-        key = key + (n % PAGE_SIZE) * stride_kv_token
-        kv_mask = valid[:, None] & (d[None, :] < DIM)
-        k = tl.load(key[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(key[:, None] + stride_kv + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
-        allowed = valid[None, :] & (n[None, :] <= position[:, None])
-        scores = tl.where(allowed, scores, float("-inf"))
+        k, v = _kv_tile(
+            kv_ptr, pages_ptr + span * stride_pages_span, n, valid, kv_head, d,
+            stride_kv, stride_kv_head, stride_kv_page, stride_kv_token, DIM, PAGE_SIZE,
+        )  # fmt: skip
         # Key 0 is in the first block and allowed for every query, so `top` is finite after it.
-        new_top = tl.maximum(top, tl.max(scores, 1))
-        rescale = tl.exp(top - new_top)
-        probs = tl.exp(scores - new_top[:, None])
-        total = total * rescale + tl.sum(probs, 1)
-        acc = acc * rescale[:, None] + tl.dot(probs, v, input_precision=PRECISION)
-        top = new_top
+        allowed = valid[None, :] & (n[None, :] <= position[:, None])
+        top, total, acc = _attend_tile(q, k, v, allowed, top, total, acc, sm_scale, PRECISION)
 
     out = acc / total[:, None]
     out_addr = out_ptr + (first_row + i[:, None]) * stride_q_token + q_head * stride_q_head
