@@ -3,9 +3,9 @@
 Two measurements on one model shape (`--preset`; random weights):
 
 1. `copies`: pages moved through the engine's own `KVCache`, as the radix tree moves them
-   (`to_host`, `to_device`: every layer of N pages), and one layer of N pages read from the host
-   tier as a streamed span reads it in each layer outside its band. Bytes per second, the median
-   of `--repeats`.
+   (`to_host` until the copy has landed on the host, `to_device`: every layer of N pages), and
+   every layer of N pages streamed from the host tier one layer ahead, as a banded step reads
+   them (`tier_copies.StreamedLayers`). Bytes per second, the median of `--repeats`.
 2. `decode`: `--requests` greedy requests at `--context` tokens decode `--steps` steps on the real
    engine twice, side by side: every layer on device, and with `engine.layer_residency` where the
    pressure keeps 1/`bands` of each request's layers on device (the device pool is sized so the
@@ -13,9 +13,8 @@ Two measurements on one model shape (`--preset`; random weights):
    the ratio, and whether the outputs are identical.
 
 On a CPU both tiers are the same memory: the figures are memcpy and context only. On a GPU
-(`--device cuda`) they are the PCIe figures issue 5 asks for. The engine reads streamed layers in
-the forward pass's stream; it does not prefetch the next layer on a side stream yet, so the
-decode ratio is an upper bound on what overlapping would cost.
+(`--device cuda`) they are the PCIe figures issue 5 asks for; there the copies run on a side
+stream through pinned memory, and a decode step copies layer i+1 while layer i computes.
 
     python benchmarks/kv_transfer.py [--device cpu|cuda] [--preset tiny] [--requests 8]
         [--context 512] [--steps 8] [--pages 256] [--repeats 5] [--threads 2]
@@ -38,6 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from venusrl.engine.attention import BandedPages  # noqa: E402
 from venusrl.engine.config import EngineConfig  # noqa: E402
 from venusrl.engine.engine import Engine  # noqa: E402
 from venusrl.engine.kv_cache import KVCache  # noqa: E402
@@ -48,6 +48,7 @@ from venusrl.engine.model_dir import (  # noqa: E402
     load_model,
     read_model_config,
 )
+from venusrl.engine.tier_copies import StreamedLayers  # noqa: E402
 from venusrl.policy.critical_groups import HIGH  # noqa: E402
 from venusrl.policy.layer_residency import LayerResidency  # noqa: E402
 from venusrl.types import SamplingParams, TurnMeta  # noqa: E402
@@ -84,7 +85,9 @@ def copies(cfg: Any, device: torch.device, dtype: torch.dtype, pages: int, repea
     device_pages = kv.device_pages.allocate(pages)
 
     def offload() -> None:
-        kv.free_host(kv.to_host(device_pages))
+        host = kv.to_host(device_pages)
+        kv.copies.settle(host)  # landed on the host, not only queued
+        kv.free_host(host)
 
     host = kv.to_host(device_pages)
 
@@ -93,19 +96,21 @@ def copies(cfg: Any, device: torch.device, dtype: torch.dtype, pages: int, repea
         assert loaded is not None
         kv.device_pages.free(loaded)
 
-    index = torch.tensor(host)
+    every_layer_streamed = BandedPages(first=0, host=torch.tensor(host), layers=range(0))
 
-    def one_layer() -> None:
-        kv.host_layer(0).index_select(2, index).to(device, non_blocking=True)
+    def streamed() -> None:
+        layers = StreamedLayers([every_layer_streamed], kv.copies)
+        for i in range(cfg.num_layers):
+            assert layers.layer(i) is not None
+            layers.prefetch(after=i)
 
     all_layers = kv.page_bytes() * pages
     seconds = {
         "to_host": timed(offload, device, repeats),
         "to_device": timed(load, device, repeats),
-        "one_layer_from_host": timed(one_layer, device, repeats),
+        "streamed_layers": timed(streamed, device, repeats),
     }
-    moved = {"to_host": all_layers, "to_device": all_layers}
-    moved["one_layer_from_host"] = all_layers // cfg.num_layers
+    moved = {"to_host": all_layers, "to_device": all_layers, "streamed_layers": all_layers}
     return {
         "pages": pages,
         "page_bytes_all_layers": kv.page_bytes(),

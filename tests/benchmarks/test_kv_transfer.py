@@ -14,7 +14,7 @@ def test_banded_decode_streams_layers_from_host_with_identical_outputs() -> None
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["outputs_identical"] is True
-    for name in ("to_host", "to_device", "one_layer_from_host"):
+    for name in ("to_host", "to_device", "streamed_layers"):
         assert out["copies"][name]["gb_per_s"] > 0
     dec = out["decode"]
     assert dec["expected_bands"] == 2 and dec["banded"]["bands"] == [2]

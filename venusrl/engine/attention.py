@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +65,14 @@ class BandedPages:
     layers: range
 
 
+class HostReads(Protocol):
+    """One layer of the host pages a step reads, already on the device (`tier_copies.py`)."""
+
+    def read(self, banded: BandedPages) -> torch.Tensor:
+        """The band pages' keys and values of this layer: [2, kv_heads, tokens, dim]."""
+        ...
+
+
 @dataclass(frozen=True)
 class PrefillSpan:
     row: int  # first row of the span in the packed batch
@@ -97,6 +106,12 @@ class StepBatch:
     prefills: tuple[PrefillSpan, ...]
 
     @cached_property
+    def host_reads(self) -> tuple[BandedPages, ...]:
+        """The pages each span reads from the host tier in the layers outside its band."""
+        rows = () if self.decode is None else tuple(b for _, b in self.decode.banded)
+        return rows + tuple(s.banded for s in self.prefills if s.banded is not None)
+
+    @cached_property
     def prefill_table(self) -> PrefillTable:
         """Built on first use and kept for the step's other layers."""
         spans, dev = self.prefills, self.input_ids.device
@@ -126,10 +141,10 @@ def paged_attention(
     layer_kv: torch.Tensor,
     batch: StepBatch,
     layer: int = 0,
-    host_layer_kv: torch.Tensor | None = None,
+    host: HostReads | None = None,
 ) -> torch.Tensor:
     """q: [T, heads, d]; k, v: [T, kv_heads, d]; layer_kv: [2, kv_heads, pages, page_size, d],
-    the KV of layer `layer`, whose host tier `host_layer_kv` banded spans read.
+    the KV of layer `layer`, whose pages on the host tier banded spans read from `host`.
 
     Writes this step's k and v into their slots, then attends. Returns [T, heads * d].
     """
@@ -140,21 +155,21 @@ def paged_attention(
     flat[0].index_copy_(1, batch.slots, k.transpose(0, 1))
     flat[1].index_copy_(1, batch.slots, v.transpose(0, 1))
 
-    host = (layer, host_layer_kv)
+    reads = (layer, host)
     if batch.decode is not None and not batch.prefills:  # a pure decode step: no extra copy
         qd = q.view(tokens, kv_heads, group, dim).transpose(0, 1)
-        out = _decode(qd, layer_kv, batch.decode, *host)
+        out = _decode(qd, layer_kv, batch.decode, *reads)
         return out.transpose(0, 1).reshape(tokens, heads * dim)
     out = q.new_empty(tokens, heads, dim)
     if batch.decode is not None:
         d = batch.decode.num_rows
         qd = q[:d].view(d, kv_heads, group, dim).transpose(0, 1)  # [kv_heads, d, group, dim]
-        out[:d] = _decode(qd, layer_kv, batch.decode, *host).transpose(0, 1).reshape(d, heads, dim)
+        out[:d] = _decode(qd, layer_kv, batch.decode, *reads).transpose(0, 1).reshape(d, heads, dim)
     for span in batch.prefills:
         n, rows = span.num_tokens, slice(span.row, span.row + span.num_tokens)
         kv = _gather(layer_kv, span.pages)[:, :, : span.context_len]
         if span.banded is not None:
-            _read_host_layer(kv, span.banded, *host)
+            _read_host_layer(kv, span.banded, *reads)
         if span.mask is None:
             out[rows] = _prefill_fused(q[rows].view(n, kv_heads, group, dim), kv)
             continue
@@ -191,18 +206,17 @@ def _prefill_fused(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
 
 
 def _read_host_layer(
-    kv: torch.Tensor, banded: BandedPages, layer: int, host_layer_kv: torch.Tensor | None
+    kv: torch.Tensor, banded: BandedPages, layer: int, host: HostReads | None
 ) -> None:
     """Outside the band, put the host tier's keys and values of the band pages into `kv`
     ([2, kv_heads, tokens, dim], gathered from the device, where those pages hold other
     sequences' layers)."""
     if layer in banded.layers:
         return
-    assert host_layer_kv is not None, "band pages are read from the host tier"
-    _, kv_heads, _, page_size, dim = host_layer_kv.shape
-    first, n = banded.first * page_size, len(banded.host) * page_size
-    from_host = host_layer_kv.index_select(2, banded.host).view(2, kv_heads, n, dim)
-    kv[:, :, first : first + n] = from_host.to(kv.device, non_blocking=True)
+    assert host is not None, "band pages are read from the host tier"
+    from_host = host.read(banded)
+    first = banded.first * (from_host.shape[2] // len(banded.host))
+    kv[:, :, first : first + from_host.shape[2]] = from_host
 
 
 def _gather(layer_kv: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
@@ -220,12 +234,12 @@ def _decode(
     layer_kv: torch.Tensor,
     batch: DecodeBatch,
     layer: int,
-    host_layer_kv: torch.Tensor | None,
+    host: HostReads | None,
 ) -> torch.Tensor:
     """q: [kv_heads, rows, group, dim] -> attention output of the same shape."""
     own = _gather(layer_kv, batch.pages)
     for row, banded in batch.banded:
-        _read_host_layer(own[:, :, row], banded, layer, host_layer_kv)
+        _read_host_layer(own[:, :, row], banded, layer, host)
     if not batch.prefix_groups:
         return F.scaled_dot_product_attention(q, own[0], own[1], attn_mask=batch.key_mask)
     own_out, own_lse = _attend(q, own[0], own[1], batch.key_mask)

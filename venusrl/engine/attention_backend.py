@@ -13,7 +13,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from venusrl.engine.attention import StepBatch, paged_attention
+from venusrl.engine.attention import HostReads, StepBatch, paged_attention
 
 BackendName = Literal["auto", "torch", "triton"]
 
@@ -27,7 +27,7 @@ class AttentionBackend(Protocol):
         layer_kv: torch.Tensor,
         batch: StepBatch,
         layer: int = 0,
-        host_layer_kv: torch.Tensor | None = None,
+        host: HostReads | None = None,
     ) -> torch.Tensor: ...
 
 

@@ -6,7 +6,8 @@ reserved as the padding page: batched attention reads it for the unused tail of 
 so it must never hold live data.
 
 On CPU both tiers are host tensors; on CUDA the device tier lives in GPU memory and the host tier
-in pinned memory, so `to_host`/`to_device` are real PCIe copies.
+in pinned memory, so `to_host`/`to_device` are real PCIe copies, made on a side stream
+(`tier_copies.py`).
 
 Layer bands (`policy.layer_residency`): under pressure a request's completed pages keep only a
 band of their layers on device, the whole page being copied to host, where attention reads the
@@ -17,6 +18,8 @@ layer range, so each costs 1/n of a page. `BandPages` hands out those slots.
 from __future__ import annotations
 
 import torch
+
+from venusrl.engine.tier_copies import TierCopies
 
 
 class OutOfPages(RuntimeError):
@@ -188,14 +191,11 @@ class KVCache:
         self.host_pages = PageAllocator(host_pages)
         self.bands = BandPages(self.device_pages)
         self.num_layers = num_layers
+        self.copies = TierCopies(self.device_kv, self.host_kv)
 
     def layer(self, layer: int) -> torch.Tensor:
         """K and V of one layer on the device tier: `[2, kv_heads, pages, page_size, head_dim]`."""
         return self.device_kv[layer]
-
-    def host_layer(self, layer: int) -> torch.Tensor:
-        """K and V of one layer on the host tier: `[2, kv_heads, host pages, page_size, dim]`."""
-        return self.host_kv[layer]
 
     # Layer bands.
 
@@ -222,13 +222,7 @@ class KVCache:
         attention reads the other layers there). The device needs `len(host)` minus the free
         slots of that band in free pages."""
         slots = [self.bands.take(bands, band) for _ in host]
-        if slots:
-            src = torch.tensor(host)
-            dst = torch.tensor(slots, device=self.device)
-            data = self.host_kv[layers.start : layers.stop].index_select(3, src)
-            self.device_kv[layers.start : layers.stop].index_copy_(
-                3, dst, data.to(self.device, non_blocking=True)
-            )
+        self.copies.to_device(host, slots, layers)
         return slots
 
     def unsplit(self, band_pages: list[int], band: int, host: list[int]) -> list[int]:
@@ -250,10 +244,7 @@ class KVCache:
     def to_host(self, device_pages: list[int]) -> list[int]:
         """Copy pages to newly allocated host pages; the device pages stay allocated."""
         host = self.host_pages.allocate(len(device_pages))
-        if device_pages:
-            src = torch.tensor(device_pages, device=self.device)
-            dst = torch.tensor(host)
-            self.host_kv.index_copy_(3, dst, self.device_kv.index_select(3, src).to("cpu"))
+        self.copies.to_host(device_pages, host)
         return host
 
     def to_device(self, host_pages: list[int]) -> list[int] | None:
@@ -262,11 +253,7 @@ class KVCache:
         if len(host_pages) > self.device_pages.num_free:
             return None
         device = self.device_pages.allocate(len(host_pages))
-        if host_pages:
-            src = torch.tensor(host_pages)
-            dst = torch.tensor(device, device=self.device)
-            data = self.host_kv.index_select(3, src).to(self.device, non_blocking=True)
-            self.device_kv.index_copy_(3, dst, data)
+        self.copies.to_device(host_pages, device)
         return device
 
     def free_host(self, host_pages: list[int]) -> None:

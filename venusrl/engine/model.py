@@ -19,10 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from venusrl.engine.attention import StepBatch, paged_attention
+from venusrl.engine.attention import HostReads, StepBatch, paged_attention
 from venusrl.engine.attention_backend import AttentionBackend
 from venusrl.engine.kv_cache import KVCache
 from venusrl.engine.packed_rows import PackedRows, packed_attention
+from venusrl.engine.tier_copies import StreamedLayers
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 SUPPORTED_ROPE_TYPES = ("default",)
@@ -271,11 +272,16 @@ class DecoderLayer(nn.Module):
         return x + self.down_proj(F.silu(gate) * up)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, ...], batch: StepBatch, kv: KVCache
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, ...],
+        batch: StepBatch,
+        kv: KVCache,
+        host: HostReads | None = None,
     ) -> torch.Tensor:
         q, k, v = self._qkv(x, rope)
         i = self.layer_index
-        attn = self.attention(q, k, v, kv.layer(i), batch, i, kv.host_layer(i))
+        attn = self.attention(q, k, v, kv.layer(i), batch, i, host)
         return self._residual_and_mlp(x, attn)
 
     def forward_rows(
@@ -306,10 +312,15 @@ class CausalLM(nn.Module):
 
     def forward(self, batch: StepBatch, kv: KVCache) -> torch.Tensor:
         """Runs every token of the step; returns logits for `batch.logits_rows` only."""
+        # A banded step's host pages stream in one layer ahead of the layer that reads them.
+        streamed = StreamedLayers.of_step(batch.host_reads, kv.copies)
         x = self.embed_tokens(batch.input_ids)
         rope = self.rotary.tables(batch.positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, rope, batch, kv)
+        for i, layer in enumerate(self.layers):
+            host = None if streamed is None else streamed.layer(i)
+            x = layer(x, rope, batch, kv, host)
+            if streamed is not None:
+                streamed.prefetch(after=i)
         x = self.norm(x.index_select(0, batch.logits_rows))
         return self.lm_head(x).float()
 

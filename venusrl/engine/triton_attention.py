@@ -21,7 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
-from venusrl.engine.attention import DecodeBatch, PrefillTable, StepBatch, paged_attention
+from venusrl.engine.attention import (
+    DecodeBatch,
+    HostReads,
+    PrefillTable,
+    StepBatch,
+    paged_attention,
+)
 
 # Decode splits a row's context so that rows x KV heads x splits programs fill the GPU; a split
 # covers at least this many tokens, below which the merge costs more than it spreads.
@@ -36,12 +42,11 @@ def triton_paged_attention(
     layer_kv: torch.Tensor,
     batch: StepBatch,
     layer: int = 0,
-    host_layer_kv: torch.Tensor | None = None,
+    host: HostReads | None = None,
 ) -> torch.Tensor:
     """Same contract as `attention.paged_attention`."""
-    banded = batch.decode is not None and batch.decode.banded
-    if banded or any(span.banded is not None for span in batch.prefills):
-        return paged_attention(q, k, v, layer_kv, batch, layer, host_layer_kv)
+    if batch.host_reads:
+        return paged_attention(q, k, v, layer_kv, batch, layer, host)
     q = q.contiguous()  # `out` takes its strides
     tokens, heads, dim = q.shape
     _, kv_heads, num_pages, page_size, _ = layer_kv.shape
