@@ -17,6 +17,7 @@ from venusrl.engine.attention import (
     causal_mask,
     needs_prefill_mask,
 )
+from venusrl.engine.page_table import PageTables
 from venusrl.engine.request import Request
 from venusrl.policy.engine_schedule import pages_for
 
@@ -33,11 +34,14 @@ class BatchBuilder:
         query_heads_per_kv_head: int,
         kv_dtype: torch.dtype,
         host_reads: Callable[[Request, int], BandedPages | None],
+        tables: PageTables,
     ) -> None:
-        """`host_reads(r, skip)`: what a banded request's row reads from the host tier."""
+        """`host_reads(r, skip)`: what a banded request's row reads from the host tier;
+        `tables`: the decode rows' pages, kept on the device between steps."""
         self.page_size, self.device = page_size, device
         self.group, self.kv_dtype = query_heads_per_kv_head, kv_dtype
         self.host_reads = host_reads
+        self.tables = tables
 
     def build(self, work: Sequence[tuple[Request, int]]) -> StepBatch:
         """Pack the step's tokens; `work` lists decode (single-token) entries first."""
@@ -86,10 +90,20 @@ class BatchBuilder:
         for pages, members in groups:
             for i in members:
                 skip[i] = len(pages)
-        own = [r.pages[skip[i] : pages_for(r.num_computed + 1, ps)] for i, r in enumerate(rows)]
+        # Each row's own pages (after its shared prefix) are read out of its table row on the
+        # device: the host sends four numbers a row, not the pages.
+        own_pages = [pages_for(r.num_computed + 1, ps) - skip[i] for i, r in enumerate(rows)]
         own_lens = [r.num_computed + 1 - skip[i] * ps for i, r in enumerate(rows)]
-        width = max(len(p) for p in own)
-        lengths = torch.tensor(own_lens, dtype=torch.int32, device=dev)
+        table_rows = self.tables.rows([(r.request_id, r.pages) for r in rows])
+        table_rows_t, skip_t, own_pages_t, lengths = torch.tensor(
+            [table_rows, skip, own_pages, own_lens], device=dev
+        )
+        width = max(own_pages)
+        cols = torch.arange(width, device=dev)
+        at = (skip_t[:, None] + cols).clamp_(max=self.tables.max_pages - 1)
+        own = self.tables.table[table_rows_t[:, None], at]
+        own.masked_fill_(cols >= own_pages_t[:, None], 0)  # the reserved padding page
+        lengths = lengths.to(torch.int32)
         beyond = torch.arange(width * ps, device=dev)[None, :] >= lengths[:, None]
         # Additive (0 / -inf) once per step, rather than converted from bool in every layer.
         key_mask = torch.zeros(beyond.shape, dtype=self.kv_dtype, device=dev)
@@ -108,15 +122,9 @@ class BatchBuilder:
         banded = [(i, self.host_reads(r, skip[i])) for i, r in enumerate(rows)]
         return DecodeBatch(
             num_rows=len(rows),
-            pages=_padded(own, width, dev),
+            pages=own,
             lengths=lengths,
             key_mask=key_mask[None, :, None],
             prefix_groups=tuple(prefix_groups),
             banded=tuple((i, b) for i, b in banded if b is not None),
         )
-
-
-def _padded(rows: Sequence[Sequence[int]], width: int, device: torch.device) -> torch.Tensor:
-    """Page-id rows padded to `width` with the reserved padding page 0."""
-    data = [list(row) + [0] * (width - len(row)) for row in rows]
-    return torch.tensor(data, dtype=torch.long, device=device).view(len(rows), width)

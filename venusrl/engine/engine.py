@@ -35,6 +35,7 @@ from venusrl.engine.host_malloc import keep_freed_memory_in_heap
 from venusrl.engine.kv_manager import DTYPES, REPREFILL_CAUSES, EngineStats, KVManager
 from venusrl.engine.model import CausalLM
 from venusrl.engine.model_dir import check_same_model, iter_safetensors, load_model
+from venusrl.engine.page_table import PageTables
 from venusrl.engine.request import Request, Status
 from venusrl.engine.sampler import sample
 from venusrl.engine.snapshot import snapshot
@@ -98,16 +99,17 @@ class Engine:
                 f"{capacity_tokens} tokens, less than one sequence of the context limit "
                 f"({self.max_context}); raise device_kv_pages or lower engine.max_context"
             )
+        max_pages = pages_for(self.max_context, cfg.page_size)
         self.batches = BatchBuilder(
             cfg.page_size,
             self.device,
             mc.num_heads // mc.num_kv_heads,
             DTYPES[cfg.dtype],
             self.cache.host_reads,
+            PageTables(cfg.max_running, max_pages, self.device),
         )
         self.graphs: DecodeGraphs | None = None
         if cfg.cuda_graphs:
-            max_pages = pages_for(self.max_context, cfg.page_size)
             capture = self.device.type == "cuda"
             self.graphs = DecodeGraphs(model, self.cache.kv, cfg.max_running, max_pages, capture)
         eos = set(mc.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
