@@ -34,6 +34,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from venusrl.engine.uploads import ints
+
 
 @dataclass(frozen=True)
 class PrefixGroup:
@@ -116,7 +118,7 @@ class StepBatch:
         """Built on first use and kept for the step's other layers."""
         spans, dev = self.prefills, self.input_ids.device
         table = [(s.row, s.context_len - s.num_tokens, s.num_tokens) for s in spans]
-        columns = torch.tensor(table, dtype=torch.int32, device=dev).view(-1, 3).T.contiguous()
+        columns = ints(table, dev, torch.int32).view(-1, 3).T.contiguous()
         rows, starts, lengths = columns
         pages = torch.nn.utils.rnn.pad_sequence([s.pages for s in spans], batch_first=True)
         max_tokens = max((s.num_tokens for s in spans), default=0)

@@ -19,6 +19,7 @@ from venusrl.engine.attention import (
 )
 from venusrl.engine.page_table import PageTables
 from venusrl.engine.request import Request
+from venusrl.engine.uploads import ints
 from venusrl.policy.engine_schedule import pages_for
 
 # Decode rows sharing a prefix attend it once (cascade attention) when that saves reading at
@@ -63,14 +64,15 @@ class BatchBuilder:
             if n == 1:
                 decoding.append(r)
             else:
-                used = torch.tensor(r.pages[: pages_for(start + n, ps)], device=dev)
+                used = ints(r.pages[: pages_for(start + n, ps)], dev)
                 mask = causal_mask(start, n, group, dev) if needs_prefill_mask(dev) else None
                 prefills.append(PrefillSpan(row, n, used, start + n, mask, self.host_reads(r, 0)))
+        tokens = ints([input_ids, positions, slots], dev)  # one copy for the three
         return StepBatch(
-            input_ids=torch.tensor(input_ids, device=dev),
-            positions=torch.tensor(positions, device=dev),
-            slots=torch.tensor(slots, device=dev),
-            logits_rows=torch.tensor(logits_rows, device=dev, dtype=torch.long),
+            input_ids=tokens[0],
+            positions=tokens[1],
+            slots=tokens[2],
+            logits_rows=ints(logits_rows, dev),
             decode=self._decode(decoding) if decoding else None,
             prefills=tuple(prefills),
         )
@@ -95,8 +97,8 @@ class BatchBuilder:
         own_pages = [pages_for(r.num_computed + 1, ps) - skip[i] for i, r in enumerate(rows)]
         own_lens = [r.num_computed + 1 - skip[i] * ps for i, r in enumerate(rows)]
         table_rows = self.tables.rows([(r.request_id, r.pages) for r in rows])
-        table_rows_t, skip_t, own_pages_t, lengths = torch.tensor(
-            [table_rows, skip, own_pages, own_lens], device=dev
+        table_rows_t, skip_t, own_pages_t, lengths = ints(
+            [table_rows, skip, own_pages, own_lens], dev
         )
         width = max(own_pages)
         cols = torch.arange(width, device=dev)
@@ -113,10 +115,10 @@ class BatchBuilder:
             contiguous = list(pages) == list(range(pages[0], pages[0] + len(pages)))
             prefix_groups.append(
                 PrefixGroup(
-                    rows=torch.tensor(members, device=dev),
+                    rows=ints(members, dev),
                     first_page=pages[0],
                     num_pages=len(pages),
-                    pages=None if contiguous else torch.tensor(pages, device=dev),
+                    pages=None if contiguous else ints(pages, dev),
                 )
             )
         banded = [(i, self.host_reads(r, skip[i])) for i, r in enumerate(rows)]

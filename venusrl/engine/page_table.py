@@ -20,6 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
+from venusrl.engine.uploads import ints
+
 
 class PageTables:
     def __init__(self, rows: int, max_pages: int, device: torch.device) -> None:
@@ -55,7 +57,7 @@ class PageTables:
             rows.append(row)
         self.entries_written += len(index)
         if index:
-            changed = torch.tensor([index, values], device=self.table.device)
+            changed = ints([index, values], self.table.device)
             self.table.view(-1).index_copy_(0, changed[0], changed[1])
         return rows
 

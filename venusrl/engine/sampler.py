@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from venusrl.engine.uploads import to_device
 from venusrl.types import SamplingParams, TopLogprobs
 
 
@@ -77,7 +78,7 @@ def sample(
         return _to_host(tokens, chosen, logits, norm, params)
     dev = logits.device
     # Per-row parameters in two host tensors, each one copy (pinned, asynchronous on CUDA).
-    floats = _to_device(
+    floats = to_device(
         torch.tensor(
             [
                 [1.0 if p.greedy else p.temperature, p.top_p if p.top_p < 1.0 else 2.0]
@@ -86,7 +87,7 @@ def sample(
         ),
         dev,
     )
-    ints = _to_device(
+    ints = to_device(
         torch.tensor(
             [
                 [_int64(s or 0), c, p.top_k, p.greedy]
@@ -112,12 +113,6 @@ def sample(
     tokens = torch.where(greedy.bool(), logits.argmax(dim=-1), drawn)
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
     return _to_host(tokens, chosen, logprobs, None, params)
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _truncate(
