@@ -518,3 +518,16 @@ def test_a_step_copies_from_the_device_to_the_host_once(
         per_step.append(copies[0])
     monkeypatch.undo()
     assert len(per_step) > 6 and set(per_step) == {1}
+
+
+def test_a_bfloat16_engine_keeps_bfloat16_kv_and_samples_finite_logprobs(tiny_qwen3: Path) -> None:
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=3, ignore_eos=True)
+    prompt = list(range(100, 140))
+    full = engine_for(tiny_qwen3).generate([prompt], params)[0]
+    engine = engine_for(tiny_qwen3, dtype="bfloat16")
+    half = engine.generate([prompt], params)[0]
+    assert engine.cache.kv.device_kv.dtype == torch.bfloat16
+    assert all(torch.isfinite(torch.tensor(half.logprobs)))
+    # The same uniforms draw the same first token; later ones may part at a rounding boundary.
+    assert half.token_ids[0] == full.token_ids[0]
+    assert abs(half.logprobs[0] - full.logprobs[0]) < 0.05

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from venusrl.engine.tier_copies import TierCopies
+from venusrl.engine.uploads import ints
 
 
 class OutOfPages(RuntimeError):
@@ -210,8 +211,7 @@ class KVCache:
         slots = [self.bands.take(bands, band, p) for p in pages]
         moved = [(p, s) for p, s in zip(pages, slots, strict=True) if p != s]
         if moved:
-            src = torch.tensor([p for p, _ in moved], device=self.device)
-            dst = torch.tensor([s for _, s in moved], device=self.device)
+            src, dst = ints([[p for p, _ in moved], [s for _, s in moved]], self.device)
             band_kv = self.device_kv[layers.start : layers.stop]
             band_kv.index_copy_(3, dst, band_kv.index_select(3, src))
             self.device_pages.free([p for p, _ in moved])

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from venusrl.engine.attention import BandedPages
+from venusrl.engine.uploads import ints
 
 
 @dataclass
@@ -50,7 +51,7 @@ class TierCopies:
         at once: the compute stream reads them before anything queued after this call."""
         if not device_pages:
             return
-        src = torch.tensor(device_pages, device=self.device_kv.device)
+        src = ints(device_pages, self.device_kv.device)
         pages = self.device_kv.index_select(3, src)  # on the compute stream, after its writes
         if self.stream is None:
             self.host_kv.index_copy_(3, torch.tensor(host_pages), pages)
@@ -77,8 +78,7 @@ class TierCopies:
         src = torch.tensor(host_pages)
         if self.stream is None:
             data = self.host_kv[span].index_select(3, src)
-            dst = torch.tensor(device_pages, device=self.device_kv.device)
-            self.device_kv[span].index_copy_(3, dst, data)
+            self.device_kv[span].index_copy_(3, ints(device_pages, self.device_kv.device), data)
             return
         source = self.host_kv[span]
         staging = torch.empty(
@@ -89,7 +89,7 @@ class TierCopies:
         torch.index_select(source, 3, src, out=staging)  # a host gather into pinned memory
         self.stream.wait_stream(torch.cuda.current_stream())  # the pages' last readers
         with torch.cuda.stream(self.stream):
-            dst = torch.tensor(device_pages, device=self.device_kv.device)
+            dst = ints(device_pages, self.device_kv.device)
             data = staging.to(self.device_kv.device, non_blocking=True)
             self.device_kv[span].index_copy_(3, dst, data)
             done = torch.cuda.Event()
@@ -164,11 +164,12 @@ class StreamedLayers:
                 offsets[id(b)], total = total, total + len(b.host)
             self._plans.append(_LayerPlan(torch.cat([b.host for b in spans]), offsets, slot))
             slot ^= 1
-        copies.settle({int(p) for b in reads for p in b.host})
+        if copies.in_flight:
+            copies.settle(torch.cat([b.host for b in reads]).tolist())
         self._staged: dict[int, torch.Tensor] = {}
         self._stream = copies.stream
         if self._stream is not None:
-            self._init_buffers(max(len(p.host) for p in self._plans if p is not None))
+            self._init_buffers(max(len(p.host) for p in self._plans if p), self._stream)
         self._start(self._next_reading(0))
 
     @classmethod
@@ -231,12 +232,14 @@ class StreamedLayers:
             event.record(self._stream)
         self._staged[layer] = device
 
-    def _init_buffers(self, pages: int) -> None:
+    def _init_buffers(self, pages: int, stream: torch.cuda.Stream) -> None:
         host_kv = self.copies.host_kv
         _, _, kv_heads, _, page_size, dim = host_kv.shape
         numel = 2 * kv_heads * pages * page_size * dim
         device = self.copies.device_kv.device
         self._pinned = [torch.empty(numel, dtype=host_kv.dtype, pin_memory=True) for _ in "ab"]
         self._device = [torch.empty(numel, dtype=host_kv.dtype, device=device) for _ in "ab"]
+        for buffer in self._device:  # written on the side stream: not reused before it has run
+            buffer.record_stream(stream)
         self._ready: list[torch.cuda.Event | None] = [None, None]
         self._consumed: list[torch.cuda.Event | None] = [None, None]
