@@ -6,10 +6,12 @@ run in Triton's interpreter on the CPU; on CUDA they are untested here."""
 from __future__ import annotations
 
 import importlib
+import itertools
 import os
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -90,8 +92,12 @@ def _decode_batch(
     slots = [own[r][(n - 1) // page_size] * page_size + (n - 1) % page_size
              for r, n in enumerate(lengths)]  # fmt: skip
     groups: list[PrefixGroup] = []
-    members = draw(st.lists(st.integers(0, rows - 1), unique=True, max_size=rows))
-    if len(members) > 1:
+    order = draw(st.permutations(range(rows)))
+    bounds = [0, *sorted(draw(st.lists(st.integers(0, rows), max_size=3)))]
+    for start, end in itertools.pairwise(bounds):  # up to 3 groups; rows past the last: none
+        members = order[start:end]
+        if len(members) < 2:
+            continue
         shared = draw(st.integers(1, 3))
         contiguous = draw(st.booleans())
         first = draw(st.integers(1, NUM_PAGES - shared))
@@ -118,7 +124,7 @@ def steps(draw: st.DrawFn) -> tuple[dict[str, int], StepBatch]:
     """A step of decode rows, prefill spans (a chunk after a cached prefix), or both."""
     layout = draw(layouts())
     ps, group = layout["page_size"], layout["group"]
-    decode_rows = draw(st.integers(0, 4))
+    decode_rows = draw(st.integers(0, 6))
     num_spans = draw(st.integers(0 if decode_rows else 1, 2))
     decode, slots = None, []
     if decode_rows:
@@ -239,3 +245,40 @@ def test_auto_picks_torch_on_a_cpu_and_triton_refuses_one_by_name(
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match=r"engine\.attention_backend=triton needs a CUDA"):
         attention_backend("triton", cpu)
+
+
+def test_every_shared_prefix_group_of_a_step_is_attended_in_one_launch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    layout = {"kv_heads": 2, "group": 2, "dim": 16, "page_size": 2}
+    members = [[0, 3, 5], [1, 2], [6, 7, 8, 9]]  # row 4 in no group
+    groups = tuple(
+        PrefixGroup(rows=torch.tensor(m), first_page=1 + 3 * g, num_pages=2 + g, pages=None)
+        for g, m in enumerate(members)
+    )
+    lengths = torch.tensor([3, 1, 4, 2, 5, 3, 1, 4, 2, 3], dtype=torch.int32)
+    table = torch.tensor([[10 + r % 2, 11 - r % 2, 9] for r in range(10)])
+    key_mask = torch.zeros(10, 6).masked_fill_(torch.arange(6) >= lengths[:, None], float("-inf"))
+    decode = DecodeBatch(10, table, lengths, key_mask[None, :, None], groups)
+    slots = [int(table[r, (n - 1) // 2]) * 2 + (n - 1) % 2 for r, n in enumerate(lengths.tolist())]
+    batch = StepBatch(
+        input_ids=torch.zeros(10, dtype=torch.long),
+        positions=torch.zeros(10, dtype=torch.long),
+        slots=torch.tensor(slots),
+        logits_rows=torch.zeros(0, dtype=torch.long),
+        decode=decode,
+        prefills=(),
+    )
+    q, k, v, layer_kv = _inputs(layout, 10, seed=7)
+    expected = paged_attention(q, k, v, layer_kv.clone(), batch)
+    launches = []
+    real = kernels.paged_decode
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        launches.append(args[2].shape)  # the page table it reads
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "paged_decode", counted)
+    got = kernels.triton_paged_attention(q, k, v, layer_kv, batch)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert launches == [(10, 3), (3, 4)]  # the rows' own pages, then every group's shared ones

@@ -48,6 +48,19 @@ class PrefixGroup:
 
 
 @dataclass(frozen=True)
+class PrefixTable:
+    """The step's shared-prefix groups as tensors, for kernels that attend them all in one
+    launch: each group one row whose queries are its members' (padded with its first member's,
+    whose results are dropped)."""
+
+    members: torch.Tensor  # [groups, most members] decode rows
+    pages: torch.Tensor  # [groups, most pages] each group's shared pages, 0-padded
+    lengths: torch.Tensor  # [groups] int32: keys in each group's shared pages
+    rows: torch.Tensor  # [members of every group] their decode rows, group after group
+    picks: torch.Tensor  # [members of every group] where each is in `members`, flattened
+
+
+@dataclass(frozen=True)
 class DecodeBatch:
     num_rows: int
     pages: torch.Tensor  # [rows, pages] each row's own pages after its shared prefix, 0-padded
@@ -56,6 +69,34 @@ class DecodeBatch:
     prefix_groups: tuple[PrefixGroup, ...]
     # (row, its band pages, `first` counted among the row's own pages after its shared prefix)
     banded: tuple[tuple[int, BandedPages], ...] = ()
+
+    @cached_property
+    def prefix_table(self) -> PrefixTable:
+        """Built on first use and kept for the step's other layers."""
+        dev = self.pages.device
+        groups = [
+            (
+                g.rows.tolist(),
+                list(range(g.first_page, g.first_page + g.num_pages))
+                if g.pages is None
+                else g.pages.tolist(),
+            )
+            for g in self.prefix_groups
+        ]
+        most_members = max(len(m) for m, _ in groups)
+        most_pages = max(len(p) for _, p in groups)
+        members = [m + [m[0]] * (most_members - len(m)) for m, _ in groups]
+        pages = [p + [0] * (most_pages - len(p)) for _, p in groups]
+        page_size = self.key_mask.shape[-1] // self.pages.shape[1]  # the mask covers the pages
+        rows = [r for m, _ in groups for r in m]
+        picks = [g * most_members + j for g, (m, _) in enumerate(groups) for j in range(len(m))]
+        return PrefixTable(
+            members=ints(members, dev),
+            pages=ints(pages, dev),
+            lengths=ints([len(p) * page_size for _, p in groups], dev, torch.int32),
+            rows=ints(rows, dev),
+            picks=ints(picks, dev),
+        )
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ page_size, dim]`, kv_cache.py's layout, any page size), so pages may be out of o
 between rows. Decode runs one program per (row, KV head, split) with the KV head's query heads
 as the rows of one matmul (GQA never repeats keys); long contexts are split so that a small
 batch still fills the GPU, and the splits merge exactly through their log-sum-exp. A shared
-prefix (cascade) is the same kernel with the group's members' queries stacked as one row.
+prefix (cascade) is the same kernel with each group's members' queries stacked as one row,
+every group of the step in one launch.
 Extend (prefill chunks over a cached prefix) is one launch over every span of the step.
 
 Tested against the torch backend under TRITON_INTERPRET=1 on a CPU; untested on CUDA so far.
@@ -25,6 +26,7 @@ from venusrl.engine.attention import (
     DecodeBatch,
     HostReads,
     PrefillTable,
+    PrefixTable,
     StepBatch,
     paged_attention,
 )
@@ -66,26 +68,30 @@ def triton_paged_attention(
 def decode(q: torch.Tensor, layer_kv: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
     """q: [rows, kv_heads, group, dim] -> attention output of the same shape and dtype."""
     out, lse = paged_decode(q, layer_kv, batch.pages, batch.lengths)
-    kv_heads, group, dim = q.shape[1:]
-    page_size = layer_kv.shape[3]
-    for g in batch.prefix_groups:
-        pages = g.pages
-        if pages is None:
-            pages = torch.arange(g.first_page, g.first_page + g.num_pages, device=q.device)
-        members = q.index_select(0, g.rows)  # [m, kv_heads, group, dim]
-        m = members.shape[0]
-        stacked = members.transpose(0, 1).reshape(1, kv_heads, m * group, dim)
-        length = torch.full((1,), g.num_pages * page_size, dtype=torch.int32, device=q.device)
-        pre, pre_lse = paged_decode(stacked, layer_kv, pages[None], length)
-        pre = pre.view(kv_heads, m, group, dim).transpose(0, 1)
-        pre_lse = pre_lse.view(kv_heads, m, group).transpose(0, 1)
-        merged, merged_lse = merge_partials(
-            torch.stack([out.index_select(0, g.rows), pre]),
-            torch.stack([lse.index_select(0, g.rows), pre_lse]),
-        )
-        out.index_copy_(0, g.rows, merged)
-        lse.index_copy_(0, g.rows, merged_lse)
+    if batch.prefix_groups:
+        _add_shared_prefixes(q, layer_kv, batch.prefix_table, out, lse)
     return out.to(q.dtype)
+
+
+def _add_shared_prefixes(
+    q: torch.Tensor, layer_kv: torch.Tensor, t: PrefixTable, out: torch.Tensor, lse: torch.Tensor
+) -> None:
+    """Every group's members attend its shared pages in one launch (each group one row, its
+    members' queries stacked), merged into the rows' own attention `out`/`lse` in place."""
+    groups, most = t.members.shape
+    kv_heads, group, dim = q.shape[1:]
+    stacked = q[t.members].permute(0, 2, 1, 3, 4).reshape(groups, kv_heads, most * group, dim)
+    pre, pre_lse = paged_decode(stacked, layer_kv, t.pages, t.lengths)
+    pre = pre.view(groups, kv_heads, most, group, dim).transpose(1, 2)
+    pre_lse = pre_lse.view(groups, kv_heads, most, group).transpose(1, 2)
+    pre = pre.reshape(groups * most, kv_heads, group, dim).index_select(0, t.picks)
+    pre_lse = pre_lse.reshape(groups * most, kv_heads, group).index_select(0, t.picks)
+    merged, merged_lse = merge_partials(
+        torch.stack([out.index_select(0, t.rows), pre]),
+        torch.stack([lse.index_select(0, t.rows), pre_lse]),
+    )
+    out.index_copy_(0, t.rows, merged)
+    lse.index_copy_(0, t.rows, merged_lse)
 
 
 def paged_decode(
