@@ -8,7 +8,8 @@ as the rows of one matmul (GQA never repeats keys); long contexts are split so t
 batch still fills the GPU, and the splits merge exactly through their log-sum-exp. A shared
 prefix (cascade) is the same kernel with each group's members' queries stacked as one row,
 every group of the step in one launch.
-Extend (prefill chunks over a cached prefix) is one launch over every span of the step.
+Extend (prefill chunks over a cached prefix) is one launch over every span of the step, a program
+serving a KV head's query heads for a block of tokens.
 
 Tested against the torch backend under TRITON_INTERPRET=1 on a CPU; untested on CUDA so far.
 Steps with layer bands (host-tier reads) fall back to the torch backend.
@@ -35,6 +36,8 @@ from venusrl.engine.attention import (
 # covers at least this many tokens, below which the merge costs more than it spreads.
 MIN_SPLIT_TOKENS = 256
 TARGET_PROGRAMS = 264  # two per SM of an H100/H200 (132 SMs); a guess, unmeasured
+# Extend: rows (tokens x a KV head's query heads) of one program's matmul; a guess, unmeasured.
+EXTEND_ROWS = 64
 
 
 def triton_paged_attention(
@@ -149,17 +152,21 @@ def merge_partials(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, 
 def extend(q: torch.Tensor, layer_kv: torch.Tensor, table: PrefillTable, out: torch.Tensor) -> None:
     """Every prefill span of the step in one launch: each new token attends its span's cached
     prefix and the span's tokens up to itself (causal), all read from the pages. q, out:
-    [T, heads, dim]; writes the spans' rows of `out`."""
+    [T, heads, dim]; writes the spans' rows of `out`. A program serves one KV head: its query
+    heads and a block of tokens are the rows of one matmul, so each key is read once per KV
+    head rather than once per query head."""
     heads, dim = q.shape[1:]
     kv_heads, page_size = layer_kv.shape[1], layer_kv.shape[3]
-    block_m = 16
-    grid = (len(table.rows), heads, triton.cdiv(table.max_tokens, block_m))
+    group = heads // kv_heads
+    group_pad = triton.next_power_of_2(group)
+    block_m = max(1, EXTEND_ROWS // group_pad)  # tokens per program
+    grid = (len(table.rows), kv_heads, triton.cdiv(table.max_tokens, block_m))
     _extend_kernel[grid](
         q, layer_kv, table.pages, table.rows, table.starts, table.lengths, out,
         1.0 / math.sqrt(dim),
         q.stride(0), q.stride(1), *layer_kv.stride()[:4], table.pages.stride(0),
-        GROUP=heads // kv_heads, DIM=dim, PAGE_SIZE=page_size,
-        BLOCK_M=block_m, BLOCK_N=16,
+        GROUP=group, GROUP_PAD=group_pad, DIM=dim, PAGE_SIZE=page_size,
+        BLOCK_M=block_m, BLOCK_R=block_m * group_pad, BLOCK_N=16,
         BLOCK_D=max(16, triton.next_power_of_2(dim)),
         PRECISION=_precision(q.dtype),
     )  # fmt: skip
@@ -256,31 +263,33 @@ def _extend_kernel(
     sm_scale,
     stride_q_token, stride_q_head,
     stride_kv, stride_kv_head, stride_kv_page, stride_kv_token, stride_pages_span,
-    GROUP: tl.constexpr, DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
     span = tl.program_id(0)
-    q_head = tl.program_id(1)
+    kv_head = tl.program_id(1)
     block = tl.program_id(2)
-    kv_head = q_head // GROUP
     first_row = tl.load(rows_ptr + span)
     start = tl.load(starts_ptr + span)  # tokens already cached before the span
     num_tokens = tl.load(lengths_ptr + span)
 
-    i = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    # Row r of the block: token r // GROUP_PAD, query head r % GROUP_PAD of this KV head.
+    r = tl.arange(0, BLOCK_R)
+    i = block * BLOCK_M + r // GROUP_PAD
+    q_head = kv_head * GROUP + r % GROUP_PAD
     d = tl.arange(0, BLOCK_D)
-    is_query = i < num_tokens
+    is_query = (i < num_tokens) & (r % GROUP_PAD < GROUP)
     q_mask = is_query[:, None] & (d[None, :] < DIM)
-    q_addr = q_ptr + (first_row + i[:, None]) * stride_q_token + q_head * stride_q_head
+    q_addr = q_ptr + (first_row + i[:, None]) * stride_q_token + q_head[:, None] * stride_q_head
     q = tl.load(q_addr + d[None, :], mask=q_mask, other=0.0).to(tl.float32)
     position = start + i
 
     # Keys up to the block's last query, causal within; a block past the span's end reads one.
     key_end = start + tl.maximum(tl.minimum(num_tokens, (block + 1) * BLOCK_M), 1)
-    top = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    top = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     for first in range(0, key_end, BLOCK_N):
         n = first + tl.arange(0, BLOCK_N)
         valid = n < key_end
@@ -293,5 +302,5 @@ def _extend_kernel(
         top, total, acc = _attend_tile(q, k, v, allowed, top, total, acc, sm_scale, PRECISION)
 
     out = acc / total[:, None]
-    out_addr = out_ptr + (first_row + i[:, None]) * stride_q_token + q_head * stride_q_head
+    out_addr = out_ptr + (first_row + i[:, None]) * stride_q_token + q_head[:, None] * stride_q_head
     tl.store(out_addr + d[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask)
