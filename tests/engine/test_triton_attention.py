@@ -22,6 +22,7 @@ from venusrl.engine.attention import (
     DecodeBatch,
     PrefillSpan,
     PrefixGroup,
+    PrefixTable,
     StepBatch,
     causal_mask,
     needs_prefill_mask,
@@ -92,6 +93,7 @@ def _decode_batch(
     slots = [own[r][(n - 1) // page_size] * page_size + (n - 1) % page_size
              for r, n in enumerate(lengths)]  # fmt: skip
     groups: list[PrefixGroup] = []
+    listed: list[tuple[list[int], list[int]]] = []
     order = draw(st.permutations(range(rows)))
     bounds = [0, *sorted(draw(st.lists(st.integers(0, rows), max_size=3)))]
     for start, end in itertools.pairwise(bounds):  # up to 3 groups; rows past the last: none
@@ -102,6 +104,7 @@ def _decode_batch(
         contiguous = draw(st.booleans())
         first = draw(st.integers(1, NUM_PAGES - shared))
         pages = list(range(first, first + shared)) if contiguous else _pages(draw, shared)
+        listed.append((list(members), pages))
         groups.append(
             PrefixGroup(
                 rows=torch.tensor(members),
@@ -115,7 +118,9 @@ def _decode_batch(
     key_mask = torch.zeros(rows, width * page_size, dtype=key_dtype)
     key_mask.masked_fill_(torch.arange(width * page_size)[None, :] >= lens[:, None], float("-inf"))
     table = torch.tensor([p + [0] * (width - len(p)) for p in own])
-    batch = DecodeBatch(rows, table, lens, key_mask[None, :, None], tuple(groups))
+    prefixes = PrefixTable.of(listed, page_size, torch.device("cpu")) if listed else None
+    mask = key_mask[None, :, None]
+    batch = DecodeBatch(rows, table, lens, mask, tuple(groups), prefix_table=prefixes)
     return batch, slots
 
 
@@ -251,6 +256,7 @@ def test_every_shared_prefix_group_of_a_step_is_attended_in_one_launch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     layout = {"kv_heads": 2, "group": 2, "dim": 16, "page_size": 2}
+    q_device = torch.device("cpu")
     members = [[0, 3, 5], [1, 2], [6, 7, 8, 9]]  # row 4 in no group
     groups = tuple(
         PrefixGroup(rows=torch.tensor(m), first_page=1 + 3 * g, num_pages=2 + g, pages=None)
@@ -259,7 +265,10 @@ def test_every_shared_prefix_group_of_a_step_is_attended_in_one_launch(
     lengths = torch.tensor([3, 1, 4, 2, 5, 3, 1, 4, 2, 3], dtype=torch.int32)
     table = torch.tensor([[10 + r % 2, 11 - r % 2, 9] for r in range(10)])
     key_mask = torch.zeros(10, 6).masked_fill_(torch.arange(6) >= lengths[:, None], float("-inf"))
-    decode = DecodeBatch(10, table, lengths, key_mask[None, :, None], groups)
+    prefixes = PrefixTable.of(
+        [(m, list(range(1 + 3 * g, 3 + 4 * g))) for g, m in enumerate(members)], 2, q_device
+    )
+    decode = DecodeBatch(10, table, lengths, key_mask[None, :, None], groups, (), prefixes)
     slots = [int(table[r, (n - 1) // 2]) * 2 + (n - 1) % 2 for r, n in enumerate(lengths.tolist())]
     batch = StepBatch(
         input_ids=torch.zeros(10, dtype=torch.long),

@@ -27,6 +27,7 @@ Pages are gathered with one `index_select` along the page dimension, which yield
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Protocol
@@ -59,6 +60,25 @@ class PrefixTable:
     rows: torch.Tensor  # [members of every group] their decode rows, group after group
     picks: torch.Tensor  # [members of every group] where each is in `members`, flattened
 
+    @classmethod
+    def of(
+        cls, groups: Sequence[tuple[list[int], list[int]]], page_size: int, device: torch.device
+    ) -> PrefixTable:
+        """From each group's (member rows, shared pages), host lists: no device read."""
+        most_members = max(len(m) for m, _ in groups)
+        most_pages = max(len(p) for _, p in groups)
+        members = [m + [m[0]] * (most_members - len(m)) for m, _ in groups]
+        pages = [p + [0] * (most_pages - len(p)) for _, p in groups]
+        rows = [r for m, _ in groups for r in m]
+        picks = [g * most_members + j for g, (m, _) in enumerate(groups) for j in range(len(m))]
+        return cls(
+            members=ints(members, device),
+            pages=ints(pages, device),
+            lengths=ints([len(p) * page_size for _, p in groups], device, torch.int32),
+            rows=ints(rows, device),
+            picks=ints(picks, device),
+        )
+
 
 @dataclass(frozen=True)
 class DecodeBatch:
@@ -69,34 +89,8 @@ class DecodeBatch:
     prefix_groups: tuple[PrefixGroup, ...]
     # (row, its band pages, `first` counted among the row's own pages after its shared prefix)
     banded: tuple[tuple[int, BandedPages], ...] = ()
-
-    @cached_property
-    def prefix_table(self) -> PrefixTable:
-        """Built on first use and kept for the step's other layers."""
-        dev = self.pages.device
-        groups = [
-            (
-                g.rows.tolist(),
-                list(range(g.first_page, g.first_page + g.num_pages))
-                if g.pages is None
-                else g.pages.tolist(),
-            )
-            for g in self.prefix_groups
-        ]
-        most_members = max(len(m) for m, _ in groups)
-        most_pages = max(len(p) for _, p in groups)
-        members = [m + [m[0]] * (most_members - len(m)) for m, _ in groups]
-        pages = [p + [0] * (most_pages - len(p)) for _, p in groups]
-        page_size = self.key_mask.shape[-1] // self.pages.shape[1]  # the mask covers the pages
-        rows = [r for m, _ in groups for r in m]
-        picks = [g * most_members + j for g, (m, _) in enumerate(groups) for j in range(len(m))]
-        return PrefixTable(
-            members=ints(members, dev),
-            pages=ints(pages, dev),
-            lengths=ints([len(p) * page_size for _, p in groups], dev, torch.int32),
-            rows=ints(rows, dev),
-            picks=ints(picks, dev),
-        )
+    # the groups as tensors, for kernels that attend them all at once (`PrefixTable.of`)
+    prefix_table: PrefixTable | None = None
 
 
 @dataclass(frozen=True)

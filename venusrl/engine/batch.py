@@ -13,6 +13,7 @@ from venusrl.engine.attention import (
     DecodeBatch,
     PrefillSpan,
     PrefixGroup,
+    PrefixTable,
     StepBatch,
     causal_mask,
     needs_prefill_mask,
@@ -111,6 +112,7 @@ class BatchBuilder:
         key_mask = torch.zeros(beyond.shape, dtype=self.kv_dtype, device=dev)
         key_mask.masked_fill_(beyond, float("-inf"))
         prefix_groups = []
+        table = PrefixTable.of([(m, list(p)) for p, m in groups], ps, dev) if groups else None
         for pages, members in groups:
             contiguous = list(pages) == list(range(pages[0], pages[0] + len(pages)))
             prefix_groups.append(
@@ -129,4 +131,5 @@ class BatchBuilder:
             key_mask=key_mask[None, :, None],
             prefix_groups=tuple(prefix_groups),
             banded=tuple((i, b) for i, b in banded if b is not None),
+            prefix_table=table,
         )

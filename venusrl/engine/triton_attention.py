@@ -72,6 +72,7 @@ def decode(q: torch.Tensor, layer_kv: torch.Tensor, batch: DecodeBatch) -> torch
     """q: [rows, kv_heads, group, dim] -> attention output of the same shape and dtype."""
     out, lse = paged_decode(q, layer_kv, batch.pages, batch.lengths)
     if batch.prefix_groups:
+        assert batch.prefix_table is not None, "the batch builder makes one with the groups"
         _add_shared_prefixes(q, layer_kv, batch.prefix_table, out, lse)
     return out.to(q.dtype)
 
