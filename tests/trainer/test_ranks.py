@@ -172,10 +172,12 @@ def test_an_error_on_a_rank_other_than_the_first_stops_the_step_at_once_naming_i
 
 
 @pytest.mark.slow  # 15-50 s on 2 shared cores: two sets of ranks start
+@pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
 def test_a_sharded_checkpoint_resumes_with_the_same_weights_and_optimizer_state(
-    model_dir: Path, tmp_path: Path
+    model_dir: Path, tmp_path: Path, lora_rank: int
 ) -> None:
-    cfg = config(world_size=2)
+    # With LoRA the consolidated model holds merged weights; the shards, base and adapters.
+    cfg = config(world_size=2, lora_rank=lora_rank)
     ranks = RankedTrainer(model_dir, cfg)
     try:
         ranks.step(*batch(5))
@@ -194,3 +196,26 @@ def test_a_sharded_checkpoint_resumes_with_the_same_weights_and_optimizer_state(
         resumed.close()
     assert again.version == 2 and again.loss == pytest.approx(after.loss, abs=1e-6)
     assert_same_weights(weights, expected)
+
+
+def test_two_lora_ranks_step_as_one_lora_process_and_publish_merged_weights(
+    model_dir: Path,
+) -> None:
+    cfg = config(world_size=2, lora_rank=4, lora_alpha=8.0, lr=1e-3)
+    one = GRPOTrainer(load_model(model_dir), cfg)
+    expected = [one.step(*batch(4)), one.step(*batch(5))]
+    ranks = RankedTrainer(model_dir, cfg)
+    try:
+        got = [ranks.step(*batch(4)), ranks.step(*batch(5))]
+        weights = dict(ranks.hf_weights())
+    finally:
+        ranks.close()
+    for e, g in zip(expected, got, strict=True):
+        for field in ("loss", "grad_norm", "clip_fraction", "mean_ratio", "entropy"):
+            want = pytest.approx(getattr(e, field), rel=1e-5, abs=1e-5)
+            assert getattr(g, field) == want, field
+    merged = one.model.hf_state_dict()
+    base = load_model(model_dir).hf_state_dict()
+    moved = [n for n in merged if not torch.equal(merged[n], base[n])]
+    assert moved and all("proj" in n for n in moved)  # the adapters trained, nothing else
+    assert_same_weights(weights, merged)

@@ -111,11 +111,6 @@ class TrainerConfig(Section):
                         f"trainer.{key}={getattr(self, key)} applies to the sharded ranks:"
                         " set trainer.world_size > 1"
                     )
-        if self.lora_rank and self.world_size > 1:
-            raise ValueError(
-                "trainer.lora_rank applies to one trainer process for now: the sharded ranks"
-                " do not attach adapters (set trainer.world_size=1)"
-            )
         if self.cpu_offload and not self.device.startswith("cuda"):
             raise ValueError(
                 "trainer.cpu_offload keeps a CUDA trainer's shards in host memory; trainer.device"

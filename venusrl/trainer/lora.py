@@ -9,7 +9,7 @@ saved beside a checkpoint (`lora_adapters.pt`) for a resume.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -21,6 +21,10 @@ from venusrl.trainer.config import LORA_TARGETS
 
 # Not *.safetensors: a model directory's loader reads every such file as the model's weights.
 ADAPTERS_FILE = "lora_adapters.pt"
+
+
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 class LoRALinear(Linear):
@@ -73,16 +77,17 @@ class LoRALinear(Linear):
             out[..., lo:hi] += self.scale * update
         return out
 
-    def weight_update(self) -> torch.Tensor:
-        """(alpha/r) B A on the targeted rows, 0 elsewhere: [out, in], no autograd."""
+    def weight_update(self, read: Callable[[torch.Tensor], torch.Tensor] = _as_is) -> torch.Tensor:
+        """(alpha/r) B A on the targeted rows, 0 elsewhere: [out, in], no autograd. `read`
+        gives a parameter's whole tensor (a sharded rank gathers it)."""
         with torch.no_grad():
-            update = torch.zeros_like(self.weight)
+            update = torch.zeros_like(read(self.weight))
             for name, (lo, hi) in self.segments.items():
-                update[lo:hi] = self.scale * (self.lora_B[name] @ self.lora_A[name])
+                update[lo:hi] = self.scale * (read(self.lora_B[name]) @ read(self.lora_A[name]))
         return update
 
-    def merged_weight(self) -> torch.Tensor:
-        return self.weight.detach() + self.weight_update()
+    def merged_weight(self, read: Callable[[torch.Tensor], torch.Tensor] = _as_is) -> torch.Tensor:
+        return read(self.weight.detach()) + self.weight_update(read)
 
 
 def _segments(layer: DecoderLayer, targets: Sequence[str]) -> dict[str, dict[str, tuple[int, int]]]:
@@ -121,6 +126,10 @@ def add_adapters(
             base = getattr(layer, attr)
             if segments and not isinstance(base, LoRALinear):
                 setattr(layer, attr, LoRALinear(base, segments, rank, alpha, generator))
+    for module in model.modules():  # attached before (a sharded rank's, before sharding): train
+        if isinstance(module, LoRALinear):
+            module.lora_A.requires_grad_(True)
+            module.lora_B.requires_grad_(True)
     return adapter_parameters(model)
 
 

@@ -38,6 +38,7 @@ from venusrl.engine.model import CausalLM, Linear
 from venusrl.engine.model_dir import build_model, load_model, read_model_config
 from venusrl.trainer.checkpoint import SHARDED, write_weights_dir
 from venusrl.trainer.config import TrainerConfig
+from venusrl.trainer.lora import LoRALinear, add_adapters
 from venusrl.trainer.trainer import GRPOTrainer, _Row
 from venusrl.types import Trajectory
 
@@ -70,14 +71,28 @@ def shard_model(model: CausalLM, config: TrainerConfig) -> CausalLM:
     return model
 
 
-def load_sharded_model(model_dir: Path, config: TrainerConfig, device: torch.device) -> CausalLM:
+def load_sharded_model(
+    model_dir: Path, config: TrainerConfig, device: torch.device, adapters: bool = False
+) -> CausalLM:
     """The model of `model_dir`, sharded: rank 0 reads the weights and sends each rank its
-    shards; the others never hold the whole model."""
-    whole = load_model(model_dir, "cpu").state_dict() if dist.get_rank() == 0 else {}
+    shards; the others never hold the whole model. With `adapters` (`trainer.lora_rank`), LoRA
+    adapters are attached before sharding, initialised by rank 0 as one process would (same
+    seed), and sharded like the weights."""
+
+    def attach(model: CausalLM) -> None:
+        if adapters:
+            add_adapters(model, config.lora_rank, config.lora_alpha, config.lora_targets)
+
+    whole = {}
+    if dist.get_rank() == 0:
+        full = load_model(model_dir, "cpu")
+        attach(full)
+        whole = full.state_dict()
     with torch.device("meta"):
         model = CausalLM(read_model_config(model_dir))
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+    attach(model)  # its A, drawn on the host then moved to meta, is rank 0's after the load
     shard_model(model, config)
     # Offloaded shards live in host memory (FSDP2 refuses them on the device); the rotary
     # table is computed where the forward runs.
@@ -86,6 +101,11 @@ def load_sharded_model(model_dir: Path, config: TrainerConfig, device: torch.dev
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, whole, options=options)
     return model
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole tensor: a shard's gathered from every rank (collective)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _padding_row() -> _Row:
@@ -111,7 +131,7 @@ class ShardedTrainer(GRPOTrainer):
     ) -> ShardedTrainer:
         """The model of `model_dir`, sharded; on `resume` (a checkpoint's directory), with the
         model and optimizer shards saved there."""
-        model = load_sharded_model(model_dir, config, device)
+        model = load_sharded_model(model_dir, config, device, adapters=config.lora_rank > 0)
         trainer = cls(model, config, version, temperature=temperature)
         if resume:
             trainer.load_sharded(model_dir / SHARDED)
@@ -132,8 +152,11 @@ class ShardedTrainer(GRPOTrainer):
         master weights, whatever the compute dtype)."""
 
         def gathered(name: str) -> torch.Tensor:
-            shard = self.model.get_parameter(name).detach()
-            return shard.full_tensor() if isinstance(shard, DTensor) else shard
+            module_name, _, leaf = name.rpartition(".")
+            module = self.model.get_submodule(module_name)
+            if leaf == "weight" and isinstance(module, LoRALinear):
+                return module.merged_weight(_whole)  # what the engines and checkpoints get
+            return _whole(self.model.get_parameter(name).detach())
 
         return self.model.hf_named(gathered)
 
