@@ -15,16 +15,21 @@ LAYERS, HEADS, PAGE, DIM = 4, 2, 4, 8
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def filled_cache(device: str = "cpu") -> KVCache:
-    kv = KVCache(
+def cache(device: str, pages: int) -> KVCache:
+    return KVCache(
         num_layers=LAYERS,
         num_kv_heads=HEADS,
         head_dim=DIM,
         page_size=PAGE,
-        device_pages=16,
-        host_pages=16,
+        device_pages=pages,
+        host_pages=pages,
         device=device,
     )
+
+
+def filled_cache(device: str = "cpu") -> KVCache:
+    """Every host page allocated and random."""
+    kv = cache(device, pages=16)
     g = torch.Generator().manual_seed(0)
     kv.host_kv.copy_(torch.randn(kv.host_kv.shape, generator=g))
     kv.host_pages.allocate(16)
@@ -87,15 +92,7 @@ def test_streamed_layers_on_cuda_equal_the_host_tier() -> None:
 
 @cuda
 def test_offloaded_pages_land_on_the_host_before_anything_reads_them() -> None:
-    kv = KVCache(
-        num_layers=LAYERS,
-        num_kv_heads=HEADS,
-        head_dim=DIM,
-        page_size=PAGE,
-        device_pages=64,
-        host_pages=64,
-        device="cuda",
-    )
+    kv = cache("cuda", pages=64)
     pages = kv.device_pages.allocate(32)
     kv.device_kv.normal_()
     before = kv.device_kv[:, :, :, pages].cpu()
