@@ -91,9 +91,9 @@ LORA_ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "dow
 def layer_activations(cfg: ModelConfig, rows: list[int], attention: str) -> int:
     """Elements one decoder layer keeps for backward over packed rows of these lengths (no common
     prefix): what `DecoderLayer.forward_rows` saves, tensor by tensor. `attention="ours"` is
-    `packed_attention` (each row's keys and values copied per query head, its softmax
+    `packed_attention` on a CPU (each row's keys and values copied per query head, its softmax
     probabilities [heads, L, L] kept); "flash" is a fused kernel keeping q, k, v, its output and
-    a log-sum-exp per head and token."""
+    a log-sum-exp per head and token: `packed_attention` on CUDA (SDPA, lower-right causal)."""
     h, i = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     tokens = sum(rows)

@@ -8,7 +8,7 @@ import torch
 
 from venusrl.engine.model import CausalLM, ModelConfig
 from venusrl.engine.model_dir import build_model
-from venusrl.engine.packed_rows import PackedRows, common_prefix_len
+from venusrl.engine.packed_rows import PackedRows, common_prefix_len, packed_attention
 from venusrl.engine.presets import PRESETS
 
 torch.set_num_threads(1)
@@ -66,3 +66,23 @@ def test_packed_rows_have_the_logits_and_gradients_each_has_alone(model: CausalL
     alone_grads = grads(torch.cat([logits_alone(model, row) for row in ROWS]))
     for a, b in zip(packed_grads, alone_grads, strict=True):
         assert (a - b).abs().max() <= 1e-5 * a.abs().max()  # float rounding: sums reordered
+
+
+def test_the_fused_lower_right_causal_path_equals_the_explicit_softmax_and_its_gradients() -> None:
+    # The fused path is CUDA's default; on a CPU SDPA materialises its mask, but the arithmetic
+    # it must equal is the same.
+    g = torch.Generator().manual_seed(0)
+    rows = PackedRows.pack(ROWS, torch.device("cpu"))
+    n, heads, kv_heads, dim = len(rows.input_ids), 4, 2, 8
+    q, k, v = (
+        torch.randn(n, h, dim, generator=g).requires_grad_() for h in (heads, kv_heads, kv_heads)
+    )
+    results = []
+    for fused in (False, True):
+        out = packed_attention(q, k, v, rows, fused=fused)
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+        results.append((out, grads))
+    (out, grads), (fused_out, fused_grads) = results
+    torch.testing.assert_close(fused_out, out, rtol=1e-5, atol=1e-6)
+    for a, b in zip(fused_grads, grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 
 @dataclass(frozen=True)
@@ -58,10 +59,22 @@ def common_prefix_len(rows: Sequence[Sequence[int]]) -> int:
 
 
 def packed_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: PackedRows
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rows: PackedRows,
+    fused: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention within each row of the packing. q: [N, heads, d]; k, v: [N, kv_heads, d]
-    -> [N, heads * d]."""
+    -> [N, heads * d].
+
+    `fused` (by default on CUDA): a row's tokens attend [prefix; own tokens] through SDPA with a
+    lower-right causal mask that is never materialised (flash or memory-efficient kernels), so
+    backward keeps no [heads, L, prefix + L] probabilities: at 16K-token rows those would be
+    tens of GB a layer. On a CPU SDPA would materialise the mask and run its math path, slower
+    than the explicit softmax below."""
+    if fused is None:
+        fused = q.device.type == "cuda"
     heads, dim = q.shape[1], q.shape[2]
     group = heads // k.shape[1]
     # [2 * heads, N, d]: keys and values head-major, each kv head repeated for its query heads,
@@ -73,24 +86,32 @@ def packed_attention(
 
     def attend(queries: slice, kh: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         qh = q[queries].transpose(0, 1)
-        if mask is None:
-            out = F.scaled_dot_product_attention(qh, kh[:heads], kh[heads:], is_causal=True)
-        else:  # SDPA with a mask runs its math path, ~10% slower here (NaN guards for empty rows)
-            scores = torch.baddbmm(mask, qh, kh[:heads].transpose(1, 2), alpha=scale)
-            out = torch.bmm(torch.softmax(scores, dim=-1), kh[heads:])
+        k, v = kh[:heads], kh[heads:]
+        if mask is not None:  # SDPA with a mask runs its math path, ~10% slower here
+            scores = torch.baddbmm(mask, qh, k.transpose(1, 2), alpha=scale)
+            out = torch.bmm(torch.softmax(scores, dim=-1), v)
+        elif qh.shape[1] == k.shape[1]:
+            out = F.scaled_dot_product_attention(qh, k, v, is_causal=True)
+        else:
+            bias = causal_lower_right(qh.shape[1], k.shape[1])
+            out = F.scaled_dot_product_attention(qh, k, v, attn_mask=bias)
         return out.transpose(0, 1).reshape(-1, heads * dim)
 
     prefix = rows.prefix_len
     parts = [attend(slice(0, prefix), kv[:, :prefix], None)] if prefix else []
     # A row's token j (position prefix + j) attends keys 0 .. prefix + j of [prefix; own tokens]
-    # (never none: a softmax row is never all -inf).
-    longest = max(rows.row_lens)
-    allowed = torch.ones(longest, prefix + longest, dtype=torch.bool, device=q.device).tril(prefix)
-    mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
-    mask.masked_fill_(~allowed, -math.inf)
+    # (never none: a softmax row is never all -inf): lower-right causal.
+    mask = None
+    if not fused:
+        longest = max(rows.row_lens)
+        allowed = torch.ones(longest, prefix + longest, dtype=torch.bool, device=q.device)
+        mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
+        mask.masked_fill_(~allowed.tril(prefix), -math.inf)
     for start, length in zip(rows.row_starts, rows.row_lens, strict=True):
         if length:
             own = slice(start, start + length)
             keys = torch.cat([kv[:, :prefix], kv[:, own]], dim=1)
-            parts.append(attend(own, keys, mask[:length, : prefix + length]))
+            parts.append(
+                attend(own, keys, None if mask is None else mask[:length, : prefix + length])
+            )
     return torch.cat(parts)
