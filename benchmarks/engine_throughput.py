@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from hf_static import generate_static, without_early_stop
 
 ROOT = Path(__file__).resolve().parent.parent
 HF_BATCH = 16
@@ -90,39 +91,8 @@ def run_hf(model_dir: Path, threads: int) -> Callable[[list[dict[str, Any]]], di
 
     torch.set_num_threads(threads)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()
-    model.generation_config.eos_token_id = None  # like ignore_eos: run every requested token
-    model.generation_config.pad_token_id = 0
-
-    def run(requests: list[dict[str, Any]]) -> dict[str, Any]:
-        outputs: list[list[int]] = []
-        start = time.perf_counter()
-        for i in range(0, len(requests), HF_BATCH):
-            batch = requests[i : i + HF_BATCH]
-            width = max(len(r["prompt_token_ids"]) for r in batch)
-            ids = torch.zeros(len(batch), width, dtype=torch.long)
-            mask = torch.zeros(len(batch), width, dtype=torch.long)
-            for row, r in enumerate(batch):
-                p = r["prompt_token_ids"]
-                ids[row, width - len(p) :] = torch.tensor(p)
-                mask[row, width - len(p) :] = 1
-            new = max(r["max_tokens"] for r in batch)
-            with torch.no_grad():
-                out = model.generate(
-                    input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False
-                )
-            outputs += [
-                out[row, width : width + r["max_tokens"]].tolist() for row, r in enumerate(batch)
-            ]
-        elapsed = time.perf_counter() - start
-        # Only the tokens each request asked for are useful; padding work is the baseline's cost.
-        return {
-            "elapsed_s": elapsed,
-            "generated_tokens": sum(r["max_tokens"] for r in requests),
-            "outputs": outputs,
-        }
-
-    return run
+    without_early_stop(model.eval())
+    return lambda requests: generate_static(model, requests, HF_BATCH, sample=False)
 
 
 def run_vllm(

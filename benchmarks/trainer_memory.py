@@ -40,14 +40,7 @@ from venusrl.types import Trajectory
 QWEN3 = dict(vocab_size=151936, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960)
 SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-0.6b": {**PRESETS["qwen3-0.6b"], "tie_word_embeddings": True},
-    "qwen3-4b": dict(
-        QWEN3,
-        hidden_size=2560,
-        intermediate_size=9728,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        tie_word_embeddings=True,
-    ),
+    "qwen3-4b": {**PRESETS["qwen3-4b"], "tie_word_embeddings": True},
     "qwen3-32b": dict(
         QWEN3,
         hidden_size=5120,

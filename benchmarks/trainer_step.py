@@ -10,8 +10,16 @@ figure and their median the summary; absolute times are context only. The ranks'
 dealing the rows to them over pipes and their collectives (FSDP2's all-gathers and
 reduce-scatters over gloo), which is the overhead this measures.
 
+`--throughput` measures one trainer process on `--device` instead (a GPU's figure: the ranks take
+one GPU each): GRPO step tokens/s and model FLOPs utilisation, 6 x params x tokens / step time /
+`--peak-flops` (989e12: an H200's dense bf16), the median of `--steps` steps after one warm-up.
+One process trains in fp32 (`trainer.param_dtype` applies to the sharded ranks only), which the
+JSON says; the KL reference's forward (2 x params x tokens) is in the step but not counted.
+
     python benchmarks/trainer_step.py                      # micro, 32 rows, 8 pairs, 2 threads
     python benchmarks/trainer_step.py --preset tiny --pairs 6
+    python benchmarks/trainer_step.py --throughput --device cuda --preset qwen3-0.6b \
+        --rows 32 --tokens 1024 --prefix 0
 """
 
 from __future__ import annotations
@@ -30,7 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from venusrl.engine.model_dir import init_model_dir, load_model
+from venusrl.engine.model import ModelConfig
+from venusrl.engine.model_dir import QWEN3_DEFAULTS, build_model, init_model_dir, load_model
+from venusrl.engine.presets import PRESETS
 from venusrl.trainer.api import Trainer
 from venusrl.trainer.config import TrainerConfig
 from venusrl.trainer.ranks import RankedTrainer
@@ -112,6 +122,57 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def throughput(args: argparse.Namespace) -> dict[str, Any]:
+    """One trainer process on `args.device`: step tokens/s and model FLOPs utilisation."""
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    cfg = ModelConfig.from_hf({**QWEN3_DEFAULTS, **PRESETS[args.preset]})
+    model = build_model(cfg, device)  # made in place, not through a directory on disk
+    model.init_random(args.seed)
+    trainer = GRPOTrainer(model, TrainerConfig(device=args.device))
+    batches = [
+        batch(args.seed + i, args.rows, args.prefix, args.tokens, cfg.vocab_size)
+        for i in range(args.steps + 1)
+    ]
+
+    def timed_step(trajectories: list[Trajectory], advantages: list[float]) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        trainer.step(trajectories, advantages)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - started
+
+    warm_up_s = timed_step(*batches[0])  # freezes the KL reference; kernels and allocator warm
+    seconds = [timed_step(*b) for b in batches[1:]]
+    # The positions the forward and backward run over (a row's last token is only a target); a
+    # prefix shared by the rows of a micro-batch is computed once but counted per row.
+    tokens = [sum(len(t.token_ids) - 1 for t in trajectories) for trajectories, _ in batches[1:]]
+    per_s = [n / t for n, t in zip(tokens, seconds, strict=True)]
+    return {
+        "mode": "throughput",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "preset": args.preset,
+        "params": cfg.num_params,
+        "compute_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "rows": args.rows,
+        "tokens_per_step": tokens,
+        "shared_prefix_tokens": args.prefix,
+        "kl_reference_forward": trainer.config.kl_coef > 0,
+        "warm_up_s": round(warm_up_s, 3),
+        "step_s": [round(t, 4) for t in seconds],
+        "tokens_per_s": round(statistics.median(per_s), 1),
+        "peak_flops": args.peak_flops,
+        "mfu": round(statistics.median(6 * cfg.num_params * r / args.peak_flops for r in per_s), 6),
+        "peak_memory_gb": (
+            round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
+            if device.type == "cuda"
+            else None
+        ),
+    }
+
+
 def _ratios(times: dict[str, list[float]]) -> dict[str, Any]:
     ratios = [r / o for o, r in zip(times["one_s"], times["ranks_s"], strict=True)]
     return {
@@ -131,7 +192,30 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2, help="total: 2 ranks get half each")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--throughput", action="store_true", help="one process on --device: tokens/s and MFU"
+    )
+    parser.add_argument("--device", default="cpu", help="with --throughput")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps, with --throughput")
+    parser.add_argument("--peak-flops", type=float, default=989e12, help="with --throughput")
     args = parser.parse_args()
+    if args.throughput:
+        if args.preset not in PRESETS:
+            parser.error(f"--preset: unknown {args.preset!r}; presets: {', '.join(PRESETS)}")
+        if args.steps < 1 or args.rows < 1 or args.tokens <= args.prefix:
+            parser.error("need --steps >= 1, --rows >= 1 and --tokens > --prefix")
+        if not args.peak_flops > 0:
+            parser.error("--peak-flops must be > 0")
+        try:
+            device = torch.device(args.device)
+        except RuntimeError as e:
+            parser.error(f"--device: {e}")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            parser.error("--device cuda: no CUDA device here")
+        print(json.dumps(throughput(args), indent=1))
+        return
+    if args.device != "cpu":
+        parser.error("--device: the ranks comparison runs on the CPU; --throughput for a GPU")
     if args.threads < 2 or args.threads % 2:
         parser.error("--threads must be even and >= 2: each of the 2 ranks gets half")
     if args.rows < 2 or args.pairs < 1 or args.tokens <= args.prefix:

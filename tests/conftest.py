@@ -18,6 +18,14 @@ import torch
 # Two cores: oversubscribing threads makes timings (and test time) 10x worse.
 torch.set_num_threads(int(os.environ.get("VENUSRL_TEST_THREADS", "1")))
 
+# Where the engine tests that also hold on a GPU run (parity with transformers, the triton
+# backend, decode graphs): `VENUSRL_TEST_DEVICE=cuda` runs them there (benchmarks/gpu_check.sh),
+# and `VENUSRL_TEST_ATTENTION=triton` puts the parity tests on the triton backend.
+TEST_DEVICE = torch.device(os.environ.get("VENUSRL_TEST_DEVICE", "cpu"))
+TEST_ATTENTION = os.environ.get("VENUSRL_TEST_ATTENTION", "torch")
+if TEST_DEVICE.type == "cuda" and not torch.cuda.is_available():
+    raise pytest.UsageError("VENUSRL_TEST_DEVICE=cuda, but torch sees no CUDA device")
+
 
 def write_hf_model(path: Path, model_type: str, seed: int = 0, **overrides: Any) -> Path:
     """A random-weight model saved by `transformers` itself: the reference for parity tests.

@@ -1,6 +1,6 @@
 """Decode graphs' CPU-side logic: buckets, and persistent buffers overwritten in place each step,
 padded so that extra rows touch only the padding page. The capture and replay themselves need
-CUDA and are untested here."""
+CUDA: the engine test below captures and replays with `VENUSRL_TEST_DEVICE=cuda`."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import TEST_DEVICE
 from tests.engine.test_engine import engine_for
 from venusrl.engine.attention import DecodeBatch, PrefillSpan, StepBatch
 from venusrl.engine.decode_graphs import DecodeGraphs, bucket_for, buckets_up_to
@@ -80,14 +81,15 @@ def test_each_step_overwrites_the_buffers_and_pads_extra_rows_onto_the_padding_p
 
 def test_an_engine_with_decode_graphs_generates_what_one_without_does(tiny_qwen3: Path) -> None:
     """Batches that shrink as requests finish move between buckets; on a CPU the padded buffers
-    run eagerly, so this checks their bookkeeping, not the capture."""
+    run eagerly, so this checks their bookkeeping, not the capture (which CUDA does)."""
     prompts = [list(range(5, 5 + n)) for n in (3, 11, 6, 9, 4)]
     params = [
         SamplingParams(max_tokens=m, temperature=t, seed=7, ignore_eos=True)
         for m, t in ((3, 0), (9, 1.0), (5, 0.7), (12, 0), (7, 1.0))
     ]
-    plain = engine_for(tiny_qwen3, max_context=64).generate(prompts, params)
-    engine = engine_for(tiny_qwen3, max_context=64, cuda_graphs=True, max_running=6)
+    device = str(TEST_DEVICE)
+    plain = engine_for(tiny_qwen3, max_context=64, device=device).generate(prompts, params)
+    engine = engine_for(tiny_qwen3, max_context=64, cuda_graphs=True, max_running=6, device=device)
     assert engine.graphs is not None
     graphed = engine.generate(prompts, params)
     assert sorted(engine.graphs._by_rows) == [1, 2, 4, 6]  # buckets used as the batch shrank

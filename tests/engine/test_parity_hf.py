@@ -2,7 +2,10 @@
 with and without prefix-cache hits and preemption; log-probabilities agree to 1e-4.
 
 Every shape has a RoPE base other than 10,000, saved by the installed `transformers` in whichever
-form it writes (5.x nests it in `rope_parameters`), so a loader that misses it fails here."""
+form it writes (5.x nests it in `rope_parameters`), so a loader that misses it fails here.
+
+Both models run in fp32 on `VENUSRL_TEST_DEVICE`, ours on the `VENUSRL_TEST_ATTENTION` backend
+(CPU and torch by default; benchmarks/gpu_check.sh runs them on CUDA)."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import write_hf_model
+from tests.conftest import TEST_ATTENTION, TEST_DEVICE, write_hf_model
 from venusrl.engine import batch as batch_module
 from venusrl.engine.config import EngineConfig
 from venusrl.engine.engine import Engine
@@ -77,7 +80,12 @@ def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 def reference(model_dir: Path) -> Any:
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return hf.to(TEST_DEVICE).eval()
+
+
+def engine_config(**overrides: Any) -> EngineConfig:
+    return EngineConfig(device=str(TEST_DEVICE), attention_backend=TEST_ATTENTION, **overrides)
 
 
 def prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
@@ -92,18 +100,18 @@ def reference_tokens(hf: Any, prompt: list[int], n: int = NEW_TOKENS) -> list[in
     """HF greedy generation that, like `ignore_eos`, neither stops at nor suppresses EOS."""
     hf.generation_config.eos_token_id = None
     out = hf.generate(
-        torch.tensor([prompt]),
+        torch.tensor([prompt], device=hf.device),
         max_new_tokens=n,
         do_sample=False,
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=hf.device),
     )
     return out[0, len(prompt) :].tolist()
 
 
 def reference_logprobs(hf: Any, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    ids = torch.tensor([prompt + tokens])
+    ids = torch.tensor([prompt + tokens], device=hf.device)
     with torch.no_grad():
-        logits = hf(ids).logits[0, len(prompt) - 1 : -1].float()
+        logits = hf(ids).logits[0, len(prompt) - 1 : -1].float().cpu()
     return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
 
 
@@ -128,7 +136,7 @@ def run_checked(
 
 
 def test_greedy_matches_transformers_token_for_token(model_dir: Path, reference: Any) -> None:
-    engine = Engine.from_model_dir(model_dir, EngineConfig(page_size=4, device_kv_pages=256))
+    engine = Engine.from_model_dir(model_dir, engine_config(page_size=4, device_kv_pages=256))
     batch = prompts(0, (3, 17, 40, 64))
     for prompt, out in zip(batch, run_checked(engine, batch), strict=True):
         assert out.cached_prompt_tokens == 0
@@ -136,7 +144,7 @@ def test_greedy_matches_transformers_token_for_token(model_dir: Path, reference:
 
 
 def test_greedy_parity_holds_with_prefix_cache_hits(model_dir: Path, reference: Any) -> None:
-    engine = Engine.from_model_dir(model_dir, EngineConfig(page_size=4, device_kv_pages=256))
+    engine = Engine.from_model_dir(model_dir, engine_config(page_size=4, device_kv_pages=256))
     shared = prompts(1, (30,))[0]
     run_checked(engine, [shared])
     # A later turn (context + new tokens) and a sibling (same prompt) both hit the cache.
@@ -152,7 +160,7 @@ def test_siblings_decoding_through_shared_prefix_attention_match_transformers(
 ) -> None:
     # Force the cascade path (shared prefix attended once per group) even for short prompts.
     monkeypatch.setattr(batch_module, "CASCADE_MIN_SAVED_TOKENS", 0)
-    engine = Engine.from_model_dir(model_dir, EngineConfig(page_size=4, device_kv_pages=256))
+    engine = Engine.from_model_dir(model_dir, engine_config(page_size=4, device_kv_pages=256))
     used = []
     build = engine.batches._decode
     monkeypatch.setattr(engine.batches, "_decode", lambda rows: used.append(b := build(rows)) or b)
@@ -167,7 +175,7 @@ def test_siblings_decoding_through_shared_prefix_attention_match_transformers(
 def test_greedy_parity_holds_across_preemption(model_dir: Path, reference: Any) -> None:
     # 24 pages x 4 tokens cannot hold three sequences of ~40 + 32 tokens: some are preempted
     # mid-generation and resumed from the prefix cache plus recomputation.
-    cfg = EngineConfig(page_size=4, device_kv_pages=49, max_context=192, token_budget=64)
+    cfg = engine_config(page_size=4, device_kv_pages=49, max_context=192, token_budget=64)
     engine = Engine.from_model_dir(model_dir, cfg)
     batch = prompts(3, (41, 38, 45))
     outs = run_checked(engine, batch)
@@ -178,7 +186,7 @@ def test_greedy_parity_holds_across_preemption(model_dir: Path, reference: Any) 
 
 def test_high_priority_request_preempts_and_still_matches(model_dir: Path, reference: Any) -> None:
     # 32 pages x 4 tokens: the urgent request cannot be admitted beside both running ones.
-    cfg = EngineConfig(page_size=4, device_kv_pages=33, max_context=128, token_budget=64)
+    cfg = engine_config(page_size=4, device_kv_pages=33, max_context=128, token_budget=64)
     engine = Engine.from_model_dir(model_dir, cfg)
     low = [engine.add_request(p, GREEDY, TurnMeta(priority=0)) for p in prompts(4, (40, 44))]
     for _ in range(6):

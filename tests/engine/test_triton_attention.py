@@ -1,7 +1,7 @@
 """The triton backend attends exactly what the torch backend does (fp32 tolerance), reading pages
 in place: random page tables (out of order, shared between rows), context lengths, GQA ratios,
 batch sizes, split-KV, shared-prefix groups and prefill spans over a cached prefix. The kernels
-run in Triton's interpreter on the CPU; on CUDA they are untested here."""
+run in Triton's interpreter on the CPU, compiled on CUDA with `VENUSRL_TEST_DEVICE=cuda`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import importlib
 import itertools
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -18,6 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import TEST_DEVICE
 from venusrl.engine.attention import (
     DecodeBatch,
     PrefillSpan,
@@ -33,11 +35,17 @@ from venusrl.engine.config import EngineConfig
 from venusrl.engine.engine import Engine
 from venusrl.types import SamplingParams
 
+INTERPRETED = TEST_DEVICE.type == "cpu"
+
 
 def _interpreted_kernels() -> ModuleType:
     """Triton decides when a function is decorated (its own `tl.*` helpers included, at its
     import) whether it is interpreted, so the flag is set only while triton and the kernels are
-    imported, and the environment is restored after: no other test sees it."""
+    imported, and the environment is restored after: no other test sees it. On CUDA they
+    compile."""
+    if not INTERPRETED:
+        pytest.importorskip("triton", reason="triton is not installed (the `gpu` or `dev` extra)")
+        return importlib.import_module("venusrl.engine.triton_attention")
     if "triton" in sys.modules and "TRITON_INTERPRET" not in os.environ:
         reason = "triton was imported before TRITON_INTERPRET could be set"
         pytest.skip(reason, allow_module_level=True)
@@ -62,7 +70,8 @@ kernels = _interpreted_kernels()
 @pytest.fixture(autouse=True)
 def _interpreting(monkeypatch: pytest.MonkeyPatch) -> None:
     """The interpreter reads the flag again while kernels run; set for this module's tests only."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if INTERPRETED:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 NUM_PAGES = 12  # a small pool, so that rows drawing pages at random share some
@@ -140,8 +149,8 @@ def steps(draw: st.DrawFn) -> tuple[dict[str, int], StepBatch]:
         pages = _pages(draw, -(-(start + n) // ps))
         row = len(slots)
         slots += [pages[p // ps] * ps + p % ps for p in range(start, start + n)]
-        cpu = torch.device("cpu")
-        mask = causal_mask(start, n, group, cpu) if needs_prefill_mask(cpu) else None
+        dev = TEST_DEVICE
+        mask = causal_mask(start, n, group, dev) if needs_prefill_mask(dev) else None
         spans.append(PrefillSpan(row, n, torch.tensor(pages), start + n, mask))
     tokens = len(slots)
     batch = StepBatch(
@@ -152,7 +161,28 @@ def steps(draw: st.DrawFn) -> tuple[dict[str, int], StepBatch]:
         decode=decode,
         prefills=tuple(spans),
     )
-    return layout, batch
+    return layout, _on_test_device(batch)
+
+
+def _on_test_device(batch: StepBatch) -> StepBatch:
+    """The step's tensors moved where the kernels run (drawn on the CPU)."""
+
+    def to(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(TEST_DEVICE)
+
+    d = batch.decode
+    if d is not None:
+        groups = tuple(replace(g, rows=to(g.rows), pages=to(g.pages)) for g in d.prefix_groups)
+        d = replace(d, pages=to(d.pages), lengths=to(d.lengths), key_mask=to(d.key_mask),
+                    prefix_groups=groups)  # fmt: skip
+    return StepBatch(
+        input_ids=batch.input_ids.to(TEST_DEVICE),
+        positions=batch.positions.to(TEST_DEVICE),
+        slots=batch.slots.to(TEST_DEVICE),
+        logits_rows=batch.logits_rows.to(TEST_DEVICE),
+        decode=d,
+        prefills=tuple(replace(s, pages=to(s.pages), mask=to(s.mask)) for s in batch.prefills),
+    )
 
 
 def _inputs(layout: dict[str, int], tokens: int, seed: int) -> list[torch.Tensor]:
@@ -160,10 +190,13 @@ def _inputs(layout: dict[str, int], tokens: int, seed: int) -> list[torch.Tensor
     kv_heads, dim, ps = layout["kv_heads"], layout["dim"], layout["page_size"]
     heads = kv_heads * layout["group"]
     return [
-        torch.randn(tokens, heads, dim, generator=gen),
-        torch.randn(tokens, kv_heads, dim, generator=gen),
-        torch.randn(tokens, kv_heads, dim, generator=gen),
-        torch.randn(2, kv_heads, NUM_PAGES, ps, dim, generator=gen),
+        t.to(TEST_DEVICE)
+        for t in (
+            torch.randn(tokens, heads, dim, generator=gen),
+            torch.randn(tokens, kv_heads, dim, generator=gen),
+            torch.randn(tokens, kv_heads, dim, generator=gen),
+            torch.randn(2, kv_heads, NUM_PAGES, ps, dim, generator=gen),
+        )
     ]
 
 
@@ -207,6 +240,7 @@ def test_split_kv_merged_by_log_sum_exp_equals_one_pass(
     lengths = torch.randint(1, max_len + 1, (rows,), generator=gen, dtype=torch.int32)
     q = torch.randn(rows, layout["kv_heads"], layout["group"], layout["dim"], generator=gen)
     layer_kv = torch.randn(2, layout["kv_heads"], NUM_PAGES, ps, layout["dim"], generator=gen)
+    q, layer_kv, pages, lengths = (t.to(TEST_DEVICE) for t in (q, layer_kv, pages, lengths))
     whole, whole_lse = kernels.paged_decode(q, layer_kv, pages, lengths, split_tokens=10_000)
     split, split_lse = kernels.paged_decode(q, layer_kv, pages, lengths, split_tokens=16)
     torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
@@ -214,7 +248,7 @@ def test_split_kv_merged_by_log_sum_exp_equals_one_pass(
     # The lse is that of the scaled scores over each row's keys, read through its pages.
     kv = layer_kv[:, :, pages].flatten(3, 4)  # [2, kv_heads, rows, width * ps, dim]
     scores = torch.einsum("rhgd,hrnd->rhgn", q, kv[0]) / layout["dim"] ** 0.5
-    beyond = torch.arange(width * ps)[None, :] >= lengths[:, None]
+    beyond = torch.arange(width * ps, device=TEST_DEVICE)[None, :] >= lengths[:, None]
     scores.masked_fill_(beyond[:, None, None], float("-inf"))
     torch.testing.assert_close(whole_lse, scores.logsumexp(-1), rtol=1e-5, atol=1e-5)
 
@@ -224,13 +258,15 @@ def test_an_engine_on_the_triton_backend_generates_what_the_torch_backend_does(
 ) -> None:
     """Prefill chunks (a 12-token budget splits prompts), a cached prefix, decode rows and
     mixed steps, end to end through the model: the same greedy tokens and logprobs; also with
-    decode steps on the padded buffers of `engine.cuda_graphs` (run eagerly on a CPU)."""
+    decode steps on the padded buffers of `engine.cuda_graphs` (run eagerly on a CPU, captured
+    and replayed on CUDA)."""
     prompts = [list(range(5, 5 + n)) for n in (3, 17, 9)] + [[*range(5, 5 + 17), 40, 41]]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     outputs = []
     for backend, graphs in (("torch", False), ("triton", False), ("triton", True)):
         config = EngineConfig(page_size=4, device_kv_pages=256, token_budget=12, max_context=64,
-                              attention_backend=backend, cuda_graphs=graphs)  # fmt: skip
+                              attention_backend=backend, cuda_graphs=graphs,
+                              device=str(TEST_DEVICE))  # fmt: skip
         engine = Engine.from_model_dir(tiny_qwen3, config)
         if backend == "triton":
             assert engine.model.layers[0].attention is kernels.triton_paged_attention
@@ -247,7 +283,7 @@ def test_auto_picks_torch_on_a_cpu_and_triton_refuses_one_by_name(
 ) -> None:
     cpu = torch.device("cpu")
     assert attention_backend("auto", cpu) is paged_attention
-    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match=r"engine\.attention_backend=triton needs a CUDA"):
         attention_backend("triton", cpu)
 

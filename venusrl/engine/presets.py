@@ -47,4 +47,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_theta=1000000.0,
         max_position_embeddings=40960,
     ),
+    # Qwen/Qwen3-4B's config.json (tied embeddings, as QWEN3_DEFAULTS): the engine's and
+    # trainer's GPU benchmarks' second shape.
+    "qwen3-4b": dict(
+        vocab_size=151936,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+    ),
 }

@@ -1,0 +1,186 @@
+#!/usr/bin/env bash
+# The one prepared GPU check of issues 31 (the engine on a GPU) and 32 (the trainer's GPU figure):
+# everything a session with one H200 has to run, in <= 7 minutes, results as files.
+#
+# With the device tool (torch 2.11 CUDA 13, triton, transformers there; no pydantic, no network):
+#   1. here, once:  bash benchmarks/gpu_wheels.sh     # pydantic & co. into .whl/ (git-ignored)
+#   2. run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=540)
+#   Back from $OUT: gpu_check.log (every part's stderr, what was skipped, a summary at the end,
+#   also printed), parity.log, engine-qwen3-0.6b.json, engine-qwen3-4b.json (engine_gpu.py,
+#   written after each section), trainer.json (trainer_step.py --throughput), kv_transfer.json.
+# Here, the same pipeline at tiny sizes on the CPU (~2-3 minutes on 2 cores):
+#   bash benchmarks/gpu_check.sh --cpu                # results in runs/gpu_check/ unless $OUT
+#
+# The parts, in order, each under its own timeout, and what each should cost on an H200 (guesses:
+# this has never run on a GPU). A part starts only while 20 s of the budget (GPU_BUDGET_S, 420)
+# are left, and its timeout is cut to what is left, so the whole stays within the budget.
+#   wheels         .whl/ into /tmp/site                                              ~5 s   cap  30
+#   parity         pytest, CUDA fp32: parity with transformers (5 shapes, prefix hits,
+#                  preemption), triton kernels against the torch backend (compiles
+#                  every shape hypothesis draws), decode graphs captured and replayed  ~60 s   cap  90
+#   engine 0.6B    engine_gpu.py: 32 groups x 8, ~1K prompt, 64-512 tokens, bf16:
+#                  warm-up (Triton compiles) ~15 s, engine ~40-80 s, profile ~5 s,
+#                  HF generate in batches of 64 ~30-40 s                              ~120 s  cap 150
+#   trainer        0.6B shape, one process, 16 rows x ~1K tokens, 3 steps + warm-up    ~25 s   cap  50
+#   kv transfer    0.6B shape: host<->device page copies; decode with half the layers
+#                  streamed against all on device (8 requests x 2K context)           ~30 s   cap  50
+#   engine 4B      as the 0.6B part                                                  ~150 s  cap 180
+#   parity triton  the parity tests again on the triton backend                        ~30 s   cap  60
+# An engine part that fails (not one that times out) runs again once on the torch backend
+# without CUDA graphs, so that a failing kernel or capture still leaves throughput figures.
+#
+# Env: ATTENTION_BACKEND (auto: triton on CUDA), CUDA_GRAPHS (1; 0 for off), GPU_BUDGET_S (420),
+# PYTHON (python3; the checkout's .venv/ with --cpu).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT="$PWD"
+
+cpu=0
+[ "${1:-}" = "--cpu" ] && cpu=1
+out="${OUT:-runs/gpu_check}"
+mkdir -p "$out"
+log="$out/gpu_check.log"
+: >"$log"
+budget="${GPU_BUDGET_S:-420}"
+backend="${ATTENTION_BACKEND:-auto}"
+graphs=()
+[ "${CUDA_GRAPHS:-1}" = "1" ] && graphs=(--cuda-graphs)
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
+if [ "$cpu" = 1 ]; then
+  venv=".venv/bin/python"
+  [ -x "$venv" ] || venv="$(git rev-parse --git-common-dir)/../.venv/bin/python"  # a worktree
+  python="${PYTHON:-$venv}"
+  device=cpu
+  export OMP_NUM_THREADS=1 VENUSRL_TEST_THREADS=1
+else
+  python="${PYTHON:-python3}"
+  device=cuda
+fi
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+
+say() { echo "[gpu_check $(date -u +%T) +${SECONDS}s] $*" | tee -a "$log"; }
+
+# run_part NAME CAP_S STDOUT_FILE CMD...: CMD under `timeout`, its stdout to STDOUT_FILE and its
+# stderr to the log; skipped when the budget is spent. Returns CMD's status (124: timed out).
+run_part() {
+  local name="$1" cap="$2" stdout="$3"
+  shift 3
+  local left=$((budget - SECONDS))
+  if [ "$left" -lt 20 ]; then
+    say "$name: skipped, ${left}s of the ${budget}s budget left"
+    return 125
+  fi
+  local limit=$((cap < left ? cap : left))
+  say "$name: start (timeout ${limit}s): $*"
+  local started=$SECONDS status
+  timeout --kill-after=10 "$limit" "$@" >"$stdout" 2>>"$log"
+  status=$?
+  say "$name: exit $status after $((SECONDS - started))s$([ $status = 124 ] && echo ' (TIMED OUT)')"
+  return $status
+}
+
+# engine LABEL CAP_S ARGS...: engine_gpu.py into engine-LABEL.json on $backend (ARGS may say
+# otherwise), and if that failed, once more on the torch backend without graphs.
+engine() {
+  local label="$1" cap="$2"
+  shift 2
+  local cmd=("$python" benchmarks/engine_gpu.py --out "$out/engine-$label.json")
+  run_part "engine $label" "$cap" /dev/null "${cmd[@]}" --attention-backend "$backend" \
+    "${graphs[@]}" "$@"
+  local status=$?
+  if [ $status != 0 ] && [ $status != 124 ] && [ $status != 125 ]; then
+    say "engine $label: failed (see above); once more on the torch backend without graphs"
+    run_part "engine $label (torch)" "$cap" /dev/null "${cmd[@]}" "$@" --attention-backend torch
+  fi
+}
+
+say "mode: $([ $cpu = 1 ] && echo cpu || echo gpu), python: $python, results: $out"
+if [ -d .whl ] && [ "$cpu" = 0 ]; then
+  # The GPU image lacks pydantic (every config section is a pydantic model).
+  run_part wheels 30 /dev/null python3 -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site:$PYTHONPATH"
+elif [ "$cpu" = 1 ]; then
+  say "wheels: not installed in --cpu mode (.venv/ has them; .whl/ holds cp312 builds)"
+else
+  say "wheels: no .whl/ here (bash benchmarks/gpu_wheels.sh, then carry [\".whl\"]); going on"
+fi
+"$python" - <<'EOF' 2>&1 | tee -a "$log"
+import torch, transformers
+cuda = torch.cuda.is_available()
+print("torch", torch.__version__, "transformers", transformers.__version__, "cuda", cuda,
+      torch.cuda.get_device_name() if cuda else "")
+EOF
+
+pytest=("$python" -m pytest -p no:cacheprovider -q --timeout 120)
+parity=(tests/engine/test_parity_hf.py tests/engine/test_decode_graphs.py)
+if [ "$cpu" = 1 ]; then
+  # The kernels' own tests already run interpreted in the default suite (~1 minute here); the
+  # engine-level triton parity below is the pipeline's check of the backend on the CPU.
+  VENUSRL_TEST_DEVICE=cpu run_part parity 300 "$out/parity.log" "${pytest[@]}" "${parity[@]}"
+  engine tiny 120 --cpu
+  # The triton backend and graphs' padded buffers at the smallest sizes: interpreted kernels
+  # run at ~1 token/s.
+  TRITON_INTERPRET=1 engine tiny-triton 120 --cpu --sections engine --attention-backend triton \
+    --groups 2 --group-size 2 --prompt-tokens 16 --output-tokens 2,4
+  run_part trainer 60 "$out/trainer.json" "$python" benchmarks/trainer_step.py --throughput \
+    --device cpu --preset micro --rows 8 --tokens 160 --prefix 32 --steps 2 --threads 1
+  run_part "kv transfer" 60 "$out/kv_transfer.json" "$python" benchmarks/kv_transfer.py \
+    --device cpu --preset micro --requests 3 --context 64 --steps 4 --pages 16 --repeats 2 \
+    --threads 1
+  # Interpreted, one shape (~25 s a test): prefill over a cached prefix, siblings' cascade.
+  TRITON_INTERPRET=1 VENUSRL_TEST_DEVICE=cpu VENUSRL_TEST_ATTENTION=triton \
+    run_part "parity triton" 300 "$out/parity-triton.log" "${pytest[@]}" \
+    tests/engine/test_parity_hf.py -k "qwen3-gqa2 and (prefix_cache_hits or siblings)"
+else
+  VENUSRL_TEST_DEVICE=cuda run_part parity 90 "$out/parity.log" "${pytest[@]}" "${parity[@]}" \
+    tests/engine/test_triton_attention.py
+  engine qwen3-0.6b 150 --presets qwen3-0.6b
+  run_part trainer 50 "$out/trainer.json" "$python" benchmarks/trainer_step.py --throughput \
+    --device cuda --preset qwen3-0.6b --rows 16 --tokens 1024 --prefix 0 --steps 3 --threads 4
+  run_part "kv transfer" 50 "$out/kv_transfer.json" "$python" benchmarks/kv_transfer.py \
+    --device cuda --preset qwen3-0.6b --requests 8 --context 2048 --steps 16 --pages 512 \
+    --repeats 5 --threads 4
+  engine qwen3-4b 180 --presets qwen3-4b
+  VENUSRL_TEST_DEVICE=cuda VENUSRL_TEST_ATTENTION=triton \
+    run_part "parity triton" 60 "$out/parity-triton.log" "${pytest[@]}" \
+    tests/engine/test_parity_hf.py
+fi
+
+say "summary (the files in $out have everything):"
+"$python" - "$out" <<'EOF' 2>&1 | tee -a "$log"
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+for log in sorted(out.glob("parity*.log")):
+    lines = log.read_text().strip().splitlines()
+    print(f"{log.name}: {lines[-1] if lines else '(empty)'}")
+for path in sorted(out.glob("engine-*.json")):
+    report = json.loads(path.read_text())
+    for preset, r in report["presets"].items():
+        e, hf = r.get("engine", {}), r.get("hf", {})
+        fraction = e.get("roofline", {}).get("fraction", {}).get("median")
+        print(f"{path.name} {preset} backend={report['attention_backend']}"
+              f" graphs={report['cuda_graphs']}: {e.get('output_tokens_per_s')} tok/s,"
+              f" roofline median {fraction} over {e.get('roofline', {}).get('steps')} steps,"
+              f" graph steps {e.get('graph_decode_steps')}/{e.get('decode_steps')},"
+              f" HF {hf.get('output_tokens_per_s')} tok/s, x{r.get('speedup_vs_hf')},"
+              f" logprobs finite {e.get('logprobs_finite')}")
+        for op in r.get("profile", {}).get("ops", [])[:5]:
+            print(f"    {op['share']:6.1%} {op['ms_per_step']:8.3f} ms/step  {op['op'][:70]}")
+for name in ("trainer.json", "kv_transfer.json"):
+    path = out / name
+    try:
+        r = json.loads(path.read_text())
+    except (OSError, ValueError):
+        print(f"{name}: none")
+        continue
+    if name == "trainer.json":
+        print(f"trainer {r['preset']} {r['compute_dtype']}: {r['tokens_per_s']} tok/s,"
+              f" MFU {r['mfu']:.4f} of {r['peak_flops']:.3g} FLOP/s")
+    else:
+        c, d = r["copies"], r["decode"]
+        print(f"kv transfer: to_host {c['to_host']['gb_per_s']} GB/s, to_device"
+              f" {c['to_device']['gb_per_s']} GB/s, one layer {c['one_layer_from_host']['gb_per_s']}"
+              f" GB/s; banded/resident step {d['step_time_ratio']}, identical {r['outputs_identical']}")
+EOF
+say "done in ${SECONDS}s"
