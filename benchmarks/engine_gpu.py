@@ -20,7 +20,7 @@ at once. Sections (`--sections`):
     python benchmarks/engine_gpu.py --cpu      # tiny sizes on the CPU (seconds): the same code
         [--presets a,b] [--sections engine,hf,profile] [--attention-backend torch|triton|auto]
         [--cuda-graphs] [--groups 32] [--group-size 8] [--prompt-tokens 1024]
-        [--output-tokens 64,512] [--hf-batch 64] [--peak-bandwidth 4.8e12]
+        [--output-tokens 64,512] [--hf-batch 128] [--peak-bandwidth 4.8e12]
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         group_size=8,
         prompt_tokens=1024,
         output_tokens="64,512",
-        hf_batch=64,
+        hf_batch=128,  # 2 batches: a bigger static batch is HF's better figure; 256 risked OOM
         profile_steps=5,
         roofline_min_batch=64,
     ),
@@ -137,6 +137,7 @@ def hf_twin(preset: str, model: CausalLM) -> Any:
     config = transformers.AutoConfig.for_model("qwen3", **hf)
     with torch.device(weight.device):
         twin = transformers.AutoModelForCausalLM.from_config(config, dtype=weight.dtype)
+    twin.to(weight.dtype)  # a transformers older than `dtype=` would have made it fp32
     missing, unexpected = twin.load_state_dict(model.hf_state_dict(), strict=False)
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
     if unexpected or set(missing) - tied:
@@ -154,7 +155,7 @@ class Step:
     seconds: float
     decode_rows: int
     prefill_tokens: int
-    kv_tokens_read: int  # keys (of all layers) the step's decode attention must read
+    kv_tokens_read: int  # keys per layer the step's decode attention must read
     cascade: bool  # a shared prefix attended once per group
     graph: bool  # replayed from a CUDA graph
 
@@ -248,21 +249,18 @@ def warm_up(engine: Engine, requests: Sequence[dict[str, Any]], group_size: int)
 
 
 def percentiles(values: Sequence[float]) -> dict[str, float]:
+    """Spread of `values`, to 4 significant digits (a CPU's roofline fractions are ~1e-4)."""
     q = np.percentile(values, [0, 10, 25, 50, 75, 90, 100])
-    return dict(
-        zip(
-            ("min", "p10", "p25", "median", "p75", "p90", "max"),
-            (round(float(v), 4) for v in q),
-            strict=True,
-        )
-    )
+    names = ("min", "p10", "p25", "median", "p75", "p90", "max")
+    return {name: float(f"{v:.4g}") for name, v in zip(names, q, strict=True)}
 
 
 def run_engine(
     engine: Engine, requests: Sequence[dict[str, Any]], args: argparse.Namespace
-) -> tuple[dict[str, Any], list[list[int]]]:
+) -> dict[str, Any]:
     stepped = SteppedEngine(engine)
     before = engine.counters()
+    graphs_before = len(engine.graphs._by_rows) if engine.graphs is not None else 0
     ids = [engine.add_request(r["prompt_token_ids"], params_of(r)).request_id for r in requests]
     steps: list[Step] = []
     start = time.perf_counter()
@@ -319,6 +317,11 @@ def run_engine(
         "decode_steps": len(decode),
         "cascade_decode_steps": sum(s.cascade for s in decode),
         "graph_decode_steps": sum(s.graph for s in decode),
+        # Graphs are captured the first time a batch size's bucket runs; these were captured
+        # inside the timed run, their cost in its figures.
+        "graph_buckets_captured_in_run": (
+            len(engine.graphs._by_rows) - graphs_before if engine.graphs is not None else 0
+        ),
         "decode_step_ms": percentiles([1e3 * s.seconds for s in decode]) if decode else None,
         "time_in_steps_with_prefill_s": round(sum(s.seconds for s in steps if s.prefill_tokens), 3),
         "prefix_hit_ratio": round(counted["cached_prompt_tokens"] / counted["prompt_tokens"], 4),
@@ -326,18 +329,16 @@ def run_engine(
         "logprobs_finite": all(math.isfinite(lp) for lp in logprobs),
         "roofline": roofline,
     }
-    return report, [o.token_ids for o in outs]
+    return report
 
 
-def top_ops(
-    engine: Engine, requests: Sequence[dict[str, Any]], steps: int, rows: int
-) -> dict[str, Any]:
-    """torch.profiler over `steps` pure decode steps of `rows` requests (the first of the
-    workload, their prompts cached), after two unprofiled ones."""
+def top_ops(engine: Engine, requests: Sequence[dict[str, Any]], steps: int) -> dict[str, Any]:
+    """torch.profiler over `steps` pure decode steps of the whole workload at once (its prompts
+    cached by the engine section, else computed first), after two unprofiled ones."""
     from torch.profiler import ProfilerActivity, profile
 
     device = engine.device
-    chosen = [dict(r, max_tokens=steps + 4) for r in requests[:rows]]
+    chosen = [dict(r, max_tokens=steps + 4) for r in requests]
     ids = [engine.add_request(r["prompt_token_ids"], params_of(r)).request_id for r in chosen]
     while engine.waiting or any(r.num_computed < r.num_tokens - 1 for r in engine.running):
         engine.step()  # prefill until every row decodes
@@ -369,7 +370,7 @@ def top_ops(
     total_us = sum(getattr(e, field) for e in events)
     return {
         "steps": steps,
-        "rows": rows,
+        "rows": len(chosen),
         "wall_s_per_step": round(profiled_s / steps, 5),
         "by": field,
         "total_ms_per_step": round(total_us / 1e3 / steps, 3),
@@ -420,14 +421,16 @@ def run_preset(preset: str, args: argparse.Namespace, report: dict[str, Any], do
         done("warm-up")
     if "engine" in args.sections:
         assert engine is not None
-        report["engine"], _ = run_engine(engine, requests, args)
+        report["engine"] = run_engine(engine, requests, args)
         done("engine")
     if "profile" in args.sections:
         assert engine is not None
-        rows = min(len(requests), max(args.roofline_min_batch, args.group_size))
-        report["profile"] = top_ops(engine, requests, args.profile_steps, rows)
+        report["profile"] = top_ops(engine, requests, args.profile_steps)
         done("profile")
     del engine
+    gc.collect()  # the engine's KV pool goes before HF's cache comes (a cycle holds it)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     if "hf" in args.sections:
         twin = hf_twin(preset, model)
         del model  # only the twin's weights are needed from here

@@ -5,27 +5,35 @@
 # With the device tool (torch 2.11 CUDA 13, triton, transformers there; no pydantic, no network):
 #   1. here, once:  bash benchmarks/gpu_wheels.sh     # pydantic & co. into .whl/ (git-ignored)
 #   2. run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=540)
-#   Back from $OUT: gpu_check.log (every part's stderr, what was skipped, a summary at the end,
-#   also printed), parity.log, engine-qwen3-0.6b.json, engine-qwen3-4b.json (engine_gpu.py,
-#   written after each section), trainer.json (trainer_step.py --throughput), kv_transfer.json.
+#   Back from $OUT (7 files): gpu_check.log (every part's stderr, what was skipped, a summary at
+#   the end, also printed), parity.log, parity-triton.log, engine-qwen3-0.6b.json and
+#   engine-qwen3-4b.json (engine_gpu.py), trainer.json (trainer_step.py --throughput),
+#   kv_transfer.json.
 # Here, the same pipeline at tiny sizes on the CPU (~2-3 minutes on 2 cores):
 #   bash benchmarks/gpu_check.sh --cpu                # results in runs/gpu_check/ unless $OUT
 #
 # The parts, in order, each under its own timeout, and what each should cost on an H200 (guesses:
 # this has never run on a GPU). A part starts only while 20 s of the budget (GPU_BUDGET_S, 420)
-# are left, and its timeout is cut to what is left, so the whole stays within the budget.
-#   wheels         .whl/ into /tmp/site                                              ~5 s   cap  30
-#   parity         pytest, CUDA fp32: parity with transformers (5 shapes, prefix hits,
-#                  preemption), triton kernels against the torch backend (compiles
-#                  every shape hypothesis draws), decode graphs captured and replayed  ~60 s   cap  90
-#   engine 0.6B    engine_gpu.py: 32 groups x 8, ~1K prompt, 64-512 tokens, bf16:
-#                  warm-up (Triton compiles) ~15 s, engine ~40-80 s, profile ~5 s,
-#                  HF generate in batches of 64 ~30-40 s                              ~120 s  cap 150
-#   trainer        0.6B shape, one process, 16 rows x ~1K tokens, 3 steps + warm-up    ~25 s   cap  50
-#   kv transfer    0.6B shape: host<->device page copies; decode with half the layers
-#                  streamed against all on device (8 requests x 2K context)           ~30 s   cap  50
-#   engine 4B      as the 0.6B part                                                  ~150 s  cap 180
-#   parity triton  the parity tests again on the triton backend                        ~30 s   cap  60
+# are left, and its timeout is cut to what is left, so the whole stays within the budget; the
+# engine parts write their JSON after each section, so one cut short keeps what it measured.
+#   wheels         .whl/ into /tmp/site                                            ~5 s   cap  30
+#   parity         pytest on CUDA, fp32: parity with transformers (5 shapes, prefix
+#                  hits, preemption; torch backend), decode graphs captured and
+#                  replayed, the triton kernels against the torch backend (Triton
+#                  compiles each shape hypothesis draws: most of this part's time)  ~80 s   cap 120
+#   engine 0.6B    engine_gpu.py, bf16: 32 groups x 8, ~1K prompt, 64-512 tokens.
+#                  Model on the device ~2 s, warm-up (Triton compiles) ~15 s, the
+#                  workload ~530 steps at 40-150 ms (Python launches per layer and
+#                  per shared-prefix group set the pace) ~20-80 s, profile ~5 s,
+#                  HF generate in 2 static batches of 128, ~510 steps each, ~20 s  ~60-120 s cap 150
+#   trainer        0.6B shape, one process (fp32), 16 rows x ~1K tokens, 3 steps
+#                  after a warm-up; the model drawn on the CPU first (~5 s)         ~25 s   cap  50
+#   kv transfer    0.6B shape: host<->device page copies (512 pages), then decode
+#                  with half the layers streamed against all on device (8 x 2K);
+#                  writes and reads the model directory (2.4 GB) twice             ~35 s   cap  60
+#   engine 4B      as the 0.6B part, ~1.3x its step times and HF time              ~80-150 s cap 180
+#   parity triton  the parity-with-transformers tests again on the triton backend  ~30 s   cap  60
+# Expected ~5-6 minutes; the 4B part gets what is left of the budget and may be cut short.
 # An engine part that fails (not one that times out) runs again once on the torch backend
 # without CUDA graphs, so that a failing kernel or capture still leaves throughput figures.
 #
@@ -50,11 +58,9 @@ if [ "$cpu" = 1 ]; then
   venv=".venv/bin/python"
   [ -x "$venv" ] || venv="$(git rev-parse --git-common-dir)/../.venv/bin/python"  # a worktree
   python="${PYTHON:-$venv}"
-  device=cpu
   export OMP_NUM_THREADS=1 VENUSRL_TEST_THREADS=1
 else
   python="${PYTHON:-python3}"
-  device=cuda
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
@@ -96,21 +102,31 @@ engine() {
 
 say "mode: $([ $cpu = 1 ] && echo cpu || echo gpu), python: $python, results: $out"
 if [ -d .whl ] && [ "$cpu" = 0 ]; then
-  # The GPU image lacks pydantic (every config section is a pydantic model).
-  run_part wheels 30 /dev/null python3 -m pip install -q --no-index --no-deps --no-compile \
-    --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  # The GPU image lacks pydantic (every config section is a pydantic model). A wheel is a zip
+  # of what goes on the path, so without pip it is unpacked as it is.
+  if ! run_part wheels 30 /dev/null "$python" -m pip install -q --no-index --no-deps \
+    --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl; then
+    for wheel in .whl/*.whl; do
+      run_part "unpack $wheel" 30 /dev/null "$python" -m zipfile -e "$wheel" /tmp/site
+    done
+  fi
   export PYTHONPATH="/tmp/site:$PYTHONPATH"
 elif [ "$cpu" = 1 ]; then
   say "wheels: not installed in --cpu mode (.venv/ has them; .whl/ holds cp312 builds)"
 else
   say "wheels: no .whl/ here (bash benchmarks/gpu_wheels.sh, then carry [\".whl\"]); going on"
 fi
-"$python" - <<'EOF' 2>&1 | tee -a "$log"
-import torch, transformers
+if ! "$python" - "$cpu" <<'EOF' 2>&1 | tee -a "$log"; then
+import sys, pydantic, torch, transformers, triton
 cuda = torch.cuda.is_available()
-print("torch", torch.__version__, "transformers", transformers.__version__, "cuda", cuda,
-      torch.cuda.get_device_name() if cuda else "")
+print("torch", torch.__version__, "triton", triton.__version__, "transformers",
+      transformers.__version__, "pydantic", pydantic.VERSION,
+      "cuda:", torch.cuda.get_device_name() if cuda else "none")
+sys.exit(0 if cuda or sys.argv[1] == "1" else "no CUDA device: run with --cpu on a CPU")
 EOF
+  say "the environment cannot run the check (above); stopping"
+  exit 1
+fi
 
 pytest=("$python" -m pytest -p no:cacheprovider -q --timeout 120)
 parity=(tests/engine/test_parity_hf.py tests/engine/test_decode_graphs.py)
@@ -133,7 +149,7 @@ if [ "$cpu" = 1 ]; then
     run_part "parity triton" 300 "$out/parity-triton.log" "${pytest[@]}" \
     tests/engine/test_parity_hf.py -k "qwen3-gqa2 and (prefix_cache_hits or siblings)"
 else
-  VENUSRL_TEST_DEVICE=cuda run_part parity 90 "$out/parity.log" "${pytest[@]}" "${parity[@]}" \
+  VENUSRL_TEST_DEVICE=cuda run_part parity 120 "$out/parity.log" "${pytest[@]}" "${parity[@]}" \
     tests/engine/test_triton_attention.py
   engine qwen3-0.6b 150 --presets qwen3-0.6b
   run_part trainer 50 "$out/trainer.json" "$python" benchmarks/trainer_step.py --throughput \
@@ -158,10 +174,10 @@ for path in sorted(out.glob("engine-*.json")):
     report = json.loads(path.read_text())
     for preset, r in report["presets"].items():
         e, hf = r.get("engine", {}), r.get("hf", {})
-        fraction = e.get("roofline", {}).get("fraction", {}).get("median")
+        fraction = e.get("roofline", {}).get("fraction", {}).get("median", float("nan"))
         print(f"{path.name} {preset} backend={report['attention_backend']}"
               f" graphs={report['cuda_graphs']}: {e.get('output_tokens_per_s')} tok/s,"
-              f" roofline median {fraction} over {e.get('roofline', {}).get('steps')} steps,"
+              f" roofline median {fraction:.3g} over {e.get('roofline', {}).get('steps')} steps,"
               f" graph steps {e.get('graph_decode_steps')}/{e.get('decode_steps')},"
               f" HF {hf.get('output_tokens_per_s')} tok/s, x{r.get('speedup_vs_hf')},"
               f" logprobs finite {e.get('logprobs_finite')}")
@@ -176,7 +192,7 @@ for name in ("trainer.json", "kv_transfer.json"):
         continue
     if name == "trainer.json":
         print(f"trainer {r['preset']} {r['compute_dtype']}: {r['tokens_per_s']} tok/s,"
-              f" MFU {r['mfu']:.4f} of {r['peak_flops']:.3g} FLOP/s")
+              f" MFU {r['mfu']:.3g} of {r['peak_flops']:.3g} FLOP/s")
     else:
         c, d = r["copies"], r["decode"]
         print(f"kv transfer: to_host {c['to_host']['gb_per_s']} GB/s, to_device"
