@@ -14,6 +14,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from venusrl.config import ConfigError, load_config
 from venusrl.engine.hub import model_path
+from venusrl.engine.presets import PRESETS
 
 if TYPE_CHECKING:  # rich is imported by the commands that print with it
     from rich.console import Console
@@ -146,9 +147,7 @@ def _add_model(sub: Subcommands) -> None:
     model_sub = model.add_subparsers(dest="model_command", required=True)
     init = model_sub.add_parser("init", help="write a random-weight Qwen3 model directory")
     init.add_argument("out", help="directory to write")
-    init.add_argument(
-        "--preset", default="tiny", help="named shape: micro, tiny, small, qwen3-0.6b"
-    )
+    init.add_argument("--preset", default="tiny", help="named shape: " + ", ".join(PRESETS))
     init.add_argument("--config", dest="hf_config", help="JSON file of config.json fields")
     init.add_argument(
         "--set",
