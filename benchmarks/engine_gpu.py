@@ -13,8 +13,9 @@ at once. Sections (`--sections`):
   group where the step attends it once (cascade groups, engine/batch.py), once per row otherwise.
 - hf: `transformers` generate in static batches of `--hf-batch` on the same requests and weights
   (hf_static.py): `speedup_vs_hf`.
-- profile: torch.profiler over `--profile-steps` decode steps at full batch: the top ops by device
-  time (CPU time on a CPU).
+- profile: torch.profiler over `--profile-steps` decode steps at full batch: the top ops by host
+  time and, on CUDA, the top kernels by device time, with the device's busy time per step against
+  the step's wall time.
 
     python benchmarks/engine_gpu.py            # Qwen3-0.6B and 4B shapes on CUDA (~3 min, a guess)
     python benchmarks/engine_gpu.py --cpu      # tiny sizes on the CPU (seconds): the same code
@@ -356,34 +357,42 @@ def top_ops(engine: Engine, requests: Sequence[dict[str, Any]], steps: int) -> d
         engine.step()
     for i in ids:
         engine.pop_finished(i)
-    # Self time: an op's own kernels (device) or host time, not its children's, so that the
-    # rows add up; torch 2.x names the device column `self_device_time_total` (older: cuda).
-    field = "self_cpu_time_total"
-    if device.type == "cuda":
-        sample = prof.key_averages()[0]
-        field = (
-            "self_device_time_total"
-            if hasattr(sample, "self_device_time_total")
-            else "self_cuda_time_total"
-        )
-    events = sorted(prof.key_averages(), key=lambda e: getattr(e, field), reverse=True)
-    total_us = sum(getattr(e, field) for e in events)
-    return {
+    # Self times, so that rows do not count their children again: on the host every op's (where
+    # a launch-bound step spends it), and on CUDA every kernel's, against the step's wall time.
+    events = prof.key_averages()
+    report: dict[str, Any] = {
         "steps": steps,
         "rows": len(chosen),
-        "wall_s_per_step": round(profiled_s / steps, 5),
-        "by": field,
-        "total_ms_per_step": round(total_us / 1e3 / steps, 3),
-        "ops": [
-            {
-                "op": e.key,
-                "calls_per_step": round(e.count / steps, 2),
-                "ms_per_step": round(getattr(e, field) / 1e3 / steps, 4),
-                "share": round(getattr(e, field) / total_us, 4),
-            }
-            for e in events[:15]
-        ],
+        "wall_ms_per_step": round(profiled_s * 1e3 / steps, 3),
+        "ops": _top(events, "self_cpu_time_total", steps),
     }
+    if device.type == "cuda":
+        from torch.autograd import DeviceType
+
+        kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+        field = "self_device_time_total"
+        if kernels and not hasattr(kernels[0], field):
+            field = "self_cuda_time_total"  # torch before 2.4
+        report["kernels"] = _top(kernels, field, steps)
+        report["device_ms_per_step"] = round(
+            sum(getattr(e, field) for e in kernels) / 1e3 / steps, 3
+        )
+    return report
+
+
+def _top(events: Sequence[Any], field: str, steps: int, n: int = 15) -> list[dict[str, Any]]:
+    """The `n` largest of `events` by `field` (microseconds), per step and as a share of all."""
+    total = sum(getattr(e, field) for e in events) or 1.0
+    ranked = sorted(events, key=lambda e: getattr(e, field), reverse=True)[:n]
+    return [
+        {
+            "name": e.key,
+            "calls_per_step": round(e.count / steps, 2),
+            "ms_per_step": round(getattr(e, field) / 1e3 / steps, 4),
+            "share": round(getattr(e, field) / total, 4),
+        }
+        for e in ranked
+    ]
 
 
 def run_preset(preset: str, args: argparse.Namespace, report: dict[str, Any], done: Any) -> None:

@@ -38,7 +38,11 @@
 # without CUDA graphs, so that a failing kernel or capture still leaves throughput figures.
 #
 # Env: ATTENTION_BACKEND (auto: triton on CUDA), CUDA_GRAPHS (1; 0 for off), GPU_BUDGET_S (420),
-# PYTHON (python3; the checkout's .venv/ with --cpu).
+# PYTHON (python3; the checkout's .venv/ with --cpu), PARTS (all; or some of parity,
+# engine-qwen3-0.6b, trainer, kv-transfer, engine-qwen3-4b, parity-triton, comma-separated),
+# ENGINE_ARGS (more engine_gpu.py flags). A second look with the device time left, say:
+#   run(command="PARTS=engine-qwen3-0.6b ATTENTION_BACKEND=torch CUDA_GRAPHS=0
+#       ENGINE_ARGS='--sections engine' bash benchmarks/gpu_check.sh", carry=[".whl"])
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$PWD"
@@ -67,10 +71,20 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 say() { echo "[gpu_check $(date -u +%T) +${SECONDS}s] $*" | tee -a "$log"; }
 
 # run_part NAME CAP_S STDOUT_FILE CMD...: CMD under `timeout`, its stdout to STDOUT_FILE and its
-# stderr to the log; skipped when the budget is spent. Returns CMD's status (124: timed out).
+# stderr to the log; skipped when the budget is spent (125) or PARTS leaves it out (126).
+# Returns CMD's status otherwise (124: timed out).
 run_part() {
   local name="$1" cap="$2" stdout="$3"
   shift 3
+  local part="${name% (torch)}"
+  part="${part// /-}"
+  case "$part" in wheels | unpack-*) ;; *)
+    if [[ ",${PARTS:-all}," != *",all,"* && ",${PARTS:-all}," != *",$part,"* ]]; then
+      say "$name: left out (PARTS=$PARTS)"
+      return 126
+    fi
+    ;;
+  esac
   local left=$((budget - SECONDS))
   if [ "$left" -lt 20 ]; then
     say "$name: skipped, ${left}s of the ${budget}s budget left"
@@ -90,14 +104,18 @@ run_part() {
 engine() {
   local label="$1" cap="$2"
   shift 2
-  local cmd=("$python" benchmarks/engine_gpu.py --out "$out/engine-$label.json")
+  local cmd=("$python" benchmarks/engine_gpu.py --out "$out/engine-$label.json") extra
+  read -ra extra <<<"${ENGINE_ARGS:-}"
   run_part "engine $label" "$cap" /dev/null "${cmd[@]}" --attention-backend "$backend" \
-    "${graphs[@]}" "$@"
-  local status=$?
-  if [ $status != 0 ] && [ $status != 124 ] && [ $status != 125 ]; then
-    say "engine $label: failed (see above); once more on the torch backend without graphs"
-    run_part "engine $label (torch)" "$cap" /dev/null "${cmd[@]}" "$@" --attention-backend torch
-  fi
+    "${graphs[@]}" "$@" "${extra[@]}"
+  case $? in
+    0 | 124 | 125 | 126 | 137) ;;  # done, timed out (or killed after), skipped, left out
+    *)
+      say "engine $label: failed (see above); once more on the torch backend without graphs"
+      run_part "engine $label (torch)" "$cap" /dev/null "${cmd[@]}" "$@" "${extra[@]}" \
+        --attention-backend torch
+      ;;
+  esac
 }
 
 say "mode: $([ $cpu = 1 ] && echo cpu || echo gpu), python: $python, results: $out"
@@ -134,11 +152,11 @@ if [ "$cpu" = 1 ]; then
   # The kernels' own tests already run interpreted in the default suite (~1 minute here); the
   # engine-level triton parity below is the pipeline's check of the backend on the CPU.
   VENUSRL_TEST_DEVICE=cpu run_part parity 300 "$out/parity.log" "${pytest[@]}" "${parity[@]}"
-  engine tiny 120 --cpu
+  engine tiny 120 --cpu --threads 1
   # The triton backend and graphs' padded buffers at the smallest sizes: interpreted kernels
   # run at ~1 token/s.
-  TRITON_INTERPRET=1 engine tiny-triton 120 --cpu --sections engine --attention-backend triton \
-    --groups 2 --group-size 2 --prompt-tokens 16 --output-tokens 2,4
+  TRITON_INTERPRET=1 engine tiny-triton 120 --cpu --threads 1 --sections engine \
+    --attention-backend triton --groups 2 --group-size 2 --prompt-tokens 16 --output-tokens 2,4
   run_part trainer 60 "$out/trainer.json" "$python" benchmarks/trainer_step.py --throughput \
     --device cpu --preset micro --rows 8 --tokens 160 --prefix 32 --steps 2 --threads 1
   run_part "kv transfer" 60 "$out/kv_transfer.json" "$python" benchmarks/kv_transfer.py \
@@ -154,7 +172,7 @@ else
   engine qwen3-0.6b 150 --presets qwen3-0.6b
   run_part trainer 50 "$out/trainer.json" "$python" benchmarks/trainer_step.py --throughput \
     --device cuda --preset qwen3-0.6b --rows 16 --tokens 1024 --prefix 0 --steps 3 --threads 4
-  run_part "kv transfer" 50 "$out/kv_transfer.json" "$python" benchmarks/kv_transfer.py \
+  run_part "kv transfer" 60 "$out/kv_transfer.json" "$python" benchmarks/kv_transfer.py \
     --device cuda --preset qwen3-0.6b --requests 8 --context 2048 --steps 16 --pages 512 \
     --repeats 5 --threads 4
   engine qwen3-4b 180 --presets qwen3-4b
@@ -181,8 +199,14 @@ for path in sorted(out.glob("engine-*.json")):
               f" graph steps {e.get('graph_decode_steps')}/{e.get('decode_steps')},"
               f" HF {hf.get('output_tokens_per_s')} tok/s, x{r.get('speedup_vs_hf')},"
               f" logprobs finite {e.get('logprobs_finite')}")
-        for op in r.get("profile", {}).get("ops", [])[:5]:
-            print(f"    {op['share']:6.1%} {op['ms_per_step']:8.3f} ms/step  {op['op'][:70]}")
+        profile = r.get("profile", {})
+        if profile:
+            print(f"  profile at {profile['rows']} rows: {profile['wall_ms_per_step']} ms/step,"
+                  f" device busy {profile.get('device_ms_per_step')} ms of it")
+        for kind in ("kernels", "ops"):
+            for op in profile.get(kind, [])[:5]:
+                print(f"    {kind:7} {op['share']:6.1%} {op['ms_per_step']:8.3f} ms/step"
+                      f"  {op['name'][:60]}")
 for name in ("trainer.json", "kv_transfer.json"):
     path = out / name
     try:

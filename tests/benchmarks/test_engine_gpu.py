@@ -44,7 +44,7 @@ def test_cpu_mode_reports_throughput_roofline_fractions_hf_ratio_and_top_ops() -
     assert params * 4 <= roof["weight_bytes"] < params * 4 * 1.01
     assert roof["kv_bytes_per_token"] == 2 * 4 * 2 * 64 * 4  # K+V x layers x kv heads x dim x fp32
     profile = r["profile"]
-    assert profile["by"] == "self_cpu_time_total" and 0 < len(profile["ops"]) <= 15
+    assert 0 < len(profile["ops"]) <= 15 and "kernels" not in profile  # host time only, on a CPU
     assert all(0 < op["share"] <= 1 for op in profile["ops"])
     assert sum(op["share"] for op in profile["ops"]) <= 1 + 1e-3
 
