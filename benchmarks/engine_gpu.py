@@ -17,6 +17,9 @@ at once. Sections (`--sections`):
   time and, on CUDA, the top kernels by device time, with the device's busy time per step against
   the step's wall time.
 
+A profile or baseline that fails is reported in the JSON (`"error"`) and the exit status is 3;
+an engine that fails stops the run. `--out FILE` is rewritten after each section.
+
     python benchmarks/engine_gpu.py            # Qwen3-0.6B and 4B shapes on CUDA (~3 min, a guess)
     python benchmarks/engine_gpu.py --cpu      # tiny sizes on the CPU (seconds): the same code
         [--presets a,b] [--sections engine,hf,profile] [--attention-backend torch|triton|auto]
@@ -32,8 +35,10 @@ import json
 import math
 import sys
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +60,7 @@ from venusrl.engine.presets import PRESETS  # noqa: E402
 from venusrl.types import SamplingParams  # noqa: E402
 
 SECTIONS = ("engine", "hf", "profile")
+SECTION_FAILED = 3  # exit status: the engine's figures are in, the profile or HF baseline failed
 # What each mode runs unless a flag says otherwise: the issue's workload on a GPU, and the same
 # code at sizes a CPU runs in seconds.
 DEFAULTS: dict[str, dict[str, Any]] = {
@@ -395,9 +401,11 @@ def _top(events: Sequence[Any], field: str, steps: int, n: int = 15) -> list[dic
     ]
 
 
-def run_preset(preset: str, args: argparse.Namespace, report: dict[str, Any], done: Any) -> None:
+def run_preset(
+    preset: str, args: argparse.Namespace, report: dict[str, Any], done: Callable[[str], None]
+) -> bool:
     """Fills `report` section by section, calling `done(section)` after each (a run cut short by
-    a timeout keeps what it measured)."""
+    a timeout keeps what it measured). False when the profile or the baseline failed."""
     device = torch.device(args.device)
     model = random_model(preset, device, DTYPES[args.dtype], args.seed)
     cfg = model.config
@@ -432,36 +440,56 @@ def run_preset(preset: str, args: argparse.Namespace, report: dict[str, Any], do
         assert engine is not None
         report["engine"] = run_engine(engine, requests, args)
         done("engine")
+    failed = False
     if "profile" in args.sections:
         assert engine is not None
-        report["profile"] = top_ops(engine, requests, args.profile_steps)
+        profiled = partial(top_ops, engine, requests, args.profile_steps)
+        failed |= not guarded(report, "profile", profiled)
         done("profile")
     del engine
     gc.collect()  # the engine's KV pool goes before HF's cache comes (a cycle holds it)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if "hf" in args.sections:
-        twin = hf_twin(preset, model)
-        del model  # only the twin's weights are needed from here
-        warm = [dict(r, max_tokens=2) for r in requests[: args.hf_batch]]
-        generate_static(twin, warm, args.hf_batch, sample=True, seed=args.seed)  # warm-up
-        hf = generate_static(twin, requests, args.hf_batch, sample=True, seed=args.seed)
-        hf.pop("outputs")
-        hf["output_tokens_per_s"] = round(hf["generated_tokens"] / hf["elapsed_s"], 1)
-        hf["elapsed_s"] = round(hf["elapsed_s"], 3)
-        hf["batch"] = args.hf_batch
-        report["hf"] = hf
-        if "engine" in report:
+        failed |= not guarded(report, "hf", partial(run_hf, preset, model, requests, args))
+        if "engine" in report and "error" not in report["hf"]:
             report["speedup_vs_hf"] = round(
-                report["engine"]["output_tokens_per_s"] / hf["output_tokens_per_s"], 2
+                report["engine"]["output_tokens_per_s"] / report["hf"]["output_tokens_per_s"], 2
             )
-        del twin
+    del model
     gc.collect()
     if device.type == "cuda":
         report["peak_memory_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     done("hf" if "hf" in args.sections else "end")
+    return not failed
+
+
+def run_hf(
+    preset: str, model: CausalLM, requests: Sequence[dict[str, Any]], args: argparse.Namespace
+) -> dict[str, Any]:
+    twin = hf_twin(preset, model)
+    warm = [dict(r, max_tokens=2) for r in requests[: args.hf_batch]]
+    generate_static(twin, warm, args.hf_batch, sample=True, seed=args.seed)  # warm-up
+    hf = generate_static(twin, requests, args.hf_batch, sample=True, seed=args.seed)
+    hf.pop("outputs")
+    hf["output_tokens_per_s"] = round(hf["generated_tokens"] / hf["elapsed_s"], 1)
+    hf["elapsed_s"] = round(hf["elapsed_s"], 3)
+    hf["batch"] = args.hf_batch
+    return hf
+
+
+def guarded(report: dict[str, Any], section: str, measure: Callable[[], Any]) -> bool:
+    """A section other than the engine's own (the profile, the HF baseline): if it fails, the
+    error goes into the report and on stderr, and the run goes on; False then."""
+    try:
+        report[section] = measure()
+        return True
+    except Exception as e:  # whatever broke there, the engine's figures stand
+        traceback.print_exc()
+        report[section] = {"error": f"{type(e).__name__}: {e}"}
+        return False
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -546,13 +574,16 @@ def main() -> None:
             partial.write_text(json.dumps(report, indent=1) + "\n")
             partial.replace(args.out)
 
+    ok = True
     for preset in args.presets:
         report["presets"][preset] = {}
-        run_preset(preset, args, report["presets"][preset], done)
+        ok &= run_preset(preset, args, report["presets"][preset], done)
     report["wall_s"] = round(time.perf_counter() - started, 1)
     done("all")
     json.dump(report, sys.stdout, indent=1)
     print()
+    if not ok:
+        sys.exit(SECTION_FAILED)
 
 
 if __name__ == "__main__":

@@ -109,7 +109,9 @@ engine() {
   run_part "engine $label" "$cap" /dev/null "${cmd[@]}" --attention-backend "$backend" \
     "${graphs[@]}" "$@" "${extra[@]}"
   case $? in
-    0 | 124 | 125 | 126 | 137) ;;  # done, timed out (or killed after), skipped, left out
+    # done, a section beside the engine's failed (in the JSON), timed out (or killed after),
+    # skipped, left out
+    0 | 3 | 124 | 125 | 126 | 137) ;;
     *)
       say "engine $label: failed (see above); once more on the torch backend without graphs"
       run_part "engine $label (torch)" "$cap" /dev/null "${cmd[@]}" "$@" "${extra[@]}" \
@@ -197,7 +199,8 @@ for path in sorted(out.glob("engine-*.json")):
               f" graphs={report['cuda_graphs']}: {e.get('output_tokens_per_s')} tok/s,"
               f" roofline median {fraction:.3g} over {e.get('roofline', {}).get('steps')} steps,"
               f" graph steps {e.get('graph_decode_steps')}/{e.get('decode_steps')},"
-              f" HF {hf.get('output_tokens_per_s')} tok/s, x{r.get('speedup_vs_hf')},"
+              f" HF {hf.get('error') or hf.get('output_tokens_per_s')} tok/s,"
+              f" x{r.get('speedup_vs_hf')},"
               f" logprobs finite {e.get('logprobs_finite')}")
         profile = r.get("profile", {})
         if profile:
