@@ -23,9 +23,10 @@
 #                  compiles each shape hypothesis draws: most of this part's time)  ~80 s   cap 120
 #   engine 0.6B    engine_gpu.py, bf16: 32 groups x 8, ~1K prompt, 64-512 tokens.
 #                  Model on the device ~2 s, warm-up (Triton compiles) ~15 s, the
-#                  workload ~530 steps at 40-150 ms (Python launches per layer and
-#                  per shared-prefix group set the pace) ~20-80 s, profile ~5 s,
-#                  HF generate in 2 static batches of 128, ~510 steps each, ~20 s  ~60-120 s cap 150
+#                  workload ~530 steps at 10-100 ms (launches and Python per layer
+#                  set the pace; graphs skip steps with shared-prefix groups, i.e.
+#                  most) ~10-60 s, profile ~5 s, HF generate in 2 static batches of
+#                  128, ~510 steps each, ~20 s                                     ~50-100 s cap 150
 #   trainer        0.6B shape, one process (fp32), 16 rows x ~1K tokens, 3 steps
 #                  after a warm-up; the model drawn on the CPU first (~5 s)         ~25 s   cap  50
 #   kv transfer    0.6B shape: host<->device page copies (512 pages), then decode
@@ -151,8 +152,8 @@ fi
 pytest=("$python" -m pytest -p no:cacheprovider -q --timeout 120)
 parity=(tests/engine/test_parity_hf.py tests/engine/test_decode_graphs.py)
 if [ "$cpu" = 1 ]; then
-  # The kernels' own tests already run interpreted in the default suite (~1 minute here); the
-  # engine-level triton parity below is the pipeline's check of the backend on the CPU.
+  # The kernels' own tests belong to the default suite (interpreted); here the engine-level
+  # triton parity below is the pipeline's check of the backend on the CPU.
   VENUSRL_TEST_DEVICE=cpu run_part parity 300 "$out/parity.log" "${pytest[@]}" "${parity[@]}"
   engine tiny 120 --cpu --threads 1
   # The triton backend and graphs' padded buffers at the smallest sizes: interpreted kernels

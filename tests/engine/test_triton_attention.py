@@ -127,7 +127,7 @@ def _decode_batch(
     key_mask = torch.zeros(rows, width * page_size, dtype=key_dtype)
     key_mask.masked_fill_(torch.arange(width * page_size)[None, :] >= lens[:, None], float("-inf"))
     table = torch.tensor([p + [0] * (width - len(p)) for p in own])
-    prefixes = PrefixTable.of(listed, page_size, torch.device("cpu")) if listed else None
+    prefixes = PrefixTable.of(listed, page_size, TEST_DEVICE) if listed else None
     mask = key_mask[None, :, None]
     batch = DecodeBatch(rows, table, lens, mask, tuple(groups), prefix_table=prefixes)
     return batch, slots
@@ -165,7 +165,8 @@ def steps(draw: st.DrawFn) -> tuple[dict[str, int], StepBatch]:
 
 
 def _on_test_device(batch: StepBatch) -> StepBatch:
-    """The step's tensors moved where the kernels run (drawn on the CPU)."""
+    """The step's tensors moved where the kernels run (drawn on the CPU; a prefix table is
+    built there already)."""
 
     def to(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(TEST_DEVICE)
@@ -292,7 +293,6 @@ def test_every_shared_prefix_group_of_a_step_is_attended_in_one_launch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     layout = {"kv_heads": 2, "group": 2, "dim": 16, "page_size": 2}
-    q_device = torch.device("cpu")
     members = [[0, 3, 5], [1, 2], [6, 7, 8, 9]]  # row 4 in no group
     groups = tuple(
         PrefixGroup(rows=torch.tensor(m), first_page=1 + 3 * g, num_pages=2 + g, pages=None)
@@ -302,7 +302,7 @@ def test_every_shared_prefix_group_of_a_step_is_attended_in_one_launch(
     table = torch.tensor([[10 + r % 2, 11 - r % 2, 9] for r in range(10)])
     key_mask = torch.zeros(10, 6).masked_fill_(torch.arange(6) >= lengths[:, None], float("-inf"))
     prefixes = PrefixTable.of(
-        [(m, list(range(1 + 3 * g, 3 + 4 * g))) for g, m in enumerate(members)], 2, q_device
+        [(m, list(range(1 + 3 * g, 3 + 4 * g))) for g, m in enumerate(members)], 2, TEST_DEVICE
     )
     decode = DecodeBatch(10, table, lengths, key_mask[None, :, None], groups, (), prefixes)
     slots = [int(table[r, (n - 1) // 2]) * 2 + (n - 1) % 2 for r, n in enumerate(lengths.tolist())]
@@ -314,6 +314,7 @@ def test_every_shared_prefix_group_of_a_step_is_attended_in_one_launch(
         decode=decode,
         prefills=(),
     )
+    batch = _on_test_device(batch)
     q, k, v, layer_kv = _inputs(layout, 10, seed=7)
     expected = paged_attention(q, k, v, layer_kv.clone(), batch)
     launches = []
