@@ -185,46 +185,5 @@ else
 fi
 
 say "summary (the files in $out have everything):"
-"$python" - "$out" <<'EOF' 2>&1 | tee -a "$log"
-import json, pathlib, sys
-out = pathlib.Path(sys.argv[1])
-for log in sorted(out.glob("parity*.log")):
-    lines = log.read_text().strip().splitlines()
-    print(f"{log.name}: {lines[-1] if lines else '(empty)'}")
-for path in sorted(out.glob("engine-*.json")):
-    report = json.loads(path.read_text())
-    for preset, r in report["presets"].items():
-        e, hf = r.get("engine", {}), r.get("hf", {})
-        fraction = e.get("roofline", {}).get("fraction", {}).get("median", float("nan"))
-        print(f"{path.name} {preset} backend={report['attention_backend']}"
-              f" graphs={report['cuda_graphs']}: {e.get('output_tokens_per_s')} tok/s,"
-              f" roofline median {fraction:.3g} over {e.get('roofline', {}).get('steps')} steps,"
-              f" graph steps {e.get('graph_decode_steps')}/{e.get('decode_steps')},"
-              f" HF {hf.get('error') or hf.get('output_tokens_per_s')} tok/s,"
-              f" x{r.get('speedup_vs_hf')},"
-              f" logprobs finite {e.get('logprobs_finite')}")
-        profile = r.get("profile", {})
-        if profile:
-            print(f"  profile at {profile['rows']} rows: {profile['wall_ms_per_step']} ms/step,"
-                  f" device busy {profile.get('device_ms_per_step')} ms of it")
-        for kind in ("kernels", "ops"):
-            for op in profile.get(kind, [])[:5]:
-                print(f"    {kind:7} {op['share']:6.1%} {op['ms_per_step']:8.3f} ms/step"
-                      f"  {op['name'][:60]}")
-for name in ("trainer.json", "kv_transfer.json"):
-    path = out / name
-    try:
-        r = json.loads(path.read_text())
-    except (OSError, ValueError):
-        print(f"{name}: none")
-        continue
-    if name == "trainer.json":
-        print(f"trainer {r['preset']} {r['compute_dtype']}: {r['tokens_per_s']} tok/s,"
-              f" MFU {r['mfu']:.3g} of {r['peak_flops']:.3g} FLOP/s")
-    else:
-        c, d = r["copies"], r["decode"]
-        print(f"kv transfer: to_host {c['to_host']['gb_per_s']} GB/s, to_device"
-              f" {c['to_device']['gb_per_s']} GB/s, one layer {c['one_layer_from_host']['gb_per_s']}"
-              f" GB/s; banded/resident step {d['step_time_ratio']}, identical {r['outputs_identical']}")
-EOF
+"$python" benchmarks/gpu_summary.py "$out" 2>&1 | tee -a "$log"
 say "done in ${SECONDS}s"

@@ -9,6 +9,7 @@ import statistics
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.benchmarks import refused, run_benchmark
@@ -17,6 +18,7 @@ from venusrl.engine.attention import DecodeBatch, PrefixGroup, StepBatch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from engine_gpu import decode_kv_tokens
+from gpu_summary import main as summarize
 
 
 def test_cpu_mode_reports_throughput_roofline_fractions_hf_ratio_and_top_ops() -> None:
@@ -89,3 +91,22 @@ def test_bad_arguments_are_refused_with_the_flag_named() -> None:
         assert code != 0 and "no CUDA device" in stderr and "--cpu" in stderr
     code, stderr = refused("trainer_step.py", "--device", "cuda")
     assert code != 0 and "--throughput" in stderr
+
+
+def test_the_summary_reads_a_cut_short_run_and_names_what_is_missing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What a GPU session reads first: a part that failed or never ran is named, not a crash."""
+    report = {
+        "attention_backend": "auto",
+        "cuda_graphs": True,
+        "presets": {"qwen3-4b": {"engine": {"output_tokens_per_s": 9000.0}}},
+    }
+    (tmp_path / "engine-qwen3-4b.json").write_text(json.dumps(report))
+    (tmp_path / "parity.log").write_text("....\n28 passed in 40.1s\n")
+    (tmp_path / "trainer.json").write_text("{")  # cut short mid-write
+    summarize(tmp_path)
+    out = capsys.readouterr().out
+    assert "parity.log: 28 passed in 40.1s" in out
+    assert "engine-qwen3-4b.json qwen3-4b backend=auto graphs=True: 9000.0 tok/s" in out
+    assert "trainer.json: JSONDecodeError" in out and "kv_transfer.json: FileNotFoundError" in out
