@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 
 @dataclass(frozen=True)
@@ -93,6 +92,10 @@ def packed_attention(
         elif qh.shape[1] == k.shape[1]:
             out = F.scaled_dot_product_attention(qh, k, v, is_causal=True)
         else:
+            # Imported here: it imports torch._dynamo and with it triton (~1 s), which a CPU
+            # run never needs (and Triton's interpreter must be chosen before that import).
+            from torch.nn.attention.bias import causal_lower_right
+
             bias = causal_lower_right(qh.shape[1], k.shape[1])
             out = F.scaled_dot_product_attention(qh, k, v, attn_mask=bias)
         return out.transpose(0, 1).reshape(-1, heads * dim)
