@@ -27,7 +27,7 @@
 #                  set the pace; graphs skip steps with shared-prefix groups, i.e.
 #                  most) ~10-60 s, profile ~5 s, HF generate in 2 static batches of
 #                  128, ~510 steps each, ~20 s                                     ~50-100 s cap 150
-#   trainer        0.6B shape, one process (fp32), 16 rows x ~1K tokens, 3 steps
+#   trainer        0.6B shape, one process (bf16 autocast), 16 rows x ~1K tokens, 3 steps
 #                  after a warm-up; the model drawn on the CPU first (~5 s)         ~25 s   cap  50
 #   kv transfer    0.6B shape: host<->device page copies (512 pages), then decode
 #                  with half the layers streamed against all on device (8 x 2K);

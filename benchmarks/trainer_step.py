@@ -13,8 +13,9 @@ reduce-scatters over gloo), which is the overhead this measures.
 `--throughput` measures one trainer process on `--device` instead (a GPU's figure: the ranks take
 one GPU each): GRPO step tokens/s and model FLOPs utilisation, 6 x params x tokens / step time /
 `--peak-flops` (989e12: an H200's dense bf16), the median of `--steps` steps after one warm-up.
-One process trains in fp32 (`trainer.param_dtype` applies to the sharded ranks only), which the
-JSON says; the KL reference's forward (2 x params x tokens) is in the step but not counted.
+It computes in `--param-dtype` (`trainer.param_dtype`: bf16 autocast over fp32 weights; bfloat16
+by default on CUDA, float32 elsewhere), which the JSON says; the KL reference's forward
+(2 x params x tokens) is in the step but not counted.
 
     python benchmarks/trainer_step.py                      # micro, 32 rows, 8 pairs, 2 threads
     python benchmarks/trainer_step.py --preset tiny --pairs 6
@@ -129,7 +130,8 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
     cfg = ModelConfig.from_hf({**QWEN3_DEFAULTS, **PRESETS[args.preset]})
     model = build_model(cfg, device)  # made in place, not through a directory on disk
     model.init_random(args.seed)
-    trainer = GRPOTrainer(model, TrainerConfig(device=args.device))
+    dtype = args.param_dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    trainer = GRPOTrainer(model, TrainerConfig(device=args.device, param_dtype=dtype))
     batches = [
         batch(args.seed + i, args.rows, args.prefix, args.tokens, cfg.vocab_size)
         for i in range(args.steps + 1)
@@ -155,7 +157,8 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "preset": args.preset,
         "params": cfg.num_params,
-        "compute_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "compute_dtype": dtype,
+        "weights_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "rows": args.rows,
         "tokens_per_step": tokens,
         "shared_prefix_tokens": args.prefix,
@@ -198,6 +201,11 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="with --throughput")
     parser.add_argument("--steps", type=int, default=3, help="timed steps, with --throughput")
     parser.add_argument("--peak-flops", type=float, default=989e12, help="with --throughput")
+    parser.add_argument(
+        "--param-dtype",
+        choices=["float32", "bfloat16"],
+        help="with --throughput: compute dtype (default bfloat16 on CUDA, float32 elsewhere)",
+    )
     args = parser.parse_args()
     if args.throughput:
         if args.preset not in PRESETS:

@@ -135,8 +135,8 @@ def test_bf16_compute_steps_near_the_fp32_step_and_keeps_fp32_master_weights(
 
 
 def test_options_of_the_ranks_are_refused_in_one_process_by_name() -> None:
-    with pytest.raises(ValueError, match=r"param_dtype=bfloat16 .*trainer\.world_size > 1"):
-        TrainerConfig(param_dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"activation_checkpointing=True .*world_size > 1"):
+        TrainerConfig(activation_checkpointing=True)
     with pytest.raises(ValueError, match=r"trainer\.cpu_offload .* trainer\.device is cpu"):
         TrainerConfig(world_size=2, cpu_offload=True)
 

@@ -180,3 +180,18 @@ def test_tokens_sampled_below_temperature_one_are_on_policy_for_a_trainer_told_t
     assert stats.mean_ratio == pytest.approx(1.0, abs=1e-4) and stats.clip_fraction == 0
     with pytest.raises(ValueError, match="temperature"):
         GRPOTrainer(load_model(model_dir), temperature=0)
+
+
+def test_one_process_bf16_compute_steps_near_the_fp32_step_and_keeps_fp32_weights(
+    model_dir: Path,
+) -> None:
+    prompt = [5, 6, 7]
+    batch = [record(prompt, list(range(20 + 4 * i, 26 + 4 * i)), [-6.0] * 6) for i in range(4)]
+    advantages = [1.0, -1.0, 0.5, -0.5]
+    full = GRPOTrainer(load_model(model_dir), TrainerConfig(lr=1e-4)).step(batch, advantages)
+    trainer = GRPOTrainer(load_model(model_dir), TrainerConfig(lr=1e-4, param_dtype="bfloat16"))
+    half = trainer.step(batch, advantages)
+    assert half.loss == pytest.approx(full.loss, rel=2e-2, abs=1e-3)
+    assert half.grad_norm == pytest.approx(full.grad_norm, rel=5e-2)
+    assert half.mean_ratio != full.mean_ratio  # bf16 matmuls ran: not the fp32 arithmetic
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}

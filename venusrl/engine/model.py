@@ -226,6 +226,8 @@ class Linear(nn.Linear):
             self._packed is not None
             and not torch.is_grad_enabled()
             and self._packed_version == self.weight._version
+            and x.dtype == torch.float32
+            and not torch.is_autocast_enabled(x.device.type)  # a bf16 trainer's reference
         ):
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -71,8 +71,9 @@ class TrainerConfig(Section):
     )
     param_dtype: Literal["float32", "bfloat16"] = Field(
         "float32",
-        description="compute dtype of the sharded ranks' forward and backward (FSDP2's mixed"
-        " precision); master weights, gradient reduction and AdamW state stay float32",
+        description="compute dtype of the forward and backward (autocast in one process,"
+        " FSDP2's mixed precision on the ranks); master weights, gradient reduction and AdamW"
+        " state stay float32",
     )
     activation_checkpointing: bool = Field(
         False, description="ranks recompute each decoder layer's activations in the backward"
@@ -102,7 +103,6 @@ class TrainerConfig(Section):
         """The sharded ranks' options, refused where they would be silently ignored."""
         if self.world_size == 1:
             for key, default in (
-                ("param_dtype", "float32"),
                 ("activation_checkpointing", False),
                 ("cpu_offload", False),
             ):

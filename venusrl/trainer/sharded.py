@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
@@ -136,6 +137,9 @@ class ShardedTrainer(GRPOTrainer):
         if resume:
             trainer.load_sharded(model_dir / SHARDED)
         return trainer
+
+    def _compute_precision(self) -> AbstractContextManager[object]:
+        return nullcontext()  # FSDP2's mixed-precision policy casts (`shard_model`)
 
     def freeze_reference(self) -> CausalLM:
         reference = build_model(self.model.config, self.device)

@@ -18,6 +18,7 @@ The vocabulary projection runs a chunk of positions at a time (`chunked_logprobs
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -226,14 +227,22 @@ class GRPOTrainer:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The logprobs and entropies at the batch's trained tokens under softmax(logits /
         temperature), the logits a chunk at a time."""
-        hidden = model.forward_rows(batch.rows, batch.wanted)
-        return token_logprobs(
-            hidden,
-            model.lm_head.weight,
-            batch.tokens,
-            temperature,
-            self.config.logprob_chunk_tokens,
-        )
+        with self._compute_precision():
+            hidden = model.forward_rows(batch.rows, batch.wanted)
+            return token_logprobs(
+                hidden,
+                model.lm_head.weight,
+                batch.tokens,
+                temperature,
+                self.config.logprob_chunk_tokens,
+            )
+
+    def _compute_precision(self) -> AbstractContextManager[object]:
+        """`trainer.param_dtype=bfloat16`: matmuls in bf16 under autocast (softmaxes, norms'
+        sums and the weights stay fp32). The sharded ranks cast through FSDP2 instead."""
+        if self.config.param_dtype == "float32":
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
     def _micro_batches(self, rows: list[_Row]) -> list[list[_Row]]:
         """Rows in turn, cut so that their tokens stay within the token budget."""
