@@ -11,7 +11,6 @@ of the whole gradient (its shards are DTensors).
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -35,7 +34,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from venusrl.engine.model import CausalLM, Linear
-from venusrl.engine.model_dir import build_model, load_model, read_model_config
+from venusrl.engine.model_dir import load_model, read_model_config
+from venusrl.engine.weight_stream import WeightStream
 from venusrl.trainer.checkpoint import SHARDED, write_weights_dir
 from venusrl.trainer.config import TrainerConfig
 from venusrl.trainer.lora import LoRALinear, add_adapters
@@ -138,16 +138,26 @@ class ShardedTrainer(GRPOTrainer):
         return trainer
 
     def freeze_reference(self) -> CausalLM:
-        reference = build_model(self.model.config, self.device)
-        reference.load_weights(self.hf_weights())  # whole, then sharded
-        self.reference = shard_model(reference, self.config).requires_grad_(False).eval()
+        """The current weights become the KL reference, sharded as the policy is: each rank
+        copies its own shards (no gather, never a whole model on a rank)."""
+        with torch.device("meta"):
+            reference = CausalLM(self.model.config)
+        if reference.config.tie_word_embeddings:
+            reference.lm_head.weight = reference.embed_tokens.weight
+        shard_model(reference, self.config)
+        reference.to_empty(device=next(self.model.parameters()).device)
+        reference.rotary.reset_cache(self.device)
+        with torch.no_grad():
+            for mine, theirs in zip(self.model.parameters(), reference.parameters(), strict=True):
+                theirs.copy_(mine)  # shard to shard: the same placements on every rank
+        self.reference = reference.requires_grad_(False).eval()
         return self.reference
 
     def use_reference(self, model_dir: Path) -> None:
         reference = load_sharded_model(model_dir, self.config, self.device)
         self.reference = reference.requires_grad_(False).eval()
 
-    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def hf_weights(self) -> WeightStream:
         """The whole weights under Hugging Face names, gathered one parameter at a time (fp32
         master weights, whatever the compute dtype)."""
 
@@ -158,7 +168,7 @@ class ShardedTrainer(GRPOTrainer):
                 return module.merged_weight(_whole)  # what the engines and checkpoints get
             return _whole(self.model.get_parameter(name).detach())
 
-        return self.model.hf_named(gathered)
+        return WeightStream(self.model.hf_manifest(), self.model.hf_named(gathered))
 
     def write_model_dir(self, out: Path, like: Path) -> None:
         """Rank 0 writes the consolidated model directory (one whole copy, in host memory)."""
