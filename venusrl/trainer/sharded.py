@@ -33,7 +33,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from venusrl.engine.model import CausalLM, Linear
+from venusrl.engine.model import CausalLM, Linear, ModelConfig
 from venusrl.engine.model_dir import load_model, read_model_config
 from venusrl.engine.weight_stream import WeightStream
 from venusrl.trainer.checkpoint import SHARDED, write_weights_dir
@@ -71,6 +71,26 @@ def shard_model(model: CausalLM, config: TrainerConfig) -> CausalLM:
     return model
 
 
+def empty_sharded_model(
+    model_config: ModelConfig, config: TrainerConfig, device: torch.device, adapters: bool = False
+) -> CausalLM:
+    """A model sharded over the ranks' group, each rank's shards allocated and not yet filled;
+    with `adapters` (`trainer.lora_rank`), LoRA adapters attached before sharding and sharded
+    like the weights."""
+    with torch.device("meta"):
+        model = CausalLM(model_config)
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    if adapters:  # its A, drawn on the host then moved to meta, is filled by the caller
+        add_adapters(model, config.lora_rank, config.lora_alpha, config.lora_targets)
+    shard_model(model, config)
+    # Offloaded shards live in host memory (FSDP2 refuses them on the device); the rotary
+    # table is computed where the forward runs.
+    model.to_empty(device="cpu" if config.cpu_offload else device)
+    model.rotary.reset_cache(device)
+    return model
+
+
 def load_sharded_model(
     model_dir: Path, config: TrainerConfig, device: torch.device, adapters: bool = False
 ) -> CausalLM:
@@ -78,26 +98,13 @@ def load_sharded_model(
     shards; the others never hold the whole model. With `adapters` (`trainer.lora_rank`), LoRA
     adapters are attached before sharding, initialised by rank 0 as one process would (same
     seed), and sharded like the weights."""
-
-    def attach(model: CausalLM) -> None:
-        if adapters:
-            add_adapters(model, config.lora_rank, config.lora_alpha, config.lora_targets)
-
     whole = {}
     if dist.get_rank() == 0:
         full = load_model(model_dir, "cpu")
-        attach(full)
+        if adapters:
+            add_adapters(full, config.lora_rank, config.lora_alpha, config.lora_targets)
         whole = full.state_dict()
-    with torch.device("meta"):
-        model = CausalLM(read_model_config(model_dir))
-    if model.config.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    attach(model)  # its A, drawn on the host then moved to meta, is rank 0's after the load
-    shard_model(model, config)
-    # Offloaded shards live in host memory (FSDP2 refuses them on the device); the rotary
-    # table is computed where the forward runs.
-    model.to_empty(device="cpu" if config.cpu_offload else device)
-    model.rotary.reset_cache(device)
+    model = empty_sharded_model(read_model_config(model_dir), config, device, adapters)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, whole, options=options)
     return model
@@ -139,14 +146,11 @@ class ShardedTrainer(GRPOTrainer):
 
     def freeze_reference(self) -> CausalLM:
         """The current weights become the KL reference, sharded as the policy is: each rank
-        copies its own shards (no gather, never a whole model on a rank)."""
-        with torch.device("meta"):
-            reference = CausalLM(self.model.config)
-        if reference.config.tie_word_embeddings:
-            reference.lm_head.weight = reference.embed_tokens.weight
-        shard_model(reference, self.config)
-        reference.to_empty(device=next(self.model.parameters()).device)
-        reference.rotary.reset_cache(self.device)
+        copies its own shards (no gather, never a whole model on a rank), adapters too (the
+        reference computes with the merged weights of now)."""
+        compute_device = self.model.rotary.cos.device
+        adapters = self.config.lora_rank > 0
+        reference = empty_sharded_model(self.model.config, self.config, compute_device, adapters)
         with torch.no_grad():
             for mine, theirs in zip(self.model.parameters(), reference.parameters(), strict=True):
                 theirs.copy_(mine)  # shard to shard: the same placements on every rank
