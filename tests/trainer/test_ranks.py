@@ -260,11 +260,15 @@ def test_a_sharded_checkpoint_resumes_with_the_same_weights_and_optimizer_state(
 def test_two_lora_ranks_step_as_one_lora_process_and_publish_merged_weights(
     model_dir: Path,
 ) -> None:
-    cfg = config(world_size=2, lora_rank=4, lora_alpha=8.0, lr=1e-3)
+    # The adapters move (imitation) before the first step freezes the KL reference: the ranks'
+    # reference must compute with the adapters of then, as one process's merged copy does.
+    cfg = config(world_size=2, lora_rank=4, lora_alpha=8.0, lr=1e-3, kl_coef=0.5)
     one = GRPOTrainer(load_model(model_dir), cfg)
+    one.imitation_step(batch(3)[0], lr=1e-3)
     expected = [one.step(*batch(4)), one.step(*batch(5))]
     ranks = RankedTrainer(model_dir, cfg)
     try:
+        ranks.imitation_step(batch(3)[0], lr=1e-3)
         got = [ranks.step(*batch(4)), ranks.step(*batch(5))]
         weights = dict(ranks.hf_weights())
     finally:
