@@ -10,15 +10,19 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
+import torch
 from ray.cluster_utils import Cluster
 
 from tests.runtime import NAMESPACE, SMALL
 from venusrl.config import load_config
 from venusrl.engine.model_dir import init_model_dir, load_model
+from venusrl.engine.weight_stream import WeightStream
 from venusrl.envs.builtin.treasure_hunt import TreasureHunt
 from venusrl.runtime.cluster.ray_cluster import RayCluster, check_reachable
 from venusrl.runtime.cluster.workers import RemoteGroup, RolloutFleet
@@ -213,7 +217,77 @@ def test_an_episode_whose_sandbox_is_preempted_moves_to_the_other_worker_and_goe
         assert all(0 <= trained_at - int(v) <= 1 for v in r["versions"])
 
 
-def test_a_restarted_worker_gets_the_templates_the_model_and_the_current_weights_back(
+class RankDiesMidway:
+    """`trainer`'s weights, whose stream breaks after a few tensors (as when a rank dies)."""
+
+    def __init__(self, trainer: GRPOTrainer) -> None:
+        self.trainer, self.version = trainer, trainer.version + 1
+
+    def hf_weights(self) -> WeightStream:
+        stream = self.trainer.hf_weights()
+
+        def broken() -> Iterator[tuple[str, torch.Tensor]]:
+            for i, item in enumerate(stream):
+                if i == 8:
+                    raise ConnectionError("trainer rank 1 died")
+                yield item
+
+        return WeightStream(stream.manifest, broken())
+
+
+def test_a_publish_reaches_every_engine_a_bucket_at_a_time_and_a_broken_one_passes_for_no_version(
+    two_nodes: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = load_config(None, [*RAY_RUN, "trainer.publish_bucket_mib=0.0625"])
+    start, trained = (
+        init_model_dir(tmp_path / name, preset=cfg.run.preset, seed=seed)
+        for name, seed in (("start", 0), ("trained", 1))
+    )
+    trainer = GRPOTrainer(load_model(trained, "cpu"), cfg.trainer, version=2)
+    core = ray._private.worker.global_worker.core_worker
+    buckets: list[bytes] = []  # the object ids put, hex
+    held: list[int] = []  # at each put, how many of the earlier are still in the store
+
+    def put(value: Any) -> ray.ObjectRef:
+        live = core.get_all_reference_counts()
+        held.append(sum(b in live for b in buckets))
+        ref = ray_put(value)
+        buckets.append(ref.hex().encode())
+        return ref
+
+    def engine_weights(worker: Any) -> tuple[dict[str, torch.Tensor], int, str | None]:
+        engine = worker.engine.engine.engine  # LocalEngine, AsyncEngine, Engine
+        weights = {k: v.clone() for k, v in engine.model.hf_state_dict().items()}
+        return weights, engine.weight_version, engine.model.torn
+
+    async def scenario() -> list[tuple[dict[str, torch.Tensor], int, str | None]]:
+        async with RolloutFleet(cfg, RayCluster(cfg.runtime)) as fleet:
+            await fleet.prepare_template(TreasureHunt.template)
+            await fleet.start_engines(start, 0, SamplingParams(temperature=1.0))
+            with pytest.raises(ConnectionError, match="rank 1 died"):
+                await fleet.publish(RankDiesMidway(trainer), tmp_path, start)  # type: ignore[arg-type]
+            for worker in fleet.workers:
+                # Half copied: the engine keeps its version and runs nothing until a whole set.
+                _, version, torn = await worker.__ray_call__.remote(engine_weights)
+                assert version == 0 and torn is not None and "ConnectionError" in torn
+            monkeypatch.setattr(ray, "put", put)
+            await fleet.publish(trainer, tmp_path, start)
+            monkeypatch.undo()
+            return [await w.__ray_call__.remote(engine_weights) for w in fleet.workers]
+
+    ray_put = ray.put
+    engines = asyncio.run(scenario())
+    expected = trainer.model.hf_state_dict()
+    total = sum(t.nbytes for t in expected.values())
+    assert len(buckets) >= total / 2**20 / 0.0625 / 2  # many buckets, not one object
+    assert max(held) == 0, f"{max(held)} buckets were still in the store when the next went in"
+    for weights, version, torn in engines:
+        assert version == 2 and torn is None
+        assert weights.keys() == expected.keys()
+        assert all(torch.equal(weights[k], expected[k]) for k in expected)
+
+
+def test_a_restarted_worker_gets_the_templates_and_the_model_back_and_serves_from_the_next_publish(
     two_nodes: Cluster, tmp_path: Path
 ) -> None:
     # The fleet on its own, so that the test waits for Ray's restart however long it takes
@@ -237,7 +311,7 @@ def test_a_restarted_worker_gets_the_templates_the_model_and_the_current_weights
 
             def played(traj: Trajectory) -> bool:
                 versions = [v for v, m in zip(traj.versions, traj.mask, strict=True) if m]
-                return traj.finish is not Finish.INFRA and set(versions) == {3}
+                return traj.finish is not Finish.INFRA and set(versions) == {trainer.version}
 
             group = await open_group("g0")
             assert played(await group.play("g0-a", lambda tokens, turns: None))
@@ -254,12 +328,16 @@ def test_a_restarted_worker_gets_the_templates_the_model_and_the_current_weights
             assert played(await group.play("g0-c", lambda tokens, turns: None))
             assert fleet.is_up(group.worker, group.epoch) and fleet.reopened_groups == 1
             await group.close()
+            # Back with the start model, it waits out of service for the next publish (the
+            # fleet holds no copy of the weights to give it): a run's next step.
+            trainer.version = 4
             deadline = time.monotonic() + 300
             while held not in fleet.replicas.up:
                 assert time.monotonic() < deadline, "the killed worker never came back"
                 await asyncio.sleep(0.2)
+                await fleet.publish(trainer, tmp_path, model_dir)
             # Two groups at once go to the two workers, the restarted one included, and both
-            # play with the weights published before the kill.
+            # play with the weights of that publish.
             groups = [await open_group(g) for g in ("g1", "g2")]
             assert {g.worker for g in groups} == {0, 1}
             for g in groups:

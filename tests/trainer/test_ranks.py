@@ -6,18 +6,22 @@ import os
 import random
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from venusrl.engine.engine import Engine
+from venusrl.engine.model import ModelConfigError, TornWeights
 from venusrl.engine.model_dir import init_model_dir, load_model
+from venusrl.engine.weight_stream import WeightStream
 from venusrl.trainer.checkpoint import RunState, latest_checkpoint
 from venusrl.trainer.config import TrainerConfig
 from venusrl.trainer.rank_processes import ProcessRanks
 from venusrl.trainer.ranks import RankedTrainer, RankFailed, token_shares
 from venusrl.trainer.trainer import GRPOTrainer
-from venusrl.types import Trajectory
+from venusrl.types import SamplingParams, Trajectory
 
 torch.set_num_threads(1)
 
@@ -122,9 +126,9 @@ def test_bf16_compute_steps_near_the_fp32_step_and_keeps_fp32_master_weights(
     expected = GRPOTrainer(load_model(model_dir), config()).step(trajectories, advantages)
     ranks = RankedTrainer(model_dir, config(world_size=2, param_dtype="bfloat16"))
     try:
-        stopped = ranks.hf_weights()  # an engine that refuses the first tensor it is sent
+        stopped = iter(ranks.hf_weights())  # an engine that refuses the first tensor it is sent
         next(stopped)
-        stopped.close()  # the ranks finish the gather all the same, ready for the step
+        stopped.close()  # type: ignore[attr-defined]  # the ranks finish the gather all the same
         got = ranks.step(trajectories, advantages)
         dtypes = {t.dtype for _, t in ranks.hf_weights()}
     finally:
@@ -132,6 +136,61 @@ def test_bf16_compute_steps_near_the_fp32_step_and_keeps_fp32_master_weights(
     assert got.loss == pytest.approx(expected.loss, rel=1e-2)
     assert got.grad_norm == pytest.approx(expected.grad_norm, rel=1e-2)
     assert dtypes == {torch.float32}  # what the engines get and the checkpoints hold
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_publish_from_two_ranks_is_checked_up_front_then_copied_holding_one_bucket_at_a_time(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Every bucket that reaches this process is a shared-memory segment it holds a file
+    descriptor for while any of its tensors lives: the descriptors open count the buckets
+    held. A publish that held the whole set (the engine checking every tensor before copying
+    any) would hold one per parameter."""
+    engine = Engine.from_model_dir(init_model_dir(tmp_path / "e", preset="micro", seed=1))
+    another = Engine.from_model_dir(init_model_dir(tmp_path / "t", preset="tiny", seed=0))
+    bucket_mib = 1 / 16  # the micro model (2 MiB) in 20-odd buckets
+    ranks = RankedTrainer(model_dir, config(world_size=2, publish_bucket_mib=bucket_mib))
+    try:
+        with pytest.raises(ModelConfigError, match="has shape"):
+            another.update_weights(ranks.hf_weights(), version=1)  # another model's shapes
+        assert another.weight_version == 0
+
+        stream = ranks.hf_weights()
+        baseline, held, tensors = open_fds(), [0], [0]
+
+        def watched() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in stream:
+                held[0], tensors[0] = max(held[0], open_fds() - baseline), tensors[0] + 1
+                yield name, tensor
+
+        engine.update_weights(WeightStream(stream.manifest, watched()), version=1)
+        total_mib = (
+            sum(s.dtype.itemsize * torch.Size(s.shape).numel() for s in stream.manifest.values())
+            / 2**20
+        )
+        assert total_mib / bucket_mib > 20 and tensors[0] == len(stream.manifest)
+        assert held[0] <= 1, f"{held[0]} buckets held at once"
+        assert engine.weight_version == 1
+        assert_same_weights(engine.model.hf_state_dict(), load_model(model_dir).hf_state_dict())
+
+        # A rank that dies midway: the run stops, and the engine keeps its version and runs
+        # nothing until a whole set loads (it is half copied).
+        def killing() -> Iterator[tuple[str, torch.Tensor]]:
+            for i, item in enumerate(ranks.hf_weights()):
+                if i == 0:
+                    os.kill(ranks.link.pids[1], signal.SIGKILL)  # type: ignore[attr-defined]
+                yield item
+
+        with pytest.raises(RankFailed, match=r"trainer rank \d"):
+            engine.update_weights(WeightStream(stream.manifest, killing()), version=2)
+        assert engine.weight_version == 1
+        with pytest.raises(TornWeights):
+            engine.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+    finally:
+        ranks.close()
 
 
 def test_options_of_the_ranks_are_refused_in_one_process_by_name() -> None:
@@ -201,11 +260,15 @@ def test_a_sharded_checkpoint_resumes_with_the_same_weights_and_optimizer_state(
 def test_two_lora_ranks_step_as_one_lora_process_and_publish_merged_weights(
     model_dir: Path,
 ) -> None:
-    cfg = config(world_size=2, lora_rank=4, lora_alpha=8.0, lr=1e-3)
+    # The adapters move (imitation) before the first step freezes the KL reference: the ranks'
+    # reference must compute with the adapters of then, as one process's merged copy does.
+    cfg = config(world_size=2, lora_rank=4, lora_alpha=8.0, lr=1e-3, kl_coef=0.5)
     one = GRPOTrainer(load_model(model_dir), cfg)
+    one.imitation_step(batch(3)[0], lr=1e-3)
     expected = [one.step(*batch(4)), one.step(*batch(5))]
     ranks = RankedTrainer(model_dir, cfg)
     try:
+        ranks.imitation_step(batch(3)[0], lr=1e-3)
         got = [ranks.step(*batch(4)), ranks.step(*batch(5))]
         weights = dict(ranks.hf_weights())
     finally:

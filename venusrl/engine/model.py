@@ -24,6 +24,7 @@ from venusrl.engine.attention_backend import AttentionBackend
 from venusrl.engine.kv_cache import KVCache
 from venusrl.engine.packed_rows import PackedRows, packed_attention
 from venusrl.engine.tier_copies import StreamedLayers
+from venusrl.engine.weight_stream import Spec, WeightStream, spec
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 SUPPORTED_ROPE_TYPES = ("default",)
@@ -31,6 +32,15 @@ SUPPORTED_ROPE_TYPES = ("default",)
 
 class ModelConfigError(ValueError):
     pass
+
+
+class TornWeights(RuntimeError):
+    """The model's weights are half copied (a weight update broke midway): it runs nothing."""
+
+
+def _listed(names: set[str]) -> str:
+    shown = sorted(names)
+    return ", ".join(shown[:5]) + (" ..." if len(shown) > 5 else "")
 
 
 @dataclass(frozen=True)
@@ -306,6 +316,7 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        self.torn: str | None = None  # what broke a weight update midway (`load_weights`)
 
     def use_attention(self, backend: AttentionBackend) -> None:
         """The paged attention every layer runs (`engine.attention_backend`)."""
@@ -314,6 +325,7 @@ class CausalLM(nn.Module):
 
     def forward(self, batch: StepBatch, kv: KVCache) -> torch.Tensor:
         """Runs every token of the step; returns logits for `batch.logits_rows` only."""
+        self.check_whole()
         # A banded step's host pages stream in one layer ahead of the layer that reads them.
         streamed = StreamedLayers.of_step(batch.host_reads, kv.copies)
         x = self.embed_tokens(batch.input_ids)
@@ -340,41 +352,97 @@ class CausalLM(nn.Module):
     # -- weights in Hugging Face naming --------------------------------------------------------
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors into this model, in place.
+        """Copy Hugging Face-named tensors into this model, in place, each as it arrives.
 
-        Every parameter must be covered exactly; a missing, unexpected or misshaped tensor is an
-        error that names it, raised before anything is copied, so a bad checkpoint never leaves a
-        running engine half-updated. Copying in place keeps tensor identity.
+        A `WeightStream`'s manifest is checked first: every parameter covered exactly, with its
+        shape and a floating-point dtype, or an error that names the weight is raised before
+        anything is copied, so a bad set leaves the model as it was. (Any other iterable is read
+        whole first: a set already in memory is its own manifest.) Then each tensor is copied
+        and let go: the model never holds more than the one in hand.
+
+        If the stream breaks after the first copy (its source fails, it ends short, a tensor is
+        not what the manifest said), the model is neither the old weights nor the new: it stays
+        torn, its forward refusing to run (`TornWeights`), until a whole set loads; the stream's
+        error is raised.
         """
+        stream = weights if isinstance(weights, WeightStream) else WeightStream.whole(weights)
         targets = self._hf_targets()
-        incoming: dict[str, torch.Tensor] = {}
-        for name, tensor in weights:
+        self._check_manifest(stream.manifest, targets)
+        left = set(targets)
+        try:
+            for name, tensor in stream:
+                self._copy_in(name, tensor, stream.manifest.get(name), targets.get(name), left)
+                del tensor  # none held while the sender makes the next
+            if left:
+                raise ModelConfigError(f"the weights ended without {_listed(left)}")
+        except BaseException as e:
+            if len(left) < len(targets):
+                self.torn = f"a weight update broke after {len(targets) - len(left)} of"
+                self.torn += f" {len(targets)} tensors ({type(e).__name__}: {e})"
+            raise
+        self.torn = None
+        self.pack_for_inference()
+
+    @torch.no_grad()
+    def _copy_in(
+        self, name: str, tensor: torch.Tensor, announced: Spec | None,
+        target: torch.Tensor | None, left: set[str],
+    ) -> None:  # fmt: skip
+        if spec(tensor) != announced:
+            raise ModelConfigError(
+                f"weight {name!r} {tuple(spec(tensor))} is not as the manifest announced:"
+                f" {announced}"
+            )
+        if target is None:  # announced, and skipped (`_check_manifest`)
+            return
+        if name not in left:
+            raise ModelConfigError(f"weight {name!r} came twice")
+        target.copy_(tensor)
+        left.discard(name)
+
+    def _check_manifest(self, manifest: dict[str, Spec], targets: dict[str, torch.Tensor]) -> None:
+        for name, (shape, dtype) in manifest.items():
             if name not in targets:
                 if name.endswith("rotary_emb.inv_freq"):
                     continue
                 if name == "lm_head.weight" and self.config.tie_word_embeddings:
                     continue
                 raise ModelConfigError(f"unexpected weight {name!r}")
-            if tuple(tensor.shape) != tuple(targets[name].shape):
+            if shape != tuple(targets[name].shape):
                 raise ModelConfigError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(targets[name].shape)}"
+                    f"weight {name!r} has shape {shape}, expected {tuple(targets[name].shape)}"
                 )
-            incoming[name] = tensor
-        missing = sorted(set(targets) - set(incoming))
+            if not dtype.is_floating_point:
+                raise ModelConfigError(f"weight {name!r} is {dtype}, not a floating-point type")
+        missing = set(targets) - set(manifest)
         if missing:
-            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-            raise ModelConfigError(f"{len(missing)} weights missing: {shown}")
-        with torch.no_grad():
-            for name, tensor in incoming.items():
-                targets[name].copy_(tensor)
-        self.pack_for_inference()
+            raise ModelConfigError(f"{len(missing)} weights missing: {_listed(missing)}")
+
+    def check_whole(self) -> None:
+        """`TornWeights` while a broken update has left the weights half copied."""
+        if self.torn is not None:
+            raise TornWeights(f"{self.torn}: the model runs again once a whole set loads")
 
     def pack_for_inference(self) -> None:
         """Rebuild the prepacked inference copies of the linear weights (CPU fp32 only)."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
+
+    def hf_manifest(self) -> dict[str, Spec]:
+        """`hf_named`'s names, shapes and dtypes, without reading a weight (a sharded
+        parameter's are those of the whole)."""
+
+        def meta(name: str) -> torch.Tensor:
+            p = self.get_parameter(name)
+            return torch.empty(p.shape, dtype=p.dtype, device="meta")
+
+        return {name: spec(t) for name, t in self.hf_named(meta)}
+
+    def hf_weights(self) -> WeightStream:
+        """`hf_state_dict` as a stream: each adapter's merged weight made when it is read."""
+        named = ((name, t.detach()) for name, t in self.hf_named(self._merged_parameter))
+        return WeightStream(self.hf_manifest(), named)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """This model's weights under Hugging Face names (views into the fused tensors), with

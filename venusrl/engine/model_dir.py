@@ -22,6 +22,23 @@ from tokenizers import Tokenizer as HFTokenizer
 from venusrl.engine.model import CausalLM, ModelConfig, ModelConfigError
 from venusrl.engine.presets import PRESETS
 from venusrl.engine.tokenizer import build_byte_level_tokenizer, write_byte_level_tokenizer
+from venusrl.engine.weight_stream import Spec, WeightStream
+
+# safetensors' header names of dtypes; any other is announced as bytes (not floating-point).
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 QWEN3_DEFAULTS: dict[str, Any] = dict(
     model_type="qwen3",
@@ -78,7 +95,8 @@ def check_same_model(model_dir: Path, served: ModelConfig) -> None:
         )
 
 
-def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(model_dir: str | Path) -> WeightStream:
+    """The directory's weights, announced from the files' headers, read one at a time."""
     path = Path(model_dir)
     index = path / "model.safetensors.index.json"
     if index.exists():
@@ -88,10 +106,21 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
         files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelConfigError(f"{path} holds no *.safetensors weights")
+    manifest = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, f.get_tensor(name)
+                announced = f.get_slice(name)
+                dtype = _SAFETENSORS_DTYPES.get(announced.get_dtype(), torch.uint8)
+                manifest[name] = Spec(tuple(announced.get_shape()), dtype)
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118
+                    yield name, f.get_tensor(name)
+
+    return WeightStream(manifest, tensors())
 
 
 def load_model(

@@ -59,8 +59,9 @@ class LocalEngine:
         return await self.engine.call(lambda e: e.counters())
 
     async def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        # Runs on the engine's thread between two of its steps: requests in flight keep their
-        # KV and record the new version on the tokens they produce from now on.
+        # Runs on the engine's thread between two of its steps, copying each tensor as the
+        # stream delivers it (`CausalLM.load_weights`; generation waits meanwhile): requests in
+        # flight keep their KV and record the new version on the tokens they produce from now on.
         await self.engine.call(lambda e: e.update_weights(weights, version=version))
 
     async def publish(self, trainer: Trainer, run_dir: Path, model_dir: Path) -> None:

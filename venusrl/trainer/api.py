@@ -4,12 +4,11 @@ its weights for the engines and its checkpoints."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
-import torch
-
+from venusrl.engine.weight_stream import WeightStream
 from venusrl.trainer.checkpoint import RunState
 from venusrl.trainer.trainer import StepStats
 from venusrl.types import Trajectory
@@ -28,8 +27,9 @@ class Trainer(Protocol):
         """The KL penalty's reference policy: the model of `model_dir`, frozen."""
         ...
 
-    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The weights under Hugging Face names, one tensor at a time (an engine's update)."""
+    def hf_weights(self) -> WeightStream:
+        """The weights under Hugging Face names, announced, then one tensor at a time (an
+        engine's update)."""
         ...
 
     def write_model_dir(self, out: Path, like: Path) -> None:

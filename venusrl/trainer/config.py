@@ -82,6 +82,12 @@ class TrainerConfig(Section):
         False, description="ranks keep sharded weights, gradients and AdamW state in host memory"
     )
     rank_threads: int = Field(1, ge=1, description="torch threads of each trainer rank")
+    publish_bucket_mib: float = Field(
+        256.0,
+        gt=0,
+        description="published weights cross processes (the ranks' pipes, Ray's object store)"
+        " packed in buckets of at most this size (a larger tensor alone), a few at a time",
+    )
     rank_timeout_s: float = Field(
         1800.0,
         gt=0,

@@ -10,8 +10,11 @@ from typing import Any, Protocol
 
 from venusrl.trainer.config import TrainerConfig
 
-# ("weight", (name, tensor)) while rank 0 publishes; then ("ok", result) or ("error", traceback)
+# ("bucket", Bucket) while rank 0 publishes; then ("ok", result) or ("error", traceback)
 Message = tuple[str, Any]
+# Buckets rank 0 may send ahead of the one the driver has taken: the publish stays a stream,
+# a few buckets in flight whatever the model's size (both links hold to it).
+STREAM_AHEAD = 2
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,13 @@
 """The ranks as local processes (spawned, one pipe each): `trainer.world_size` without Ray. A
-rank's death is seen on its process sentinel, whichever rank the driver is waiting on."""
+rank's death is seen on its process sentinel, whichever rank the driver is waiting on.
+
+A tensor sent down a pipe moves to shared memory, and the receiver holds one file descriptor
+per storage while the tensor lives (torch's `file_descriptor` sharing). The weights therefore
+travel as flat buckets (one storage, one descriptor each), and the driver acknowledges each
+bucket it takes, rank 0 sending at most `STREAM_AHEAD` ahead: a publish holds a few
+descriptors and a few buckets of shared memory, whatever the model's size. (The `file_system`
+strategy would hold no descriptors, but is process-wide and leaves files in /dev/shm behind a
+killed process.)"""
 
 from __future__ import annotations
 
@@ -14,7 +22,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from venusrl.trainer.rank_link import Message, RankGone, RankJob
+from venusrl.trainer.rank_link import STREAM_AHEAD, Message, RankGone, RankJob
 from venusrl.trainer.rank_server import RankServer
 
 
@@ -70,6 +78,8 @@ class ProcessRanks:
         rank = min(conns[c] for c in ready if c in conns)
         try:
             message: Message = self._conns[rank].recv()
+            if message[0] == "bucket":
+                self._conns[rank].send(("ack", ()))
         except (EOFError, OSError):
             raise self._gone(rank) from None
         return rank, message
@@ -106,8 +116,20 @@ def _rank_main(job: RankJob, rank: int, world_size: int, conn: Connection) -> No
                 return  # the driver is gone
             if command == "close":
                 return
+            if command == "ack":  # of a bucket the stream no longer waited for
+                continue
+            ahead = 0
             for message in server.handle(command, args):
                 conn.send(message)
+                ahead += message[0] == "bucket"
+                while ahead > STREAM_AHEAD:
+                    try:
+                        reply, _ = conn.recv()
+                    except (EOFError, OSError):
+                        return
+                    if reply != "ack":  # told to close mid-stream
+                        return
+                    ahead -= 1
     finally:
         server.close()
         conn.close()

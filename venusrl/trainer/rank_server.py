@@ -1,7 +1,8 @@
 """One trainer rank's side of the driver's protocol, whatever carries it (a local process's pipe,
 a Ray actor's calls): it joins the group, loads its shard, and answers each command with a
-stream of messages, `("weight", (name, tensor))` from rank 0 while it publishes, then one
-`("ok", result)` or `("error", traceback)`."""
+stream of messages, `("bucket", Bucket)` from rank 0 while it publishes (the weights packed a
+bucket at a time, `trainer.publish_bucket_mib`), then one `("ok", result)` or
+`("error", traceback)`. `start`'s result is the weights' manifest (rank 0's)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from venusrl.engine.weight_stream import Spec, pack
 from venusrl.trainer.checkpoint import SHARDED
 from venusrl.trainer.rank_link import Message, RankJob
 
@@ -43,7 +45,7 @@ class RankServer:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-    def _start(self, init_method: str) -> None:
+    def _start(self, init_method: str) -> dict[str, Spec]:
         from venusrl.trainer.sharded import ShardedTrainer  # FSDP only where a rank runs
 
         config = self.job.config
@@ -73,9 +75,14 @@ class RankServer:
         )
 
         def weights() -> Iterator[Message]:
-            for name, tensor in trainer.hf_weights():
-                if self.rank == 0:  # the others took part in the gather
-                    yield "weight", (name, tensor.cpu())
+            gathered = trainer.hf_weights()
+            if self.rank != 0:
+                for _ in gathered:  # the gathers are collective
+                    pass
+                return
+            bucket_bytes = int(config.publish_bucket_mib * 2**20)
+            for bucket in pack(gathered, bucket_bytes):
+                yield "bucket", bucket
 
         def save(out: Path, like: Path) -> None:
             trainer.save_sharded(out / SHARDED)
@@ -92,3 +99,4 @@ class RankServer:
                 "save": save,
             }
         )
+        return trainer.model.hf_manifest()

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from venusrl.engine.weight_stream import WeightStream
 from venusrl.trainer.checkpoint import SHARDED, RunState, commit_checkpoint
 from venusrl.trainer.config import TrainerConfig
 from venusrl.trainer.rank_link import Launch, Message, RankGone, RankJob
@@ -68,7 +69,7 @@ class RankedTrainer:
         job = RankJob(model_dir, config, version, temperature, resume)
         self.link = launch(job, config.world_size)
         try:
-            self._call("start", [(self.link.init_method,)] * config.world_size)
+            self.manifest = self._call("start", [(self.link.init_method,)] * config.world_size)[0]
         except BaseException:
             self.close()
             raise
@@ -99,24 +100,29 @@ class RankedTrainer:
         self._call("use_reference", [(model_dir,)] * self.config.world_size)
         self._has_reference = True
 
-    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def hf_weights(self) -> WeightStream:
         """The weights under Hugging Face names, gathered by the ranks one parameter at a time
-        and streamed from rank 0: never a whole copy on the ranks' side."""
+        and streamed from rank 0 in buckets, a few in flight (`STREAM_AHEAD`): never a whole
+        copy on the ranks' side, nor in this process while the consumer lets each tensor go."""
+        return WeightStream(self.manifest, self._streamed())
+
+    def _streamed(self) -> Iterator[tuple[str, torch.Tensor]]:
         with self._lock:
             self._send_all("weights", [()] * self.config.world_size)
             pending = set(range(self.config.world_size))
             try:
                 while pending:
                     rank, (kind, payload) = self._reply(pending, "weights")
-                    if kind == "weight":
-                        yield payload
+                    if kind == "bucket":
+                        yield from payload.unpack()
                     else:
                         pending.discard(rank)
-            finally:
-                while pending:  # a consumer that stopped early: the stream ends all the same
+            except GeneratorExit:  # a consumer that stopped early: the stream ends all the same
+                while pending:
                     rank, (kind, _) = self._reply(pending, "weights")
-                    if kind != "weight":
+                    if kind != "bucket":
                         pending.discard(rank)
+                raise
 
     def write_model_dir(self, out: Path, like: Path) -> None:
         """The consolidated Hugging Face model directory, written by rank 0."""

@@ -11,7 +11,6 @@ of the whole gradient (its shards are DTensors).
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
@@ -35,8 +34,9 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from venusrl.engine.model import CausalLM, Linear
-from venusrl.engine.model_dir import build_model, load_model, read_model_config
+from venusrl.engine.model import CausalLM, Linear, ModelConfig
+from venusrl.engine.model_dir import load_model, read_model_config
+from venusrl.engine.weight_stream import WeightStream
 from venusrl.trainer.checkpoint import SHARDED, write_weights_dir
 from venusrl.trainer.config import TrainerConfig
 from venusrl.trainer.lora import LoRALinear, add_adapters
@@ -72,6 +72,26 @@ def shard_model(model: CausalLM, config: TrainerConfig) -> CausalLM:
     return model
 
 
+def empty_sharded_model(
+    model_config: ModelConfig, config: TrainerConfig, device: torch.device, adapters: bool = False
+) -> CausalLM:
+    """A model sharded over the ranks' group, each rank's shards allocated and not yet filled;
+    with `adapters` (`trainer.lora_rank`), LoRA adapters attached before sharding and sharded
+    like the weights."""
+    with torch.device("meta"):
+        model = CausalLM(model_config)
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    if adapters:  # its A, drawn on the host then moved to meta, is filled by the caller
+        add_adapters(model, config.lora_rank, config.lora_alpha, config.lora_targets)
+    shard_model(model, config)
+    # Offloaded shards live in host memory (FSDP2 refuses them on the device); the rotary
+    # table is computed where the forward runs.
+    model.to_empty(device="cpu" if config.cpu_offload else device)
+    model.rotary.reset_cache(device)
+    return model
+
+
 def load_sharded_model(
     model_dir: Path, config: TrainerConfig, device: torch.device, adapters: bool = False
 ) -> CausalLM:
@@ -79,26 +99,13 @@ def load_sharded_model(
     shards; the others never hold the whole model. With `adapters` (`trainer.lora_rank`), LoRA
     adapters are attached before sharding, initialised by rank 0 as one process would (same
     seed), and sharded like the weights."""
-
-    def attach(model: CausalLM) -> None:
-        if adapters:
-            add_adapters(model, config.lora_rank, config.lora_alpha, config.lora_targets)
-
     whole = {}
     if dist.get_rank() == 0:
         full = load_model(model_dir, "cpu")
-        attach(full)
+        if adapters:
+            add_adapters(full, config.lora_rank, config.lora_alpha, config.lora_targets)
         whole = full.state_dict()
-    with torch.device("meta"):
-        model = CausalLM(read_model_config(model_dir))
-    if model.config.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    attach(model)  # its A, drawn on the host then moved to meta, is rank 0's after the load
-    shard_model(model, config)
-    # Offloaded shards live in host memory (FSDP2 refuses them on the device); the rotary
-    # table is computed where the forward runs.
-    model.to_empty(device="cpu" if config.cpu_offload else device)
-    model.rotary.reset_cache(device)
+    model = empty_sharded_model(read_model_config(model_dir), config, device, adapters)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, whole, options=options)
     return model
@@ -142,16 +149,23 @@ class ShardedTrainer(GRPOTrainer):
         return nullcontext()  # FSDP2's mixed-precision policy casts (`shard_model`)
 
     def freeze_reference(self) -> CausalLM:
-        reference = build_model(self.model.config, self.device)
-        reference.load_weights(self.hf_weights())  # whole, then sharded
-        self.reference = shard_model(reference, self.config).requires_grad_(False).eval()
+        """The current weights become the KL reference, sharded as the policy is: each rank
+        copies its own shards (no gather, never a whole model on a rank), adapters too (the
+        reference computes with the merged weights of now)."""
+        compute_device = self.model.rotary.cos.device
+        adapters = self.config.lora_rank > 0
+        reference = empty_sharded_model(self.model.config, self.config, compute_device, adapters)
+        with torch.no_grad():
+            for mine, theirs in zip(self.model.parameters(), reference.parameters(), strict=True):
+                theirs.copy_(mine)  # shard to shard: the same placements on every rank
+        self.reference = reference.requires_grad_(False).eval()
         return self.reference
 
     def use_reference(self, model_dir: Path) -> None:
         reference = load_sharded_model(model_dir, self.config, self.device)
         self.reference = reference.requires_grad_(False).eval()
 
-    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def hf_weights(self) -> WeightStream:
         """The whole weights under Hugging Face names, gathered one parameter at a time (fp32
         master weights, whatever the compute dtype)."""
 
@@ -162,7 +176,7 @@ class ShardedTrainer(GRPOTrainer):
                 return module.merged_weight(_whole)  # what the engines and checkpoints get
             return _whole(self.model.get_parameter(name).detach())
 
-        return self.model.hf_named(gathered)
+        return WeightStream(self.model.hf_manifest(), self.model.hf_named(gathered))
 
     def write_model_dir(self, out: Path, like: Path) -> None:
         """Rank 0 writes the consolidated model directory (one whole copy, in host memory)."""

@@ -17,7 +17,7 @@ The vocabulary projection runs a chunk of positions at a time (`chunked_logprobs
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +27,7 @@ import torch
 from venusrl.engine.model import CausalLM
 from venusrl.engine.model_dir import build_model, load_model
 from venusrl.engine.packed_rows import PackedRows
+from venusrl.engine.weight_stream import WeightStream
 from venusrl.trainer.checkpoint import RunState, save_checkpoint, write_model_dir
 from venusrl.trainer.chunked_logprobs import token_logprobs
 from venusrl.trainer.config import LossAggregation, TrainerConfig
@@ -98,9 +99,9 @@ class GRPOTrainer:
         """The KL penalty's reference: the model of `model_dir`, frozen."""
         self.reference = load_model(model_dir, self.device).requires_grad_(False)
 
-    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def hf_weights(self) -> WeightStream:
         """The weights under Hugging Face names (views, not copies)."""
-        return iter(self.model.hf_state_dict().items())
+        return self.model.hf_weights()
 
     def write_model_dir(self, out: Path, like: Path) -> None:
         write_model_dir(out, self.model, like)

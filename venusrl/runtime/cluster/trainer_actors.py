@@ -25,12 +25,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from venusrl.runtime.cluster.ray_cluster import CALLS, at_default_priority
 from venusrl.runtime.config import RuntimeConfig
-from venusrl.trainer.rank_link import Message, RankGone, RankJob
+from venusrl.trainer.rank_link import STREAM_AHEAD, Message, RankGone, RankJob
 from venusrl.trainer.rank_server import RankServer
 
 PLACEMENT_TIMEOUT_S = 300.0  # the placement group and the actors' start
-# Weights rank 0 may have in the object store ahead of the driver: the stream stays a stream.
-STREAM_AHEAD = 2
 
 
 class TrainerRank:
@@ -54,11 +52,7 @@ class TrainerRank:
         return f"pid {os.getpid()} on {ray.util.get_node_ip_address()}"
 
     def run(self, command: str, args: tuple[Any, ...]) -> Iterator[Message]:
-        for kind, payload in self.server.handle(command, args):
-            if kind == "weight":  # each item is pickled alone: a view would carry its whole
-                name, tensor = payload  # fused storage (q, k and v each the whole qkv)
-                payload = (name, tensor.clone())
-            yield kind, payload
+        yield from self.server.handle(command, args)
 
     def until_closed(self) -> None:
         self._closed.wait()

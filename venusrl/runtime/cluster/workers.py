@@ -16,7 +16,8 @@ among the workers of the node), and the agent loops of the groups placed on it
 - **Priorities** reach the workers when the coordinator re-ranks the groups, each worker only
   the ones it holds and only when they changed. Members' progress (tokens and turns so far)
   comes back with each finished episode.
-- **Weights** go through Ray's object store: put once, fetched by every worker.
+- **Weights** go through Ray's object store a bucket at a time (`RolloutFleet.publish`), each
+  engine copying each bucket as it comes: neither the driver nor the store holds a whole copy.
 - **Failures.** An episode whose sandbox was preempted (a node's pool running out of memory
   preempts its lowest-priority sandboxes) moves to another worker: the group opens there
   too, a fresh sandbox forks from its setup, the environment acts again on the turns the model
@@ -26,7 +27,9 @@ among the workers of the node), and the agent loops of the groups placed on it
   infrastructure failures, and the coordinator replaces them; a group whose worker died opens
   again on another worker for its replacement members, so the group still completes. Ray
   restarts the worker (its successor reaps the dead pool's sandboxes); the fleet prepares the
-  templates, loads the model and the current weights into it, and places groups there again.
+  templates and loads the model into it, and places groups there again once the next publish
+  has given it the current weights (a group's tokens are of weights at least as new as those
+  when it started: `policy.staleness`).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from venusrl.config import Config
 from venusrl.coordinator.agent_loop import ChatFormat
 from venusrl.coordinator.rollouts import LocalGroup, LocalRollouts, OnTurn, failed
 from venusrl.engine.tokenizer import Tokenizer
+from venusrl.engine.weight_stream import Bucket, Spec, pack
 from venusrl.envs.accounts import PoolStats
 from venusrl.envs.environment import Environment, Task
 from venusrl.envs.pool import SandboxPool
@@ -62,6 +66,7 @@ from venusrl.runtime.cluster.ray_cluster import (
     call,
     until_alive,
 )
+from venusrl.runtime.cluster.weight_feed import WeightFeed
 from venusrl.runtime.engines import LocalEngine
 from venusrl.runtime.faults import engine_faults, sandbox_faults
 from venusrl.trainer.api import Trainer
@@ -110,6 +115,7 @@ class RolloutWorker:
         self._progress: dict[str, tuple[int, int]] = {}  # episodes in flight: tokens, turns
         self.served: set[str] = set()  # trajectory ids this engine generated for
         self._faults: list[asyncio.Task[None]] = []  # `faults.*_sandboxes`
+        self._feed: WeightFeed | None = None  # a publish under way
 
     def node_id(self) -> str:
         return str(ray.get_runtime_context().get_node_id())
@@ -177,9 +183,24 @@ class RolloutWorker:
     def pool_stats(self) -> PoolStats:
         return self._pool().stats()
 
-    async def update_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
+    async def begin_weights(self, manifest: dict[str, Spec], version: int) -> None:
+        """An update of the engine's weights to `version`: announced by `manifest` (answered
+        once the engine accepts it), its buckets to come (`weights_bucket`), then
+        `end_weights`."""
         assert self.engine is not None
-        await self.engine.load_weights(weights.items(), version)
+        timeout_s = self.cfg.trainer.rank_timeout_s  # the longest the trainer may take
+        self._feed = WeightFeed(self.engine, manifest, version, timeout_s)
+        await self._feed.started()
+
+    async def weights_bucket(self, bucket: Bucket) -> None:
+        """Answered once the engine has copied `bucket`."""
+        assert self._feed is not None
+        await self._feed.give(bucket)
+
+    async def end_weights(self, broke: str | None) -> None:
+        feed, self._feed = self._feed, None
+        if feed is not None:
+            await feed.end(broke)
 
     # --- groups and their episodes ----------------------------------------------------------
 
@@ -429,7 +450,9 @@ class RolloutFleet:
         self._to_push: dict[int, dict[str, int]] = {}
         self._pushers: dict[int, asyncio.Task[None]] = {}
         self._engine: tuple[Any, int, SamplingParams] | None = None
-        self._weights: tuple[Any, int] | None = None  # the latest published (object ref, version)
+        self._published: int | None = None  # the version of the last publish
+        # Workers restarted since it, their engines loaded, waiting for the next.
+        self._awaiting: dict[int, asyncio.Future[None]] = {}
         # Each worker's latest engine counters and the epoch they came from; an engine that
         # restarted counts from zero, so its predecessor's last reading is carried.
         self._counters: dict[int, tuple[int, dict[str, float]]] = {}
@@ -494,13 +517,72 @@ class RolloutFleet:
     # --- the trainer's side -----------------------------------------------------------------
 
     async def publish(self, trainer: Trainer, run_dir: Path, model_dir: Path) -> None:
-        def gathered() -> dict[str, torch.Tensor]:
-            return {k: v.detach().cpu() for k, v in trainer.hf_weights()}
+        """The trainer's weights into every worker's engine, through the object store a bucket
+        at a time (`trainer.publish_bucket_mib`): the next bucket is gathered while the workers
+        load this one, and this one leaves the store before the next goes in, so neither this
+        process nor the store ever holds more than two. The workers up, and those restarted
+        since the last publish (`_revive`), get them; one that dies meanwhile is brought back
+        and waits for the next. If the stream breaks (a trainer rank dies), every engine is
+        told: it keeps its version, refuses to run half-copied weights, and the error stops
+        the run."""
+        stream = trainer.hf_weights()
+        awaiting, self._awaiting = self._awaiting, {}
+        targets = {i: self.replicas.restarts[i] for i in [*self.up(), *awaiting]}
+        buckets = pack(stream, int(self.cfg.trainer.publish_bucket_mib * 2**20))
+        gathering: asyncio.Future[Bucket | None] | None = None
+        try:
+            begin = (stream.manifest, trainer.version)
+            await self._on_each(targets, awaiting, "begin_weights", *begin)
+            # Off the event loop: sharded ranks stream the weights meanwhile.
+            gathering = asyncio.ensure_future(asyncio.to_thread(next, buckets, None))
+            while (bucket := await gathering) is not None:
+                ref = ray.put(bucket)
+                del bucket
+                gathering = asyncio.ensure_future(asyncio.to_thread(next, buckets, None))
+                await self._on_each(targets, awaiting, "weights_bucket", ref)
+                del ref  # out of the store once every worker has it
+        except BaseException as e:
+            if gathering is not None:
+                with contextlib.suppress(BaseException):
+                    await gathering
+            # The trainer's stream ends too (sharded ranks finish theirs), off the event loop.
+            await asyncio.to_thread(buckets.close)
+            with contextlib.suppress(Exception):
+                broke = f"{type(e).__name__}: {e}"
+                await self._on_each(targets, awaiting, "end_weights", broke)
+            self._awaiting.update(awaiting)  # for the next publish
+            raise
+        await self._on_each(targets, awaiting, "end_weights", None)
+        self._published = trainer.version
+        for waiting in awaiting.values():
+            if not waiting.done():
+                waiting.set_result(None)
 
-        # Off the event loop: sharded ranks stream the weights a tensor at a time meanwhile.
-        weights = await asyncio.to_thread(gathered)
-        self._weights = (ray.put(weights), trainer.version)
-        await asyncio.gather(*(self._load_weights(i) for i in self.up()))
+    async def _on_each(
+        self, targets: dict[int, int], awaiting: dict[int, asyncio.Future[None]], method: str,
+        *args: Any,
+    ) -> None:  # fmt: skip
+        """`method` on every worker of `targets` (index -> epoch), those `awaiting` their first
+        weights since a restart among them; a worker that dies leaves `targets` (it is being
+        restarted, and waits for the next publish), and the first other error is raised once
+        every call is answered."""
+
+        async def one(i: int) -> None:
+            try:
+                if i in awaiting:  # not in service: outside `call`'s bookkeeping
+                    await call(getattr(self.workers[i], method), *args)
+                else:
+                    await self.call(i, targets[i], method, *args)
+            except (InfraFailure, ActorLost) as e:
+                del targets[i]
+                waiting = awaiting.pop(i, None)
+                if waiting is not None and not waiting.done():
+                    waiting.set_exception(ActorLost(str(e)))  # it stays down (`Replicas`)
+
+        errors = await asyncio.gather(*map(one, list(targets)), return_exceptions=True)
+        for error in errors:
+            if isinstance(error, BaseException):
+                raise error
 
     async def counters(self) -> dict[str, float]:
         """The engines' totals, summed over the workers: never lower than before, however
@@ -536,15 +618,6 @@ class RolloutFleet:
 
         stats = [s for s in await asyncio.gather(*(read(i) for i in self.up())) if s is not None]
         return PoolStats.merge(stats) if stats else None
-
-    async def _load_weights(self, i: int) -> None:
-        with contextlib.suppress(InfraFailure):  # it is being brought back with these weights
-            await self._send_weights(i, self.replicas.restarts[i])
-
-    async def _send_weights(self, i: int, epoch: int) -> None:
-        if self._weights is not None:
-            ref, version = self._weights
-            await self.call(i, epoch, "update_weights", ref, version)
 
     # --- the coordinator's side (`Rollouts`) ------------------------------------------------
 
@@ -643,7 +716,8 @@ class RolloutFleet:
 
     async def _revive(self, i: int) -> None:
         """Wait for Ray to restart worker i; prepare the run's templates on it (its pool reaps
-        the dead pool's sandboxes when it starts), then the model and the current weights."""
+        the dead pool's sandboxes when it starts), then the model; once weights were published,
+        wait for the next publish to bring it the current ones."""
         worker = self.workers[i]
         self._pushed[i] = {}
         self.nodes[i] = await until_alive(lambda: call(worker.node_id), RESTART_TIMEOUT_S)
@@ -651,13 +725,10 @@ class RolloutFleet:
         if self._engine is None:
             return
         await call(worker.start_engine, *self._engine)
-        while True:
-            version = self._weights[1] if self._weights else None
-            if self._weights is not None:
-                await call(worker.update_weights, *self._weights)
-            # A publish during the load went to the workers that were up: catch up.
-            if (self._weights[1] if self._weights else None) == version:
-                return
+        if self._published is not None:
+            # Holding no whole copy of the weights, the fleet has none to give it before then.
+            self._awaiting[i] = asyncio.get_running_loop().create_future()
+            await self._awaiting[i]
 
     async def report(self) -> dict[str, Any]:
         """Where episodes and groups ran, what restarted, and each worker's pool statistics
