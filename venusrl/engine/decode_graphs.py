@@ -56,8 +56,6 @@ class DecodeGraphs:
     ) -> None:
         """`max_pages`: pages of the longest context; every bucket's page table is that wide."""
         self.forward, self.kv = forward, kv
-        # A replay never calls the model: its refusal to run torn weights is asked here.
-        self._check_whole: Callable[[], None] = getattr(forward, "check_whole", lambda: None)
         self.buckets = buckets_up_to(max_rows)
         self.max_pages, self.capture = max_pages, capture
         self._by_rows: dict[int, _Bucket] = {}
@@ -77,7 +75,6 @@ class DecodeGraphs:
     def run(self, batch: StepBatch) -> torch.Tensor:
         """The step's logits ([rows, vocab]), from its bucket's graph; `fits(batch)` must hold."""
         assert batch.decode is not None and self.fits(batch)
-        self._check_whole()
         rows = batch.decode.num_rows
         size = bucket_for(rows, self.buckets)
         assert size is not None

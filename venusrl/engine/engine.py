@@ -298,6 +298,7 @@ class Engine:
         work.sort(key=lambda item: item[1] > 1)  # the packed batch puts decode rows first
         batch = self.batches.build(work)
         if self.graphs is not None and self.graphs.fits(batch):
+            self.model.check_whole()  # a replay never calls the model, whose forward asks
             logits = self.graphs.run(batch)
         else:
             logits = self.model(batch, self.cache.kv)
