@@ -324,8 +324,8 @@ def run_engine(
         "decode_steps": len(decode),
         "cascade_decode_steps": sum(s.cascade for s in decode),
         "graph_decode_steps": sum(s.graph for s in decode),
-        # Graphs are captured the first time a batch size's bucket runs; these were captured
-        # inside the timed run, their cost in its figures.
+        # On CUDA the engine records every bucket when it starts (`DecodeGraphs.capture_all`):
+        # this should be 0 there; a bucket made inside the timed run has its cost in the figures.
         "graph_buckets_captured_in_run": (
             len(engine.graphs._by_rows) - graphs_before if engine.graphs is not None else 0
         ),

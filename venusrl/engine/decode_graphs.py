@@ -7,8 +7,9 @@ place; a batch runs in the smallest bucket that holds it, its extra rows padded 
 the reserved padding page, their logits dropped. Pure decode steps only (no prefill spans, shared
 prefix groups or layer bands: those shapes vary); the others run eagerly.
 
-Without CUDA (`capture=False`) the same buffers run eagerly: what CPU tests check. The capture
-itself is untested so far: no GPU has run it.
+Without CUDA (`capture=False`) the same buffers run eagerly: what CPU tests check. On CUDA the
+engine records every bucket when it starts (`capture_all`). The capture itself is untested so
+far: no GPU has run it.
 """
 
 from __future__ import annotations
@@ -87,6 +88,37 @@ class DecodeGraphs:
         assert bucket.graph is not None and bucket.logits is not None
         bucket.graph.replay()
         return bucket.logits[:rows]
+
+    def capture_all(self) -> int:
+        """Record every bucket's graph now, largest first (the smaller ones then fit in the
+        memory the pool already holds), so that no step pays for a capture. Returns how many
+        were recorded: none without CUDA, where there is nothing to record."""
+        if not self.capture:
+            return 0
+        recorded = 0
+        for size in reversed(self.buckets):
+            if size in self._by_rows:
+                continue
+            blank = self._blank(size)
+            bucket = self._new_bucket(size, blank)
+            self._load(bucket.batch, blank)
+            self._record(bucket)
+            recorded += 1
+        return recorded
+
+    def _blank(self, rows: int) -> StepBatch:
+        """`rows` decode rows of one key on the padding page, what a capture at start runs: it
+        writes K/V only there."""
+        dev, kv = self.kv.device, self.kv
+        zeros = torch.zeros(rows, dtype=torch.long, device=dev)
+        decode = DecodeBatch(
+            num_rows=rows,
+            pages=torch.zeros(rows, 1, dtype=torch.long, device=dev),
+            lengths=torch.ones(rows, dtype=torch.int32, device=dev),
+            key_mask=torch.zeros(1, rows, 1, kv.page_size, dtype=kv.device_kv.dtype, device=dev),
+            prefix_groups=(),
+        )
+        return StepBatch(zeros, zeros, zeros, torch.arange(rows, device=dev), decode, ())
 
     def _new_bucket(self, size: int, like: StepBatch) -> _Bucket:
         assert like.decode is not None

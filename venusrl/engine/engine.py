@@ -112,6 +112,7 @@ class Engine:
         if cfg.cuda_graphs:
             capture = self.device.type == "cuda"
             self.graphs = DecodeGraphs(model, self.cache.kv, cfg.max_running, max_pages, capture)
+            self.graphs.capture_all()  # at start, so that no step pays for a capture
         eos = set(mc.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
         self.eos_token_ids = frozenset(eos)
         self.weight_version = 0
