@@ -170,8 +170,12 @@ if [ "$cpu" = 1 ]; then
     run_part "parity triton" 300 "$out/parity-triton.log" "${pytest[@]}" \
     tests/engine/test_parity_hf.py -k "qwen3-gqa2 and (prefix_cache_hits or siblings)"
 else
+  # With them, on CUDA: the tier copies' streams and events (their own tests, and outputs equal
+  # with layer bands, offloads and preemption under random workloads).
   VENUSRL_TEST_DEVICE=cuda run_part parity 120 "$out/parity.log" "${pytest[@]}" "${parity[@]}" \
-    tests/engine/test_triton_attention.py
+    tests/engine/test_triton_attention.py tests/engine/test_tier_copies.py \
+    tests/engine/test_layer_residency.py \
+    "tests/engine/test_engine.py::test_outputs_do_not_depend_on_paging_caching_preemption_or_layer_residency"
   engine qwen3-0.6b 150 --presets qwen3-0.6b
   run_part trainer 50 "$out/trainer.json" "$python" benchmarks/trainer_step.py --throughput \
     --device cuda --preset qwen3-0.6b --rows 16 --tokens 1024 --prefix 0 --steps 3 --threads 4

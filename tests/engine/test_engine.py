@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import write_hf_model
+from tests.conftest import TEST_DEVICE, write_hf_model
 from venusrl.engine.config import EngineConfig
 from venusrl.engine.engine import Engine, RequestError
 from venusrl.engine.kv_cache import KVCache
@@ -22,7 +22,8 @@ PIN_S = 0.5  # `play_turns`' tool waits
 
 
 def engine_for(model_dir: Path, **cfg: object) -> Engine:
-    base: dict[str, object] = dict(page_size=4, device_kv_pages=256)
+    """On `VENUSRL_TEST_DEVICE` (the CPU unless benchmarks/gpu_check.sh says cuda)."""
+    base: dict[str, object] = dict(page_size=4, device_kv_pages=256, device=str(TEST_DEVICE))
     base.update(cfg)
     return Engine.from_model_dir(model_dir, EngineConfig(**base))  # type: ignore[arg-type]
 
