@@ -156,3 +156,25 @@ def test_buckets_hold_at_most_their_bound_and_unpack_to_the_tensors_packed(
     unpacked = [item for bucket in buckets for item in bucket.unpack()]
     assert [name for name, _ in unpacked] == list(weights)
     assert all(torch.equal(t, weights[name]) for name, t in unpacked)
+
+
+def test_a_reader_that_gives_up_ends_the_source_at_once(tiny_qwen3: Path) -> None:
+    # The source stands for the ranks' stream: until it is closed, they wait mid-gather.
+    engine = engine_for(tiny_qwen3)
+    weights = other_weights(engine)
+    manifest = {name: spec(t) for name, t in weights.items()}
+    ended: list[str] = []
+
+    def source(label: str, bad_at: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        try:
+            for i, (name, tensor) in enumerate(weights.items()):
+                yield name, (tensor.double() if i == bad_at else tensor)
+        finally:
+            ended.append(label)
+
+    buckets = pack(WeightStream(manifest, source("packed")), bucket_bytes=1 << 10)
+    next(buckets)
+    buckets.close()  # a publish that failed after its first bucket
+    with pytest.raises(ModelConfigError):
+        engine.update_weights(WeightStream(manifest, source("loaded", bad_at=2)))
+    assert ended == ["packed", "loaded"]  # both closed now, not when collected

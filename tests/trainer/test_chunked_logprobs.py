@@ -108,3 +108,21 @@ def test_a_bf16_model_gets_fp32_logprobs_and_bf16_gradients_close_to_the_fp32_on
     assert h32.grad is not None and w32.grad is not None
     assert torch.allclose(hidden.grad.float(), h32.grad, atol=0.1, rtol=0.05)
     assert torch.allclose(head.grad.float(), w32.grad, atol=0.1, rtol=0.05)
+
+
+def test_under_bf16_autocast_the_gradients_are_those_of_the_same_autocast_forward() -> None:
+    # Backward recomputes the logits: in fp32 against a bf16 forward's log-sum-exp, the softmax
+    # it differentiates would not sum to 1 (the one-process bf16 trainer runs under autocast).
+    g = torch.Generator().manual_seed(0)
+    head = (torch.randn(4000, 64, generator=g) * 0.3).requires_grad_()
+    hidden = torch.randn(8, 64, generator=g).requires_grad_()
+    tokens = torch.randint(0, 4000, (8,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logp, _ = token_logprobs(hidden, head, tokens, 1.0, chunk_tokens=3)
+        z = (hidden @ head.T).float()
+        expected = torch.log_softmax(z, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    got = torch.autograd.grad(logp.sum(), (hidden, head))
+    want = torch.autograd.grad(expected.sum(), (hidden, head))
+    torch.testing.assert_close(got[0], want[0], rtol=1e-3, atol=1e-4)
+    # The head's gradient is summed in fp32 here, in bf16 by autograd: equal to bf16 rounding.
+    torch.testing.assert_close(got[1], want[1], rtol=2e-2, atol=2e-2)

@@ -367,9 +367,9 @@ class CausalLM(nn.Module):
         """
         stream = weights if isinstance(weights, WeightStream) else WeightStream.whole(weights)
         targets = self._hf_targets()
-        self._check_manifest(stream.manifest, targets)
         left = set(targets)
         try:
+            self._check_manifest(stream.manifest, targets)
             for name, tensor in stream:
                 self._copy_in(name, tensor, stream.manifest.get(name), targets.get(name), left)
                 del tensor  # none held while the sender makes the next
@@ -380,6 +380,8 @@ class CausalLM(nn.Module):
                 self.torn = f"a weight update broke after {len(targets) - len(left)} of"
                 self.torn += f" {len(targets)} tensors ({type(e).__name__}: {e})"
             raise
+        finally:
+            stream.close()  # read to its end, or given up: either way the sender stops
         self.torn = None
         self.pack_for_inference()
 

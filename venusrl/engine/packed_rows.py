@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -89,15 +90,15 @@ def packed_attention(
         if mask is not None:  # SDPA with a mask runs its math path, ~10% slower here
             scores = torch.baddbmm(mask, qh, k.transpose(1, 2), alpha=scale)
             out = torch.bmm(torch.softmax(scores, dim=-1), v)
-        elif qh.shape[1] == k.shape[1]:
-            out = F.scaled_dot_product_attention(qh, k, v, is_causal=True)
-        else:
-            # Imported here: it imports torch._dynamo and with it triton (~1 s), which a CPU
-            # run never needs (and Triton's interpreter must be chosen before that import).
-            from torch.nn.attention.bias import causal_lower_right
+        else:  # a batch of one: the fused kernels take 4-D inputs only (3-D runs the math path)
+            causal: dict[str, Any] = {"is_causal": True}
+            if qh.shape[1] != k.shape[1]:
+                # Imported here: it imports torch._dynamo and with it triton (~1 s), which a CPU
+                # run never needs (and Triton's interpreter must be chosen before that import).
+                from torch.nn.attention.bias import causal_lower_right
 
-            bias = causal_lower_right(qh.shape[1], k.shape[1])
-            out = F.scaled_dot_product_attention(qh, k, v, attn_mask=bias)
+                causal = {"attn_mask": causal_lower_right(qh.shape[1], k.shape[1])}
+            out = F.scaled_dot_product_attention(qh[None], k[None], v[None], **causal)[0]
         return out.transpose(0, 1).reshape(-1, heads * dim)
 
     prefix = rows.prefix_len

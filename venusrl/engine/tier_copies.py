@@ -11,9 +11,9 @@ Two kinds of copy cross the tiers:
 On CUDA the host tier is pinned and every copy runs on one side stream, ordered against the
 compute stream by events: the compute stream waits only before it reads what a copy wrote, the
 side stream only until the compute stream has finished with what it overwrites, and the host
-only before it reuses a staging buffer or reads host pages whose copy from the device has not
-landed yet. Device-to-host copies land lazily: their data waits in pinned staging until a reader
-of those host pages (or the next copy) finds the copy done. On a CPU both tiers are the same
+only before it reads host pages whose copy from the device has not landed yet. Device-to-host
+copies land lazily: their data waits in pinned staging until a reader of those host pages (or
+the next copy) finds the copy done. On a CPU both tiers are the same
 memory: the copies are plain and nothing waits.
 """
 
@@ -138,7 +138,7 @@ class HostLayer:
 class _LayerPlan:
     host: torch.Tensor  # host page ids this layer reads, every banded span's in turn
     offsets: dict[int, int]
-    slot: int  # staging buffer (two, alternating between the layers that read)
+    slot: int  # device staging buffer (two, alternating between the layers that read)
 
 
 class StreamedLayers:
@@ -195,7 +195,7 @@ class StreamedLayers:
         return HostLayer(self._staged.pop(layer), plan.offsets)
 
     def prefetch(self, after: int) -> None:
-        """Layer `after` is queued: its staging buffer is free once it has run; start the next
+        """Layer `after` is queued: its device buffer is free once it has run; start the next
         layer that reads."""
         plan = self._plans[after]
         if plan is not None and self._stream is not None:
@@ -217,11 +217,10 @@ class StreamedLayers:
             return
         shape = (*source.shape[:2], len(plan.host), *source.shape[3:])
         numel = shape[0] * shape[1] * shape[2] * shape[3] * shape[4]
-        pinned = self._pinned[plan.slot][:numel].view(shape)
+        # A fresh pinned block per layer: the caching host allocator keeps it until its copy
+        # has run, so the host never waits for an earlier layer's copy to reuse one.
+        pinned = torch.empty(shape, dtype=source.dtype, pin_memory=True)
         device = self._device[plan.slot][:numel].view(shape)
-        ready = self._ready[plan.slot]
-        if ready is not None:
-            ready.synchronize()  # the last copy out of this pinned buffer has finished
         torch.index_select(source, 2, plan.host, out=pinned)
         consumed = self._consumed[plan.slot]
         with torch.cuda.stream(self._stream):
@@ -237,7 +236,6 @@ class StreamedLayers:
         _, _, kv_heads, _, page_size, dim = host_kv.shape
         numel = 2 * kv_heads * pages * page_size * dim
         device = self.copies.device_kv.device
-        self._pinned = [torch.empty(numel, dtype=host_kv.dtype, pin_memory=True) for _ in "ab"]
         self._device = [torch.empty(numel, dtype=host_kv.dtype, device=device) for _ in "ab"]
         for buffer in self._device:  # written on the side stream: not reused before it has run
             buffer.record_stream(stream)

@@ -35,6 +35,13 @@ class WeightStream:
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(self.tensors)
 
+    def close(self) -> None:
+        """A reader that stops early ends the source too (sharded ranks then finish their
+        gathers and wait for the next command, rather than for a reader that has gone)."""
+        close = getattr(self.tensors, "close", None)
+        if close is not None:
+            close()
+
     @classmethod
     def whole(cls, weights: Iterable[tuple[str, torch.Tensor]]) -> WeightStream:
         """A set already in memory (a state dict, a test's), its own manifest."""
@@ -63,15 +70,20 @@ def pack(
     tensor is a bucket of its own). Lazy: it holds the tensors of one bucket at a time."""
     held: list[tuple[str, torch.Tensor, int]] = []
     end = 0
-    for name, tensor in tensors:
-        offset = -(-end // ALIGN_BYTES) * ALIGN_BYTES
-        if held and offset + tensor.nbytes > bucket_bytes:
+    try:
+        for name, tensor in tensors:
+            offset = -(-end // ALIGN_BYTES) * ALIGN_BYTES
+            if held and offset + tensor.nbytes > bucket_bytes:
+                yield _packed(held, end)
+                held, offset = [], 0
+            held.append((name, tensor, offset))
+            end = offset + tensor.nbytes
+        if held:
             yield _packed(held, end)
-            held, offset = [], 0
-        held.append((name, tensor, offset))
-        end = offset + tensor.nbytes
-    if held:
-        yield _packed(held, end)
+    finally:  # closed early (a publish that failed): the source ends too
+        close = getattr(tensors, "close", None)
+        if close is not None:
+            close()
 
 
 def _packed(held: list[tuple[str, torch.Tensor, int]], size: int) -> Bucket:

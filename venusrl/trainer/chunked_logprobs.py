@@ -99,6 +99,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
             logp[lo:hi], entropy[lo:hi], lse[lo:hi] = chunk
         ctx.save_for_backward(hidden, head, tokens, lse, entropy)
         ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
+        # Backward recomputes the logits as forward computed them: under the same autocast
+        # (bf16 matmuls), or their softmax would not match the saved log-sum-exp.
+        device = hidden.device.type
+        ctx.autocast = (device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device))
         return logp, entropy
 
     @staticmethod
@@ -115,14 +119,16 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if need_head
             else None
         )
+        device, dtype, enabled = ctx.autocast
         for lo in range(0, hidden.shape[0], chunk):
             hi = min(lo + chunk, hidden.shape[0])
             h, at = hidden[lo:hi], slice(lo, hi)
-            dz = _chunk_grad(
-                h, head, tokens[at], t, lse[at], entropy[at], grad_logp[at], grad_entropy[at]
-            )
-            if grad_hidden is not None:
-                grad_hidden[lo:hi] = dz.to(head.dtype) @ head
+            with torch.autocast(device, dtype=dtype, enabled=enabled):
+                dz = _chunk_grad(
+                    h, head, tokens[at], t, lse[at], entropy[at], grad_logp[at], grad_entropy[at]
+                )
+                if grad_hidden is not None:
+                    grad_hidden[lo:hi] = dz.to(head.dtype) @ head
             if grad_head is not None:
                 grad_head.addmm_(dz.T, h.to(grad_head.dtype))
             del dz  # before the next chunk's buffers exist

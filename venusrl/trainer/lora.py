@@ -81,7 +81,10 @@ class LoRALinear(Linear):
         """(alpha/r) B A on the targeted rows, 0 elsewhere: [out, in], no autograd. `read`
         gives a parameter's whole tensor (a sharded rank gathers it)."""
         with torch.no_grad():
-            update = torch.zeros_like(read(self.weight))
+            # Not `zeros_like(read(weight))`: on a sharded rank each read is a gather. A
+            # DTensor's shape is the whole one.
+            w = self.weight
+            update = torch.zeros(w.shape, dtype=w.dtype, device=w.device)
             for name, (lo, hi) in self.segments.items():
                 update[lo:hi] = self.scale * (read(self.lora_B[name]) @ read(self.lora_A[name]))
         return update

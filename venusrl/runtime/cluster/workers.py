@@ -545,7 +545,8 @@ class RolloutFleet:
             if gathering is not None:
                 with contextlib.suppress(BaseException):
                     await gathering
-            # The trainer's stream ends too (sharded ranks finish theirs), off the event loop.
+            # The trainer's stream ends too (`pack` closes it: sharded ranks finish theirs),
+            # off the event loop.
             await asyncio.to_thread(buckets.close)
             with contextlib.suppress(Exception):
                 broke = f"{type(e).__name__}: {e}"
