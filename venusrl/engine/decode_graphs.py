@@ -4,7 +4,7 @@ A decode step of a small model is a few hundred kernel launches, whose launch co
 GPU time (issue 31). A graph records them once per batch-size bucket, over persistent buffers
 (token ids, positions, KV slots, page tables, lengths, key masks) that each step overwrites in
 place; a batch runs in the smallest bucket that holds it, its extra rows padded with one key on
-the reserved padding page, their logits dropped. Pure decode steps only (no prefill spans, shared
+the reserved padding page, their outputs dropped. Pure decode steps only (no prefill spans, shared
 prefix groups or layer bands: those shapes vary); the others run eagerly.
 
 Without CUDA (`capture=False`) the same buffers run eagerly: what CPU tests check. On CUDA the
@@ -43,7 +43,7 @@ def bucket_for(rows: int, buckets: Sequence[int]) -> int | None:
 class _Bucket:
     batch: StepBatch  # over the persistent buffers
     graph: torch.cuda.CUDAGraph | None = None
-    logits: torch.Tensor | None = None  # the graph's output buffer
+    out: torch.Tensor | None = None  # the graph's output buffer
 
 
 class DecodeGraphs:
@@ -74,7 +74,8 @@ class DecodeGraphs:
         )
 
     def run(self, batch: StepBatch) -> torch.Tensor:
-        """The step's logits ([rows, vocab]), from its bucket's graph; `fits(batch)` must hold."""
+        """The step's output (`forward`'s, [rows, ...]), from its bucket's graph; `fits(batch)`
+        must hold."""
         assert batch.decode is not None and self.fits(batch)
         rows = batch.decode.num_rows
         size = bucket_for(rows, self.buckets)
@@ -85,9 +86,9 @@ class DecodeGraphs:
             return self.forward(bucket.batch, self.kv)[:rows]
         if bucket.graph is None:
             self._record(bucket)
-        assert bucket.graph is not None and bucket.logits is not None
+        assert bucket.graph is not None and bucket.out is not None
         bucket.graph.replay()
-        return bucket.logits[:rows]
+        return bucket.out[:rows]
 
     def capture_all(self) -> int:
         """Record every bucket's graph now, largest first (the smaller ones then fit in the
@@ -173,5 +174,5 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            bucket.logits = self.forward(bucket.batch, self.kv)
+            bucket.out = self.forward(bucket.batch, self.kv)
         bucket.graph = graph

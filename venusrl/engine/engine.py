@@ -111,7 +111,11 @@ class Engine:
         self.graphs: DecodeGraphs | None = None
         if cfg.cuda_graphs:
             capture = self.device.type == "cuda"
-            self.graphs = DecodeGraphs(model, self.cache.kv, cfg.max_running, max_pages, capture)
+            # The graphs record up to the final hidden states; the vocabulary projection runs
+            # after a replay (a [rows, vocab] output per bucket would hold GBs at 150K vocab).
+            self.graphs = DecodeGraphs(
+                model.hidden_states, self.cache.kv, cfg.max_running, max_pages, capture
+            )
             self.graphs.capture_all()  # at start, so that no step pays for a capture
         eos = set(mc.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
         self.eos_token_ids = frozenset(eos)
@@ -300,7 +304,7 @@ class Engine:
         batch = self.batches.build(work)
         if self.graphs is not None and self.graphs.fits(batch):
             self.model.check_whole()  # a replay never calls the model, whose forward asks
-            logits = self.graphs.run(batch)
+            logits = self.model.logits(self.graphs.run(batch))
         else:
             logits = self.model(batch, self.cache.kv)
         self.stats.steps += 1

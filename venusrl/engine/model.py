@@ -325,6 +325,16 @@ class CausalLM(nn.Module):
 
     def forward(self, batch: StepBatch, kv: KVCache) -> torch.Tensor:
         """Runs every token of the step; returns logits for `batch.logits_rows` only."""
+        return self.logits(self.hidden_states(batch, kv))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states onto the vocabulary, in fp32 (what the sampler reads)."""
+        return self.lm_head(hidden).float()
+
+    def hidden_states(self, batch: StepBatch, kv: KVCache) -> torch.Tensor:
+        """Runs every token of the step; returns the final (normed) hidden states of
+        `batch.logits_rows` only: what a decode graph records (`decode_graphs.py`), whose
+        output buffer is then [rows, hidden] rather than [rows, vocab]."""
         self.check_whole()
         # A banded step's host pages stream in one layer ahead of the layer that reads them.
         streamed = StreamedLayers.of_step(batch.host_reads, kv.copies)
@@ -335,8 +345,7 @@ class CausalLM(nn.Module):
             x = layer(x, rope, batch, kv, host)
             if streamed is not None:
                 streamed.prefetch(after=i)
-        x = self.norm(x.index_select(0, batch.logits_rows))
-        return self.lm_head(x).float()
+        return self.norm(x.index_select(0, batch.logits_rows))
 
     def forward_rows(self, rows: PackedRows, wanted: torch.Tensor) -> torch.Tensor:
         """Final (normed) hidden states [len(wanted), hidden] at the packed tokens `wanted`, with
