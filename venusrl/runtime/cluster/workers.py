@@ -187,14 +187,18 @@ class RolloutWorker:
         """An update of the engine's weights to `version`: announced by `manifest` (answered
         once the engine accepts it), its buckets to come (`weights_bucket`), then
         `end_weights`."""
-        assert self.engine is not None
+        if self.engine is None:  # restarted since the publish began: it waits for the next
+            raise ActorLost("the worker restarted: no engine to update yet")
         timeout_s = self.cfg.trainer.rank_timeout_s  # the longest the trainer may take
         self._feed = WeightFeed(self.engine, manifest, version, timeout_s)
         await self._feed.started()
 
     async def weights_bucket(self, bucket: Bucket) -> None:
-        """Answered once the engine has copied `bucket`."""
-        assert self._feed is not None
+        """Answered once the engine has copied `bucket`. A worker restarted since the update
+        began has no feed: it answers as a lost actor, so that the publish leaves it out (it
+        waits for the next) rather than fail for every engine."""
+        if self._feed is None:
+            raise ActorLost("the worker restarted during a weight update")
         await self._feed.give(bucket)
 
     async def end_weights(self, broke: str | None) -> None:
