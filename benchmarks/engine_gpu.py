@@ -48,6 +48,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # run from a checkout, installed or not
 
+from devices import device_problem  # noqa: E402
 from hf_static import generate_static, without_early_stop  # noqa: E402
 
 from venusrl.engine.attention import StepBatch  # noqa: E402
@@ -539,12 +540,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--prompt-tokens must be >= 8")
     if not args.peak_bandwidth > 0:
         parser.error("--peak-bandwidth must be > 0")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as e:
-        parser.error(f"--device: {e}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device here (--cpu runs the CPU mode)")
+    if problem := device_problem(args.device):
+        parser.error(f"{problem} (--cpu runs the CPU mode)")
     return args
 
 

@@ -37,6 +37,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from devices import device_problem  # noqa: E402
+
 from venusrl.engine.attention import BandedPages  # noqa: E402
 from venusrl.engine.config import EngineConfig  # noqa: E402
 from venusrl.engine.engine import Engine  # noqa: E402
@@ -191,12 +193,9 @@ def main() -> None:
             raise SystemExit(f"--{name} must be >= 1")
     if not 0 < args.threshold < 1:
         raise SystemExit("--threshold must be in (0, 1)")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as e:
-        raise SystemExit(f"--device: {e}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device here")
+    if problem := device_problem(args.device):
+        raise SystemExit(problem)
+    device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     dtype = "bfloat16" if device.type == "cuda" else "float32"
 

@@ -38,6 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+from devices import device_problem
 
 from venusrl.engine.model import ModelConfig
 from venusrl.engine.model_dir import QWEN3_DEFAULTS, build_model, init_model_dir, load_model
@@ -214,12 +215,8 @@ def main() -> None:
             parser.error("need --steps >= 1, --rows >= 1 and --tokens > --prefix")
         if not args.peak_flops > 0:
             parser.error("--peak-flops must be > 0")
-        try:
-            device = torch.device(args.device)
-        except RuntimeError as e:
-            parser.error(f"--device: {e}")
-        if device.type == "cuda" and not torch.cuda.is_available():
-            parser.error("--device cuda: no CUDA device here")
+        if problem := device_problem(args.device):
+            parser.error(problem)
         print(json.dumps(throughput(args), indent=1))
         return
     if args.device != "cpu":

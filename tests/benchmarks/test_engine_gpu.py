@@ -21,6 +21,7 @@ from engine_gpu import decode_kv_tokens
 from gpu_summary import main as summarize
 
 
+@pytest.mark.slow  # runs the benchmark
 def test_cpu_mode_reports_throughput_roofline_fractions_hf_ratio_and_top_ops() -> None:
     proc = run_benchmark("engine_gpu.py", "--cpu", "--threads", "1")
     assert proc.returncode == 0, proc.stderr
@@ -68,6 +69,7 @@ def test_a_shared_prefix_counts_once_per_group_and_each_rows_own_keys_once() -> 
     assert decode_kv_tokens(StepBatch(none, none, none, none, None, ()), page_size) == 0
 
 
+@pytest.mark.slow  # runs the benchmark
 def test_trainer_throughput_mode_reports_tokens_per_second_and_mfu() -> None:
     args = ["--throughput", "--preset", "micro", "--rows", "4", "--tokens", "100", "--prefix", "0"]
     proc = run_benchmark("trainer_step.py", *args, "--steps", "2", "--threads", "1")

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.benchmarks import refused, run_benchmark
 
 
+@pytest.mark.slow  # runs the benchmark
 def test_publishing_from_one_process_and_from_two_ranks_is_timed_against_model_size() -> None:
     proc = run_benchmark("publish_weights.py", "--presets", "micro", "--repeats", "1")
     assert proc.returncode == 0, proc.stderr
