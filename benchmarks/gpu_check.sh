@@ -121,6 +121,20 @@ engine() {
   esac
 }
 
+# A PARTS name that matches no part would leave everything out without a word: refuse it.
+if [ "$cpu" = 1 ]; then
+  known="parity,engine-tiny,engine-tiny-triton,trainer,kv-transfer,parity-triton"
+else
+  known="parity,engine-qwen3-0.6b,trainer,kv-transfer,engine-qwen3-4b,parity-triton"
+fi
+IFS=, read -ra asked <<<"${PARTS:-all}"
+for part in "${asked[@]}"; do
+  if [[ "$part" != all && ",$known," != *",$part,"* ]]; then
+    echo "PARTS: unknown part '$part'; the parts are: all,$known" >&2
+    exit 2
+  fi
+done
+
 say "mode: $([ $cpu = 1 ] && echo cpu || echo gpu), python: $python, results: $out"
 if [ -d .whl ] && [ "$cpu" = 0 ]; then
   # The GPU image lacks pydantic (every config section is a pydantic model). A wheel is a zip
