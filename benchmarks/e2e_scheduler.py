@@ -15,7 +15,8 @@ up to 440 s in tools (BENCHMARKS.md).
 - `overlap`: groups start one version ahead, arrival order, LRU cache: the next batch's groups
   fill the engine while the current one finishes, with no group awareness (RollFlash-like);
 - `venus`: groups start one version ahead, critical groups first, trajectory-aware KV retention
-  (the KV of a trajectory waiting on a tool is pinned and offloaded, not dropped).
+  (the KV of a trajectory waiting on a tool is pinned and offloaded, not dropped), and each turn
+  admitted into the engine's KV window by that ranking (`rollout.admission=critical`).
 
 `fifo+offload` and `overlap+offload` are those baselines with the host tier venus has (the same
 `engine.host_kv_pages`): trajectory retention, so idle KV is offloaded rather than dropped, with
@@ -63,12 +64,23 @@ from venusrl.runtime.record import read_records  # noqa: E402
 from venusrl.sim.executor import quantile  # noqa: E402
 
 POLICIES: dict[str, list[str]] = {
-    "fifo": ["rollout.max_staleness=0", "rollout.priorities=fifo", "engine.retention=lru"],
-    "overlap": ["rollout.max_staleness=1", "rollout.priorities=fifo", "engine.retention=lru"],
+    "fifo": [
+        "rollout.max_staleness=0",
+        "rollout.priorities=fifo",
+        "engine.retention=lru",
+        "rollout.admission=none",
+    ],
+    "overlap": [
+        "rollout.max_staleness=1",
+        "rollout.priorities=fifo",
+        "engine.retention=lru",
+        "rollout.admission=none",
+    ],
     "venus": [
         "rollout.max_staleness=1",
         "rollout.priorities=critical",
         "engine.retention=trajectory",
+        "rollout.admission=critical",
     ],
 }
 OFFLOAD = "+offload"  # a baseline with the host tier: KV offloaded, not dropped; no priorities

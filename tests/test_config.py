@@ -49,6 +49,7 @@ def test_yaml_and_dotted_overrides_compose(tmp_path: Path) -> None:
         (["rollout.admission=window"], "rollout.admission"),
         (["rollout.admission=aimd", "runtime.kind=ray"], "rollout.admission reads the cache"),
         (["rollout.admission=aimd", "run.engine_url=http://x"], "in-process engine"),
+        (["rollout.admission=critical", "runtime.kind=ray"], "rollout.admission reads the cache"),
         (["rollout.backend=vllm"], "rollout.backend=vllm generates with a running vllm server"),
         (["rollout.backend=sglang"], "give its URL as run.engine_url"),
         (["rollout.backend=tgi"], "rollout.backend: Input should be 'venus', 'vllm' or 'sglang'"),
@@ -124,6 +125,12 @@ def test_unreadable_or_malformed_files_are_config_errors(tmp_path: Path) -> None
     listy.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="must hold a mapping"):
         load_config(listy)
+
+
+def test_the_kv_window_is_the_default_on_the_in_process_engine_only() -> None:
+    assert load_config(None, []).rollout.admission == "critical"
+    assert load_config(None, ["runtime.kind=ray"]).rollout.admission == "none"
+    assert load_config(None, ["run.engine_url=http://x"]).rollout.admission == "none"
 
 
 def test_an_empty_api_key_is_refused_rather_than_turning_auth_off() -> None:

@@ -94,6 +94,8 @@ def test_a_workload_file_overrides_its_base_by_field_name(tmp_path: Path) -> Non
         ("infra_failure_rate: 1\n", r"infra_failure_rate must be in \[0, 1\)"),
         ("rollout_gpus: 10000000\n", "rollout_gpus must be <= 100000"),
         ("prompts_per_batch: 1000000\n", "1,000,000 trajectories"),
+        ("trajectory_limit_s: 0\n", "trajectory_limit_s must be > 0"),
+        ("trajectory_limit_s: .inf\n", "trajectory_limit_s: needs a float"),
     ],
 )
 def test_a_bad_workload_file_says_which_field(tmp_path: Path, text: str, message: str) -> None:

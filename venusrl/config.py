@@ -69,6 +69,9 @@ class Config(Section):
                 f"rollout.backend={backend} generates with a running {backend} server: give its"
                 " URL as run.engine_url (e.g. run.engine_url=http://127.0.0.1:8000)"
             )
+        remote = rt.kind == "ray" or bool(self.run.engine_url)
+        if remote and "admission" not in self.rollout.model_fields_set:
+            self.rollout.admission = "none"  # the default reads an in-process engine
         if self.rollout.admission != "none" and (rt.kind == "ray" or self.run.engine_url):
             raise ValueError(
                 "rollout.admission reads the cache of an in-process engine: use runtime.kind=local"

@@ -232,6 +232,9 @@ class Workload:
     reward_s: Dist = LogNormal(20, 1.0, 0, 1200)
     success_beta: tuple[float, float] = (0.6, 1.4)  # per-prompt pass rate ~ Beta(a, b)
     infra_failure_rate: float = 0.01  # of trajectories, at a uniform point in time
+    # The harness's wall-clock limit on a trajectory, from its start: one that runs past it
+    # ends at its next turn boundary (a tool call in progress is cut), scored as a failure.
+    trajectory_limit_s: float = math.inf
     sources: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -261,6 +264,8 @@ class Workload:
                 f"prompts_per_batch x group_size must be <= 1,000,000 trajectories a batch, got "
                 f"{self.prompts_per_batch * self.group_size}"
             )
+        if not self.trajectory_limit_s > 0:
+            problems.append(f"trajectory_limit_s must be > 0, got {self.trajectory_limit_s}")
         if self.template_tokens < 0 or not 0 <= self.sandbox_shared_fraction <= 1:
             problems.append("template_tokens must be >= 0 and sandbox_shared_fraction in [0, 1]")
         if min(self.success_beta) <= 0:
@@ -368,9 +373,10 @@ _SWE_SOURCES = {
     "success_beta": "[A] 20-45 % pass rates reported",
     "infra_failure_rate": "[A]",
     "sandbox_rss_gb": "[A] the figure to measure",
+    "trajectory_limit_s": "[A] rLLM's DeepSWE recipe: agent.trajectory_timeout=5400",
 }
 
-SWE_LONG = Workload("swe-long", sources=_SWE_SOURCES)
+SWE_LONG = Workload("swe-long", trajectory_limit_s=5400.0, sources=_SWE_SOURCES)
 
 SEARCH_SHORT = Workload(
     "search-short",

@@ -1,12 +1,15 @@
 """Agent-level admission in the runtime: episodes wait for room in a window that follows the
-engine's cache."""
+engine's cache; turns wait for a place in the KV window, most critical first."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
-from venusrl.coordinator.admission import AdmissionWindow
+from venusrl.coordinator.admission import AdmissionWindow, TurnWindow
 from venusrl.policy.agent_admission import AimdAdmission, CacheSignal
+from venusrl.policy.critical_groups import BEST_EFFORT, HIGH
+from venusrl.policy.kv_window import CriticalWindow
 
 HEALTHY, THRASHING = CacheSignal(0.5, 0), CacheSignal(0.5, 4096)
 
@@ -69,5 +72,93 @@ def test_an_episode_held_back_when_the_window_shrinks_starts_once_load_falls() -
         release.set()
         await asyncio.gather(*first, late)
         assert started == [0, 1, 2]
+
+    asyncio.run(main())
+
+
+# --- the KV window, turn by turn (rollout.admission=critical) -----------------------------------
+
+KV = 1000  # the engine's device KV, tokens: a budget of 850
+
+
+def one_engine(leave_after_s: float = 3600) -> TurnWindow:
+    """As `venusrl train` runs it: one engine, so no fast lane and nothing to migrate to."""
+    return TurnWindow(CriticalWindow(leave_after_s=leave_after_s, lane=1.0, migrate=False), KV)
+
+
+def test_a_turn_waits_while_the_kv_window_is_full_and_the_most_critical_goes_first() -> None:
+    async def main() -> list[str]:
+        window = one_engine()
+        window.set_ranking({"g-critical": HIGH, "g-other": BEST_EFFORT})
+        await window.enter("a", "g-other", 800)  # alone: admitted at once
+        admitted: list[str] = []
+
+        async def turn(tid: str, gid: str) -> None:
+            await window.enter(tid, gid, 300)
+            admitted.append(tid)
+
+        waiting = [
+            asyncio.create_task(turn("b", "g-other")),
+            asyncio.create_task(turn("c", "g-critical")),
+        ]
+        await asyncio.sleep(0.01)
+        assert admitted == [] and len(window.waiting) == 2
+        window.end("a")  # 0 used: both fit, the critical one first
+        await asyncio.wait_for(asyncio.gather(*waiting), 1.0)
+        assert window.load == 600 and window.members == 2
+        return admitted
+
+    assert asyncio.run(main()) == ["c", "b"]
+
+
+def test_a_member_in_a_long_tool_call_gives_its_place_to_a_waiting_trajectory() -> None:
+    async def main() -> None:
+        window = one_engine(leave_after_s=0.02)
+        window.set_ranking({"g": BEST_EFFORT})
+        await window.enter("a", "g", 600)
+        window.turn_done("a")  # its tool call starts
+        b = asyncio.create_task(window.enter("b", "g", 600))
+        await asyncio.sleep(0.005)
+        assert not b.done()  # a's tool wait is still short: a keeps its place
+        await asyncio.wait_for(b, 1.0)
+        assert window.members == 1 and window.load == 600
+        a = asyncio.create_task(window.enter("a", "g", 700))  # back from its tool: it waits
+        await asyncio.sleep(0.01)
+        assert not a.done()
+        window.end("b")
+        await asyncio.wait_for(a, 1.0)
+
+    asyncio.run(main())
+
+
+def test_a_member_yields_at_its_turn_to_a_more_critical_trajectory_with_no_room() -> None:
+    async def main() -> None:
+        window = one_engine()
+        window.set_ranking({"g-critical": HIGH, "g-other": BEST_EFFORT})
+        await window.enter("a", "g-other", 500)
+        window.turn_done("a")
+        c = asyncio.create_task(window.enter("c", "g-critical", 500))
+        await asyncio.sleep(0.01)
+        assert not c.done()
+        a = asyncio.create_task(window.enter("a", "g-other", 520))  # its next turn: it yields
+        await asyncio.wait_for(c, 1.0)
+        assert window.pauses == 1 and not a.done()
+        window.end("c")
+        await asyncio.wait_for(a, 1.0)
+
+    asyncio.run(main())
+
+
+def test_a_turn_cancelled_while_waiting_leaves_no_place_behind() -> None:
+    async def main() -> None:
+        window = one_engine()
+        await window.enter("a", "g", 800)
+        b = asyncio.create_task(window.enter("b", "g", 800))
+        await asyncio.sleep(0.01)
+        b.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await b
+        window.end("a")
+        assert window.waiting == {} and window.members == 0
 
     asyncio.run(main())

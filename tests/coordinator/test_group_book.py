@@ -90,6 +90,26 @@ def test_measured_slow_tools_put_a_group_with_many_turns_left_behind_one_with_ma
     assert b.rank(0) == {chatty: HIGH, tooly: BEST_EFFORT}  # 2 s + 20 s against 200 s
 
 
+def test_a_group_whose_tool_calls_ran_slow_ranks_behind_one_whose_ran_fast() -> None:
+    b = book(batch=1, staleness=1)
+    slow, fast = open_groups(b, 2)
+    for gid, seconds in ((slow, 30.0), (fast, 0.5)):
+        b.progress(gid, 0, tokens=100, turns=1, now=0.0)
+        b.tool_returned(gid, 0, seconds)
+    # The same prompt lengths and progress: only the tool calls each group has seen differ.
+    assert b.rank(0, now=0.0) == {fast: HIGH, slow: BEST_EFFORT}
+    assert b.snapshot(0).groups[0].members[0].tool_calls == 1
+
+
+def test_a_member_long_in_its_tool_call_makes_its_group_rank_as_slow() -> None:
+    b = book(batch=1, staleness=1)
+    stuck, moving = open_groups(b, 2)
+    b.progress(stuck, 0, tokens=100, turns=1, now=0.0)  # its call started at 0
+    b.progress(moving, 0, tokens=100, turns=1, now=99.0)
+    assert b.rank(0, now=100.0) == {moving: HIGH, stuck: BEST_EFFORT}
+    assert b.order == (moving, stuck)
+
+
 def test_a_turn_reported_after_its_group_was_dropped_changes_nothing() -> None:
     b = book(batch=1, staleness=0)
     (g0,) = open_groups(b, 1)

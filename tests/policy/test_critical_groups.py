@@ -19,6 +19,7 @@ from venusrl.policy.critical_groups import (
     MemberView,
     Prediction,
     TurnRates,
+    slowest_remaining_s,
 )
 from venusrl.policy.staleness import StalenessBound
 
@@ -30,6 +31,30 @@ def group(gid: str, done: int, k: int = 8, arrival: int = 0, tokens: int = 0) ->
 
 def snapshot(groups: list[GroupView], batch: int = 1, waiting: int = 0, **preds: Prediction):
     return CoordinatorSnapshot(groups, batch, waiting, preds, 100.0, tool_s_per_turn=0.5)
+
+
+def remaining(*members: MemberView, now: float = 0.0) -> float:
+    view = GroupView("g", "prompt-g", 0, members)
+    snap = CoordinatorSnapshot([view], 1, 0, {}, 100.0, tool_s_per_turn=0.5, now=now)
+    return slowest_remaining_s(view, Prediction(1000, 10), snap)
+
+
+def test_a_member_past_its_prediction_still_has_a_share_of_its_work_ahead() -> None:
+    past = MemberView(False, generated_tokens=4000, turns=40)
+    # 0.25 of 4,000 tokens at 100 tokens/s, 0.25 of 40 turns at the median 0.5 s
+    assert remaining(past) == pytest.approx(10.0 + 10 * 0.5)
+
+
+def test_a_group_whose_tools_run_slow_is_predicted_slow() -> None:
+    median = MemberView(False, tool_s=8 * 0.5, tool_calls=8)
+    slow = MemberView(False, tool_s=8 * 20.5, tool_calls=8)
+    # 10 turns at (8 calls of 20.5 s + 8 of the median's 0.5 s) / 16 = 10.5 s a call
+    assert remaining(slow) - remaining(median) == pytest.approx(10 * (10.5 - 0.5))
+
+
+def test_a_tool_call_that_runs_long_counts_what_it_ran_past_the_expected() -> None:
+    waiting = MemberView(False, turns=9, waiting_on_tool=True, tool_since=100.0)
+    assert remaining(waiting, now=130.0) - remaining(waiting, now=100.0) == pytest.approx(29.5)
 
 
 def test_a_group_with_7_of_8_done_outranks_one_with_1_of_8_done() -> None:
@@ -47,10 +72,10 @@ def test_ties_in_completion_are_broken_by_predicted_remaining_time() -> None:
     )
     assert CriticalGroups().decide(snap).order == ("fast", "slow")
     # Progress counts: the slow prompt's members are nearly through their tokens.
-    nearly = group("slow", done=4, arrival=0, tokens=1990)
+    nearly = group("slow", done=4, arrival=0, tokens=1000)
     snap = snapshot(
         [nearly, fast],
-        **{"prompt-slow": Prediction(2000, 0), "prompt-fast": Prediction(300, 2)},
+        **{"prompt-slow": Prediction(1100, 0), "prompt-fast": Prediction(300, 2)},
     )
     assert CriticalGroups().decide(snap).order == ("slow", "fast")
 

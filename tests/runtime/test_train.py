@@ -579,6 +579,26 @@ def test_the_warm_start_plays_the_programs_of_a_task_file_and_needs_them(tmp_pat
         asyncio.run(warm_start("answers.jsonl"))  # a file of answers only: RL alone
 
 
+def test_the_kv_window_runs_turns_by_the_group_ranking_within_the_engines_kv(
+    tmp_path: Path, warm_started_small: list[str]
+) -> None:
+    # A device KV of 80 pages of 8 tokens (632 usable: 537 in the window) for contexts of up to
+    # 512: the members of the open groups (about 300 tokens each) do not all fit at once.
+    tight = [
+        "rollout.admission=critical",
+        "rollout.max_context=512",
+        "engine.max_context=512",
+        "engine.device_kv_pages=80",
+        "engine.host_kv_pages=1024",
+    ]
+    cfg = load_config(None, [*warm_started_small, "run.steps=2", *tight])
+    metrics = asyncio.run(asyncio.wait_for(train(cfg, tmp_path), 300))
+    assert [m["step"] for m in metrics] == [0, 1]
+    assert all(m["window_kv_tokens"] <= 632 for m in metrics)
+    assert metrics[-1]["window_waits"] > 0  # turns waited for a place
+    assert len(list(read_records(tmp_path))) == 8  # every episode finished: none lost
+
+
 def test_admission_control_bounds_the_episodes_running_at_once(
     tmp_path: Path, warm_started_small: list[str]
 ) -> None:

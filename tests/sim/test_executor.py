@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable
 from typing import Any
@@ -13,6 +14,7 @@ from venusrl.policy.engine_schedule import PriorityScheduler
 from venusrl.sim.cost_model import CostModel
 from venusrl.sim.executor import (
     POLICIES,
+    TRAIN_BOUND,
     SimConfig,
     Simulation,
     sim_policies,
@@ -56,8 +58,10 @@ def test_synchronous_training_is_on_policy_and_asynchronous_trains_on_older_grou
     sync, asyn = run("sync", steps=4), run("async", steps=4)
     assert sync["steps"] == asyn["steps"] == 4
     assert sync["staleness_max"] == 0
-    # A group that completes late is still trained within the bound (batches take due groups).
-    assert asyn["staleness_mean"] > 0 and asyn["staleness_max"] == 1
+    # A group that completes late is still trained within the bound (batches take due groups,
+    # by default up to TRAIN_BOUND versions after they started; `@1:1` waits for them).
+    assert asyn["staleness_mean"] > 0 and 1 <= asyn["staleness_max"] <= TRAIN_BOUND
+    assert run("async@1:1", steps=4)["staleness_max"] == 1
     # Rollout overlaps training and stragglers: asynchronous is faster per step.
     assert asyn["mean_step_s"] < sync["mean_step_s"]
 
@@ -76,19 +80,19 @@ def test_the_trainer_time_per_step_counts_only_the_steps_of_the_run() -> None:
 
 
 def test_a_larger_staleness_bound_buys_rollout_time_with_staleness() -> None:
-    one_step, two_steps = run("async", steps=4), run("async@2", steps=4)
+    one_step, two_steps = run("async@1", steps=4), run("async@2", steps=4)
     assert two_steps["policy"] == "async@2" and two_steps["knobs"]["max_staleness"] == 2
     assert (
         two_steps["staleness_max"] == 2 and two_steps["staleness_mean"] > one_step["staleness_mean"]
     )
     assert two_steps["mean_step_s"] < one_step["mean_step_s"]  # rollout-bound: more in flight
-    ours, ours_two_steps = run("venus", steps=4), run("venus@2", steps=4)
+    ours, ours_two_steps = run("venus@1", steps=4), run("venus@2", steps=4)
     assert ours_two_steps["staleness_max"] == 2
     assert ours_two_steps["mean_step_s"] < ours["mean_step_s"]
 
 
 def test_a_train_bound_above_the_start_bound_lets_batches_overtake_stragglers() -> None:
-    strict, late = run("venus", steps=6), run("venus@1:3", steps=6)
+    strict, late = run("venus@1", steps=6), run("venus@1:3", steps=6)
     assert late["knobs"]["max_staleness"] == 1 and late["knobs"]["max_train_staleness"] == 3
     assert strict["staleness_max"] == 1 and 1 < late["staleness_max"] <= 3
     assert late["mean_step_s"] < strict["mean_step_s"]  # no batch waits for a straggler
@@ -169,11 +173,13 @@ def test_every_policy_gets_speedups_against_the_others() -> None:
 
 def test_offloading_stops_at_the_host_memory_and_what_does_not_fit_is_dropped() -> None:
     no_host = dataclasses.replace(TIGHT, host_kv_bytes_per_gpu=0.0)
-    roomy_host = run("venus", cost=TIGHT)
-    full_host = run("venus", cost=no_host)
-    assert roomy_host["offloaded_bytes"] > 0 and roomy_host["reprefill_tokens"] == 0
-    assert full_host["offloaded_bytes"] == 0 and full_host["reprefill_tokens"] > 0
-    # Computing the dropped KV again costs GPU time that loading it back did not.
+    for policy in ("venus", "venus-nowindow"):
+        roomy_host = run(policy, cost=TIGHT)
+        full_host = run(policy, cost=no_host)
+        assert roomy_host["offloaded_bytes"] > 0 and roomy_host["reprefill_tokens"] == 0
+        assert full_host["offloaded_bytes"] == 0 and full_host["reprefill_tokens"] > 0
+    # Computing the dropped KV again costs GPU time that loading it back did not (with every
+    # trajectory admitted: the KV window would pause agents rather than compute theirs again).
     assert full_host["gpu_busy"] > roomy_host["gpu_busy"]
 
 
@@ -220,6 +226,33 @@ def test_concur_pauses_agents_over_its_window_at_turn_boundaries_and_resumes_the
     # Every paused trajectory came back: the run trained every step's groups.
     assert concur["steps"] == 3 and concur["groups_dropped"] == 0
     assert concur["reprefill_evicted_tokens"] < window["reprefill_evicted_tokens"]
+
+
+def test_the_kv_window_pauses_agents_instead_of_thrashing_the_cache() -> None:
+    windowed, everyone = run("venus", cost=TIGHT), run("venus-nowindow", cost=TIGHT)
+    assert windowed["steps"] == 3 and windowed["groups_dropped"] == 0
+    assert windowed["admission_pauses"] > 0 == everyone["admission_pauses"]
+    assert windowed["preemptions"] < everyone["preemptions"]
+
+
+def test_a_member_moves_to_a_lighter_engine_with_its_kv() -> None:
+    moved, stays = run("venus", cost=TIGHT), run("venus-nomigrate", cost=TIGHT)
+    assert moved["migrations"] > 0 == stays["migrations"]
+    # Its KV went over the host link to the other engine's host tier, not computed again.
+    assert moved["moves_dropped"] == 0 and moved["reprefill_tokens"] == 0
+
+
+def test_a_trajectory_past_the_harness_limit_ends_as_a_failure_and_the_run_goes_on() -> None:
+    slow_tools = dataclasses.replace(SMALL.tool_s, body=LogNormal(20, 0.3))
+    limited = dataclasses.replace(SMALL, tool_s=slow_tools, trajectory_limit_s=60.0)
+    result = run("venus", workload=limited)
+    assert result["steps"] == 3 and result["trajectory_timeouts"] > 0
+    assert (
+        run("venus", workload=dataclasses.replace(limited, trajectory_limit_s=math.inf))[
+            "trajectory_timeouts"
+        ]
+        == 0
+    )
 
 
 @pytest.mark.parametrize("baseline", ["sync", "async", "concur"])

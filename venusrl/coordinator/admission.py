@@ -1,5 +1,11 @@
-"""Agent-level admission in the runtime: an episode starts only while the engine runs fewer
-episodes than its window, and the window follows the engine's cache (`policy.agent_admission`).
+"""Agent-level admission in the runtime, on the in-process engine.
+
+- `TurnWindow` (rollout.admission=critical, ours): the KV window of `policy.kv_window`, turn by
+  turn: a trajectory runs a turn only while it holds a place, places go by the group ranking, a
+  member in a long tool call gives its place up.
+- `AdmissionWindow` (rollout.admission=aimd): an episode starts only while the engine runs fewer
+  episodes than its window, and the window follows the engine's cache
+  (`policy.agent_admission`).
 
 Without it, every member of every open group runs at once; when their KV is more than the engine
 holds, the cache thrashes (KV of trajectories waiting on a tool is evicted, and computed again or
@@ -12,9 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+import itertools
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
 
 from venusrl.policy.agent_admission import AimdAdmission, CacheSignal
+from venusrl.policy.critical_groups import BEST_EFFORT, HIGH
+from venusrl.policy.kv_window import Agent, CriticalWindow, EngineLoad, admission_key
+from venusrl.types import Generate, GenerationOutput, SamplingParams, TurnMeta
 
 
 class AdmissionWindow:
@@ -51,3 +62,153 @@ class AdmissionWindow:
             async with self._changed:
                 self.window = self.policy.next_window(self.window, signal, self.active)
                 self._changed.notify_all()
+
+
+@dataclass
+class _Agent:
+    tid: str
+    group_id: str
+    seq: int  # arrival order: the last tie-break
+    context: int = 0  # tokens its next turn reads
+    started: bool = False  # it has run a turn (its KV exists)
+    member: bool = False  # holds a place
+    counted: int = 0  # tokens its place counts
+    leave: asyncio.TimerHandle | None = None  # its tool wait's end of membership
+
+
+class TurnWindow:
+    """The KV window of `policy.kv_window` on the in-process engine, turn by turn: a turn runs
+    only while its trajectory holds a place, and places go by the group ranking
+    (`set_ranking`). The simulator keeps the same books for many engines (`sim.kv_windows`);
+    here there is one engine, so nothing migrates."""
+
+    def __init__(self, policy: CriticalWindow, capacity_tokens: int) -> None:
+        """`capacity_tokens`: the engine's device KV."""
+        self.policy, self.capacity = policy, capacity_tokens
+        self.agents: dict[str, _Agent] = {}  # trajectories not ended, by id
+        self.waiting: dict[str, asyncio.Future[None]] = {}  # for a place
+        self.priority: Mapping[str, int] = {}
+        self.group_rank: dict[str, int] = {}
+        self.pauses = 0  # members that gave their place up at a turn boundary
+        self.waits = 0  # turns that waited for a place
+        self._seq = itertools.count()
+
+    # --- what the coordinator and the agent loop call ------------------------------------------
+
+    def set_ranking(self, priority: Mapping[str, int]) -> None:
+        """The coordinator's last ranking: each open group's priority, in rank order."""
+        self.priority = priority
+        self.group_rank = {gid: i for i, gid in enumerate(priority)}
+        self._admit()
+
+    def gate(self, generate: Generate) -> Generate:
+        """`generate`, each turn admitted by the window first."""
+
+        async def windowed(
+            prompt_ids: list[int], params: SamplingParams, meta: TurnMeta
+        ) -> GenerationOutput:
+            tid = meta.trajectory_id
+            if tid is None or meta.group_id is None:
+                return await generate(prompt_ids, params, meta)
+            await self.enter(tid, meta.group_id, len(prompt_ids))
+            try:
+                return await generate(prompt_ids, params, meta)
+            finally:
+                self.turn_done(tid)
+
+        return windowed
+
+    async def enter(self, tid: str, group_id: str, context: int) -> None:
+        """Wait until trajectory `tid` may run a turn reading `context` tokens."""
+        a = self.agents.get(tid)
+        if a is None:
+            a = self.agents[tid] = _Agent(tid, group_id, next(self._seq))
+        if a.leave is not None:
+            a.leave.cancel()
+            a.leave = None
+        a.context = context
+        if a.member:
+            a.counted = context
+            if not self._yields(a):
+                return
+            self._leave(a)
+            self.pauses += 1
+        future = self.waiting[tid] = asyncio.get_running_loop().create_future()
+        try:
+            self._admit()
+            if not future.done():
+                self.waits += 1
+            await future
+        finally:
+            self.waiting.pop(tid, None)
+            if not future.done():  # cancelled while waiting
+                future.cancel()
+
+    def turn_done(self, tid: str) -> None:
+        """Its turn ended: a tool wait longer than `leave_after_s` gives its place up."""
+        a = self.agents.get(tid)
+        if a is None or not a.member:
+            return
+        a.started = True
+
+        def leave() -> None:
+            a.leave = None
+            self._leave(a)
+            self._admit()
+
+        a.leave = asyncio.get_running_loop().call_later(self.policy.leave_after_s, leave)
+
+    def end(self, tid: str) -> None:
+        """The episode is over."""
+        a = self.agents.pop(tid, None)
+        if a is not None:
+            if a.leave is not None:
+                a.leave.cancel()
+            self._leave(a)
+            self._admit()
+
+    @property
+    def load(self) -> int:
+        return sum(a.counted for a in self.agents.values())
+
+    @property
+    def members(self) -> int:
+        return sum(a.member for a in self.agents.values())
+
+    # --- the books -----------------------------------------------------------------------------
+
+    def _key(self, a: _Agent) -> tuple[int, ...]:
+        rank = self.group_rank.get(a.group_id, len(self.group_rank))
+        return (*admission_key(self._priority(a), a.started, rank, 0), a.seq)
+
+    def _priority(self, a: _Agent) -> int:
+        return self.priority.get(a.group_id, BEST_EFFORT)
+
+    def _engine(self) -> EngineLoad:
+        critical = sum(a.counted for a in self.agents.values() if self._priority(a) >= HIGH)
+        return EngineLoad(self.capacity, self.load, critical)
+
+    def _as_agent(self, a: _Agent) -> Agent:
+        return Agent(a.context, self._priority(a), 0 if a.started else None, a.counted)
+
+    def _yields(self, a: _Agent) -> bool:
+        mine = self._key(a)
+        ahead = sum(b.counted for b in self.agents.values() if b.member and self._key(b) < mine)
+        waiting = (self.agents[t] for t in self.waiting)
+        rival = min(waiting, key=self._key, default=None)
+        rival_agent = self._as_agent(rival) if rival is not None else None
+        placed = rival_agent is not None and self.policy.place([self._engine()], rival_agent) == 0
+        return self.policy.yields(self._engine(), ahead, self._as_agent(a), rival_agent, placed)
+
+    def _leave(self, a: _Agent) -> None:
+        a.member, a.counted = False, 0
+
+    def _admit(self) -> None:
+        """Waiting trajectories take places in `admission_key` order while they fit."""
+        for a in sorted((self.agents[t] for t in self.waiting), key=self._key):
+            future = self.waiting[a.tid]
+            if future.done():
+                continue
+            if self.policy.place([self._engine()], self._as_agent(a)) == 0:
+                a.member, a.counted = True, a.context
+                future.set_result(None)

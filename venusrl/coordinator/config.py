@@ -140,11 +140,14 @@ class RolloutConfig(Section):
         description="how long the engine keeps a trajectory's KV for it while it waits on a tool"
         " (engine.retention=trajectory); None: no pin",
     )
-    admission: Literal["none", "aimd"] = Field(
-        "none",
-        description="none: every member of every open group runs at once; aimd: episodes run"
-        " only while fewer run than a window that grows while the engine's KV cache is healthy"
-        " and halves when it thrashes (policy.agent_admission; local engine only)",
+    admission: Literal["none", "aimd", "critical"] = Field(
+        "critical",
+        description="critical: a turn runs only while its trajectory holds a place in the"
+        " engine's KV window, places going to the most critical groups first"
+        " (policy.kv_window; the default on the in-process engine, none elsewhere); none: every"
+        " member of every open group runs at once; aimd: episodes run only while fewer run than"
+        " a window that grows while the engine's KV cache is healthy and halves when it thrashes"
+        " (policy.agent_admission; in-process engine only)",
     )
     admission_period_s: float = Field(
         5.0, gt=0, description="control period of rollout.admission=aimd (about one turn)"

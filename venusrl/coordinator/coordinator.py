@@ -262,7 +262,10 @@ class Coordinator:
         while True:
             tid = f"{gid}-m{index}-{next(self._ids)}"
             traj = await episodes.play(
-                tid, lambda tokens, turns: self.book.progress(gid, index, tokens, turns)
+                tid,
+                lambda tokens, turns: self.book.progress(
+                    gid, index, tokens, turns, time.monotonic()
+                ),
             )
             for turn in turns_played(traj):
                 self.book.rates.observe(*turn)
@@ -282,7 +285,7 @@ class Coordinator:
             return
 
     def _rerank(self) -> None:
-        self.rollouts.set_priorities(self.book.rank(self.weight_version()))
+        self.rollouts.set_priorities(self.book.rank(self.weight_version(), time.monotonic()))
 
 
 def turns_played(traj: Trajectory) -> Iterator[tuple[int, float, float | None]]:

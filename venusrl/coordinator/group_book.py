@@ -69,6 +69,7 @@ class GroupBook(Generic[T]):
         self.open: dict[str, Group[T]] = {}
         self.ready: list[Group[T]] = []  # complete, in completion order
         self.priorities: dict[str, int] = {}  # open group id -> priority, from the last ranking
+        self.order: tuple[str, ...] = ()  # open group ids, most critical first (the last ranking)
         self.groups_started = self.groups_completed = self.groups_dropped = 0
         # The bound numbers groups from version 0: a resumed run's trained batches count.
         self._groups_before = start_version * bound.batch_groups
@@ -96,12 +97,24 @@ class GroupBook(Generic[T]):
         self.open[group_id] = group
         return group
 
-    def progress(self, group_id: str, index: int, tokens: int, turns: int) -> None:
-        """A member finished a model turn: `tokens` and `turns` so far, its tool call to come.
-        Re-ranking waits for the next member to finish, so a turn costs no sort."""
+    def progress(
+        self, group_id: str, index: int, tokens: int, turns: int, now: float | None = None
+    ) -> None:
+        """A member finished a model turn: `tokens` and `turns` so far, its tool call to come
+        (from `now`). Re-ranking waits for the next member to finish, so a turn costs no sort."""
         group = self.open.get(group_id)
         if group is not None:  # else dropped (it timed out) while the member's turn was coming
-            self._set(group, index, MemberView(False, tokens, turns, waiting_on_tool=True))
+            m = group.members[index]
+            self._set(group, index, MemberView(False, tokens, turns, True, m.tool_s,
+                                               m.tool_calls, now))  # fmt: skip
+
+    def tool_returned(self, group_id: str, index: int, seconds: float) -> None:
+        """A member's tool call returned after `seconds`."""
+        group = self.open.get(group_id)
+        if group is not None:
+            m = group.members[index]
+            self._set(group, index, MemberView(False, m.generated_tokens, m.turns, False,
+                                               m.tool_s + seconds, m.tool_calls + 1))  # fmt: skip
 
     def member_finished(
         self, group_id: str, index: int, scored: bool, tokens: int, turns: int
@@ -155,15 +168,16 @@ class GroupBook(Generic[T]):
 
     # --- priorities -----------------------------------------------------------------------------
 
-    def rank(self, version: int) -> dict[str, int]:
+    def rank(self, version: int, now: float = 0.0) -> dict[str, int]:
         """Every open group's priority at `version`, by the group policy (critical or fifo)."""
-        self.priorities = dict(self.policy.decide(self.snapshot(version)).priority)
+        decided = self.policy.decide(self.snapshot(version, now))
+        self.priorities, self.order = dict(decided.priority), decided.order
         return self.priorities
 
     def priority(self, group_id: str) -> int:
         return self.priorities.get(group_id, BEST_EFFORT)
 
-    def snapshot(self, version: int) -> CoordinatorSnapshot:
+    def snapshot(self, version: int, now: float = 0.0) -> CoordinatorSnapshot:
         """What the group policy ranks on."""
         groups = []
         for g in self.open.values():
@@ -179,6 +193,7 @@ class GroupBook(Generic[T]):
             self.lengths.predictions([g.prompt_id for g in groups]),
             self.rates.decode_tokens_per_s,
             self.rates.tool_s_per_turn,
+            now,
         )
 
     def check(self) -> None:

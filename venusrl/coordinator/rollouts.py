@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol
 
-from venusrl.coordinator.admission import AdmissionWindow
+from venusrl.coordinator.admission import AdmissionWindow, TurnWindow
 from venusrl.coordinator.agent_loop import (
     ChatFormat,
     EnvironmentFailed,
@@ -87,17 +87,22 @@ class LocalRollouts:
         sampling: SamplingParams,
         rollout: RolloutConfig,
         end_trajectory: Callable[[str], Awaitable[None]] | None = None,
-        admission: AdmissionWindow | None = None,
+        admission: AdmissionWindow | TurnWindow | None = None,
         resume_preempted: bool = True,
     ) -> None:
         """`end_trajectory` tells the engine that an episode is over, so that the KV it kept for
         the trajectory between turns can go; `admission`: episodes run only while its window
-        has room (None: all at once); `resume_preempted`: an episode whose sandbox the pool
-        preempted goes on here in a fresh one (False: it ends `Finish.INFRA`, for a caller
+        has room, or (a `TurnWindow`) each turn only while its trajectory holds a place in the
+        engine's KV window (None: all at once); `resume_preempted`: an episode whose sandbox
+        the pool preempted goes on here in a fresh one (False: it ends `Finish.INFRA`, for a caller
         that moves it elsewhere, as the Ray fleet does)."""
         self.pool, self.generate, self.fmt = pool, generate, fmt
         self.sampling, self.rollout = sampling, rollout
-        self.end_trajectory, self.admission = end_trajectory, admission
+        self.end_trajectory = end_trajectory
+        self.admission = admission if isinstance(admission, AdmissionWindow) else None
+        self.turns = admission if isinstance(admission, TurnWindow) else None
+        if self.turns is not None:
+            self.generate = self.turns.gate(generate)
         self.resume_preempted = resume_preempted
         self.priority: Mapping[str, int] = {}
         self.groups: dict[str, GroupHandle] = {}  # open groups' sandboxes, by group id
@@ -118,7 +123,10 @@ class LocalRollouts:
         return LocalGroup(self, handle, group_id, env, task)
 
     def set_priorities(self, priority: Mapping[str, int]) -> None:
+        """Each open group's priority, in the ranking's order."""
         self.priority = priority
+        if self.turns is not None:
+            self.turns.set_ranking(priority)
         for group_id, handle in self.groups.items():  # the pool admits and preempts by it
             handle.set_priority(priority.get(group_id, BEST_EFFORT))
 
@@ -156,6 +164,8 @@ class LocalGroup:
                 traj = await self._episode(trajectory_id, on_turn, traj)
             return traj
         finally:
+            if r.turns is not None:
+                r.turns.end(trajectory_id)
             if r.end_trajectory is not None:
                 # A hint for the engine's cache: an engine that cannot take it (down,
                 # restarting) has lost that KV anyway.

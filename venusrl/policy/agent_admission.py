@@ -10,9 +10,12 @@ agents with a congestion window driven by cache signals, like TCP.
   while the KV cache is underused, shrinks by a factor when it thrashes (the share of returning
   context found in cache falls) or is nearly full, and holds in between; an agent over the window
   is paused at its next turn boundary and resumed when there is room (never mid-generation).
-- `AimdAdmission` is our first Concur-like window (`async+window`, `venus+window`, the runtime's
+- `AimdAdmission` is our first Concur-like window (`async+window`, the runtime's
   `rollout.admission=aimd`): it only paces the start of new trajectories and halves on any
   re-prefill, so on long trajectories everything is admitted before the cache fills.
+
+Ours bounds the KV the agents hold rather than their number, and chooses them by the group
+ranking: `kv_window.CriticalWindow`.
 
 Pure policy (DESIGN.md contract 1): the window is state the caller keeps; `next_window` maps the
 current window, the period's signals and the agents active to the next window.
@@ -143,3 +146,17 @@ class AimdAdmission(_Window):
         if signal.reprefill_tokens > 0 or signal.occupancy > self.high_water:
             return max(self.min_window, math.floor(window * self.decrease))
         return min(self.max_window, window + self.increase)
+
+
+@dataclass(frozen=True)
+class CriticalWindow:
+    """PROTOTYPE: per engine a KV budget; members by criticality."""
+
+    fill: float = float(__import__("os").environ.get("FILL", "0.85"))
+    keep: float = float(__import__("os").environ.get("KEEP", "0.97"))
+    leave_after_s: float = float(__import__("os").environ.get("LEAVE", "5.0"))
+    migrate: bool = True
+    pauses: ClassVar[bool] = True
+
+    def budget_tokens(self, capacity_tokens: int) -> int:
+        return int(self.fill * capacity_tokens)

@@ -15,8 +15,11 @@ the rest are best effort. The engine and the sandbox pool receive that priority 
 A member's remaining time is its predicted remaining tokens at the decode rate plus the expected
 tool time of its remaining turns; the length prediction comes from `LengthPredictor`, which starts
 from the prompt's own history (the K members of a group share a prompt, and prompts are revisited
-across epochs) and falls back to the global median; the decode speed and the tool time come from
-`TurnRates`, the medians of the run's own recent turns.
+across epochs) and falls back to the global median; a member past its prediction still has
+`OVERRUN` of what it did ahead of it. The decode speed and the median tool time come from
+`TurnRates`, the medians of the run's own recent turns; a group's tool time per call is its own
+members' (a task with slow tests stays slow), shrunk toward that median, and a call in progress
+that has run past it counts what it ran past.
 """
 
 from __future__ import annotations
@@ -27,6 +30,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
+# A group's own tool time per call is shrunk toward the run's median by this many calls' worth
+# of it: one slow call says little, a task whose tests are slow shows it within a few calls.
+TOOL_PRIOR = 8.0
+# A member past its predicted length has at least this share of what it did still ahead of it
+# (long trajectories run long: without it, a member past its prediction looks nearly done).
+OVERRUN = 0.25
 HIGH = 1  # priority sent with the requests of critical groups
 BEST_EFFORT = 0
 
@@ -37,6 +46,9 @@ class MemberView:
     generated_tokens: int = 0
     turns: int = 0
     waiting_on_tool: bool = False
+    tool_s: float = 0.0  # seconds its tool calls took so far (those that returned)
+    tool_calls: int = 0  # how many returned
+    tool_since: float | None = None  # when the call it waits on began (None: not known)
 
 
 @dataclass(frozen=True)
@@ -66,6 +78,7 @@ class CoordinatorSnapshot:
     predictions: Mapping[str, Prediction]  # per prompt id
     decode_tokens_per_s: float  # of one trajectory, as the engine currently runs it (TurnRates)
     tool_s_per_turn: float
+    now: float = 0.0  # for the elapsed time of tool calls in progress
 
 
 @dataclass(frozen=True)
@@ -76,21 +89,23 @@ class GroupPriorities:
 
 def slowest_remaining_s(group: GroupView, pred: Prediction, snap: CoordinatorSnapshot) -> float:
     """Predicted seconds until the group's slowest member is done: the tokens it has still to
-    generate at the engine's decode speed, plus its turns still to come at the median tool time
-    (at least the tool call it waits on now). Run for every open group at every re-ranking:
-    one plain loop."""
+    generate at the engine's decode speed, plus its turns still to come at the group's tool time
+    per call (at least the tool call it waits on now, and what that call has run past it: a call
+    that has run long is likely to run as long again). Run for every open group at every
+    re-ranking: one plain loop."""
+    calls = sum(m.tool_calls for m in group.members)
+    spent = sum(m.tool_s for m in group.members)
+    tool_s = (spent + TOOL_PRIOR * snap.tool_s_per_turn) / (calls + TOOL_PRIOR)
     slowest = 0.0
     for m in group.members:
         if m.done:
             continue
-        tokens = pred.total_tokens - m.generated_tokens
-        turns = pred.turns - m.turns
-        floor = 1.0 if m.waiting_on_tool else 0.0
-        seconds = (tokens if tokens > 0 else 0.0) / snap.decode_tokens_per_s + (
-            turns if turns > floor else floor
-        ) * snap.tool_s_per_turn
-        if seconds > slowest:
-            slowest = seconds
+        tokens = max(pred.total_tokens - m.generated_tokens, OVERRUN * m.generated_tokens, 0.0)
+        turns = max(pred.turns - m.turns, OVERRUN * m.turns, 1.0 if m.waiting_on_tool else 0.0)
+        seconds = tokens / snap.decode_tokens_per_s + turns * tool_s
+        if m.tool_since is not None and snap.now - m.tool_since > tool_s:
+            seconds += snap.now - m.tool_since - tool_s
+        slowest = max(slowest, seconds)
     return slowest
 
 

@@ -41,6 +41,12 @@ class LocalEngine:
     async def end_trajectory(self, trajectory_id: str) -> None:
         await self.engine.call(lambda e: e.end_trajectory(trajectory_id))
 
+    async def kv_capacity_tokens(self) -> int:
+        """Tokens of KV its device pages hold."""
+        return await self.engine.call(
+            lambda e: e.cache.kv.device_pages.capacity * e.cache.page_size
+        )
+
     async def cache_signal(self) -> CacheSignal:
         """What its KV cache did since the last call: live occupancy now, KV lost to eviction
         and computed again meanwhile (for `rollout.admission`)."""

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from venusrl.config import Config
-from venusrl.coordinator.admission import AdmissionWindow
+from venusrl.coordinator.admission import AdmissionWindow, TurnWindow
 from venusrl.coordinator.agent_loop import ChatFormat
 from venusrl.coordinator.config import MixEntry
 from venusrl.coordinator.mixing import EnvShare
@@ -27,6 +27,7 @@ from venusrl.envs.service import SandboxSource
 from venusrl.envs.task_file import read_task_file
 from venusrl.envs.types import GiB
 from venusrl.policy.agent_admission import AimdAdmission
+from venusrl.policy.kv_window import CriticalWindow
 from venusrl.runtime.engines import LocalEngine, ServedEngine, served_engine
 from venusrl.runtime.faults import engine_faults, sandbox_faults
 from venusrl.runtime.run_dir import RunStart
@@ -171,7 +172,7 @@ class RolloutSide:
 
     engine: RolloutEngine
     rollouts: Rollouts
-    window: AdmissionWindow | None = None
+    window: AdmissionWindow | TurnWindow | None = None
     background: list[asyncio.Task[None]] = field(default_factory=list)  # cancelled at the end
 
 
@@ -196,7 +197,7 @@ async def start_rollouts(
         else LocalEngine(start.model_dir, cfg, version)
     )
     stack.push_async_callback(local.close)
-    window = admission_window(cfg, local)
+    window = await admission_window(cfg, local)
     generate = engine_faults(local.generate, cfg.faults, cfg.run.seed)
     rollouts = LocalRollouts(
         sandboxes.pool, generate, fmt, sampling, cfg.rollout, local.end_trajectory, window
@@ -204,13 +205,19 @@ async def start_rollouts(
     return RolloutSide(local, rollouts, window)
 
 
-def admission_window(cfg: Config, engine: LocalEngine | ServedEngine) -> AdmissionWindow | None:
+async def admission_window(
+    cfg: Config, engine: LocalEngine | ServedEngine
+) -> AdmissionWindow | TurnWindow | None:
     """`rollout.admission`: the window over the in-process engine's cache (the config allows it
     with that engine only)."""
     r = cfg.rollout
     if r.admission == "none":
         return None
     assert isinstance(engine, LocalEngine)
+    if r.admission == "critical":
+        # One engine: no other engine for best-effort work (no fast lane), none to move to.
+        policy = CriticalWindow(lane=1.0, migrate=False)
+        return TurnWindow(policy, await engine.kv_capacity_tokens())
     return AdmissionWindow(
         AimdAdmission(initial_window=r.admission_initial_window, period_s=r.admission_period_s),
         engine.cache_signal,
@@ -222,5 +229,5 @@ def start_background(cfg: Config, sandboxes: Sandboxes, side: RolloutSide) -> No
     into its own pool) and the admission window's control loop."""
     if sandboxes.pool is not None:
         side.background += sandbox_faults(sandboxes.pool, cfg.faults, cfg.run.seed)
-    if side.window is not None:
+    if isinstance(side.window, AdmissionWindow):
         side.background.append(asyncio.create_task(side.window.control()))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from venusrl.coordinator.admission import AdmissionWindow
+from venusrl.coordinator.admission import AdmissionWindow, TurnWindow
 from venusrl.coordinator.coordinator import GroupResult
 from venusrl.types import Trajectory
 
@@ -15,10 +15,18 @@ def won(traj: Trajectory) -> bool:
     return traj.reward is not None and traj.reward > 0
 
 
-def admission_metrics(window: AdmissionWindow | None) -> dict[str, int]:
+def admission_metrics(window: AdmissionWindow | TurnWindow | None) -> dict[str, int]:
     """The window's state when a step ends (nothing without `rollout.admission`)."""
     if window is None:
         return {}
+    if isinstance(window, TurnWindow):
+        return {
+            "window_kv_tokens": window.load,
+            "episodes_active": window.members,
+            "episodes_held_back": len(window.waiting),
+            "window_pauses": window.pauses,
+            "window_waits": window.waits,
+        }
     return {
         "admission_window": window.window,
         "episodes_active": window.active,

@@ -21,9 +21,11 @@ runs in minutes.
 
 Host memory for offloaded KV is bounded (`CostModel.host_kv_bytes_per_gpu`); when it is full,
 host KV ranked below what is offloaded is dropped to make room, else what would be offloaded is
-dropped. Copies to host are charged to the iteration that makes them, loads to the one that
-admits the request (neither is overlapped with compute: conservative for the policies that
-offload).
+dropped. Copies to host are charged to the iteration that makes them and run beside its compute,
+as the engine's side stream runs them (`engine/tier_copies.py`): the iteration waits only for
+copying longer than its compute (`SimConfig.overlap_copies`). Loads back to the device are
+charged whole to the iteration that admits the request: the engine's compute waits for a page
+before it reads it, and nothing loads a trajectory's KV ahead of its return yet.
 """
 
 from __future__ import annotations
@@ -141,7 +143,9 @@ class SimEngine:
         self.index, self.clock, self.cost, self.config = index, clock, cost, config
         self.scheduler, self.counters = scheduler, counters
         self.kv = SimKV(clock, cost, config.page_size, retention, counters)
-        self._planner = SpanPlanner(self.kv, cost, config.max_merged_iterations)
+        self._planner = SpanPlanner(
+            self.kv, cost, config.max_merged_iterations, config.overlap_copies
+        )
         self.running: dict[str, SimRequest] = {}
         self.waiting: list[SimRequest] = []  # in the scheduler's queue order (`_enqueue`)
         self.peak_pages = 0  # the most device pages in use when an iteration was planned
@@ -381,7 +385,8 @@ class SimEngine:
         used = pages = self._device_pages()
         assert used <= capacity, (used, capacity)
         self.peak_pages = max(self.peak_pages, used)
-        split = {"prefill": 0.0, "reprefill": 0.0, "transfers": 0.0}
+        # "loads": host-to-device copies of requests admitted now, which their compute waits for
+        split = {"prefill": 0.0, "reprefill": 0.0, "transfers": 0.0, "loads": 0.0}
         ran: list[tuple[SimRequest, int, bool]] = []
         for rid, n in plan.run:
             req = self.running.get(rid)
@@ -391,7 +396,8 @@ class SimEngine:
                 used, admitted = kv.load(req.traj.tid, used)
                 if admitted is None:
                     continue  # its host KV does not fit on the device yet: it waits
-                split["transfers"] += self.cost.transfer_s(admitted, to_device=True)
+                split["loads"] += self.cost.transfer_s(admitted, to_device=True)
+                split["loads"] += kv.moved_in.pop(req.traj.tid, 0.0)
                 self.waiting.remove(req)
                 self.running[rid] = req
                 kv.admit(req)

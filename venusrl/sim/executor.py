@@ -46,10 +46,12 @@ from venusrl.policy.kv_retention import (
     RetentionPolicy,
     TrajectoryRetention,
 )
+from venusrl.policy.kv_window import CriticalWindow
 from venusrl.policy.placement import least_loaded
 from venusrl.policy.staleness import StalenessBound
 from venusrl.sim.cost_model import CostModel
 from venusrl.sim.engine import SPENT_ON, SimEngine
+from venusrl.sim.kv_windows import KvWindows
 from venusrl.sim.types import Clock, Counters, SimConfig, SimRequest
 from venusrl.workloads import PromptPlan, TrajectoryPlan, Workload, WorkloadSampler
 
@@ -63,28 +65,54 @@ class SimPolicy:
     max_staleness: int = 1
     retention: Literal["lru", "trajectory"] = "lru"
     pin_s: float = 5.0  # retention pin while a trajectory waits on a tool (trajectory retention)
-    admission: AgentAdmission | None = None  # agent-level admission control (Concur)
+    admission: AgentAdmission | CriticalWindow | None = None  # agent-level admission control
     max_train_staleness: int | None = None  # policy.staleness; None: max_staleness
 
+
+# Every policy that runs ahead of the trainer may train a straggling group up to this many
+# versions after it started, rather than wait for it (AReaL's documented example bound, and the
+# runtime's `rollout.max_train_staleness` default); `NAME@N:L` sets another.
+TRAIN_BOUND = 4
 
 POLICIES = {
     # veRL-like: the whole batch rolls out, then the trainer steps, then weights sync; continuous
     # batching, an LRU radix cache and sticky routing, as veRL on SGLang has.
     "sync": SimPolicy("sync", "fifo", 0, "lru"),
     # AReaL / ROLL Flash-like: rollout runs ahead of the trainer by at most one version.
-    "async": SimPolicy("async", "fifo", 1, "lru"),
+    "async": SimPolicy("async", "fifo", 1, "lru", max_train_staleness=TRAIN_BOUND),
     # Concur: one version of staleness, LRU KV, and active trajectories per engine bounded by the
     # paper's congestion window on KV occupancy and hit rate (policy.agent_admission).
-    "concur": SimPolicy("concur", "fifo", 1, "lru", admission=ConcurAdmission()),
+    "concur": SimPolicy(
+        "concur", "fifo", 1, "lru", admission=ConcurAdmission(), max_train_staleness=TRAIN_BOUND
+    ),
     # Our first Concur-like window, which only paces the start of trajectories (the `concur` of
     # BENCHMARKS.md's tables to 2026-12-04).
-    "async+window": SimPolicy("async+window", "fifo", 1, "lru", admission=AimdAdmission()),
-    # Ours: critical groups first, tool-waiting KV kept or offloaded, never silently dropped.
-    "venus": SimPolicy("venus", "critical", 1, "trajectory"),
-    # Ours under the start window, with the same AIMD knobs (`venusrl train` with
-    # rollout.admission=aimd; one engine only so far).
-    "venus+window": SimPolicy(
-        "venus+window", "critical", 1, "trajectory", admission=AimdAdmission()
+    "async+window": SimPolicy(
+        "async+window", "fifo", 1, "lru", admission=AimdAdmission(), max_train_staleness=TRAIN_BOUND
+    ),
+    # Ours: critical groups first, admitted into a per-engine KV window by that rank
+    # (policy.kv_window), tool-waiting KV kept or offloaded, never silently dropped.
+    "venus": SimPolicy(
+        "venus",
+        "critical",
+        1,
+        "trajectory",
+        admission=CriticalWindow(),
+        max_train_staleness=TRAIN_BOUND,
+    ),
+    # Ours without moving a member's KV to a lighter engine (what migration is worth).
+    "venus-nomigrate": SimPolicy(
+        "venus-nomigrate",
+        "critical",
+        1,
+        "trajectory",
+        admission=CriticalWindow(migrate=False),
+        max_train_staleness=TRAIN_BOUND,
+    ),
+    # Ours before the KV window (the `venus` of BENCHMARKS.md's tables to 2026-12-04): every
+    # trajectory admitted at once, so on long trajectories the cache thrashes.
+    "venus-nowindow": SimPolicy(
+        "venus-nowindow", "critical", 1, "trajectory", max_train_staleness=TRAIN_BOUND
     ),
 }
 # `NAME+offload`: a baseline given the host tier ours has (the same size), as SGLang's HiCache or
@@ -176,6 +204,12 @@ class SimTrajectory:
     generated: int = 0
     engine: SimEngine | None = None
     expected_cached: int = 0  # tokens of its context the engine cached when it last let go of it
+    member: bool = False  # holds a place in its engine's KV window (`kv_windows`)
+    counted: int = 0  # its context as that window counts it
+
+    @property
+    def group_id(self) -> str:
+        return self.group.gid
 
 
 @dataclass(frozen=True)
@@ -229,6 +263,7 @@ class Simulation:
         self.staleness: list[int] = []
         self.sandbox_gb_s = 0.0
         self.infra_failures = 0
+        self.timeouts = 0  # trajectories cut at the workload's trajectory_limit_s
         self._arrivals = itertools.count()
         # First turns held back by admission control, and per engine the trajectories it paused
         # at a turn boundary (oldest first).
@@ -250,6 +285,13 @@ class Simulation:
         tools = [t.tool_s for p in plans for t in p.turns[:-1]]
         rates = TurnRates(1.0 / step_s, statistics.median(tools) if tools else 0.0)
         self.book: GroupBook[SimGroup] = GroupBook(bound, policy.priorities, rates)
+        # Admission by count (Concur's window, the AIMD start window) or by KV (ours).
+        self.windows: KvWindows[SimTrajectory] | None = None
+        self.counting: AgentAdmission | None = None
+        if isinstance(policy.admission, CriticalWindow):
+            self.windows = KvWindows(policy.admission, self.engines, self.book, self._submit_turn)
+        else:
+            self.counting = policy.admission
 
     def _engine(self, index: int) -> SimEngine:
         """A rollout engine on this run's clock, cost model and counters, with its own scheduler
@@ -258,7 +300,11 @@ class Simulation:
         retention: RetentionPolicy = (
             TrajectoryRetention() if policy.retention == "trajectory" else LruRetention()
         )
-        window = admission.initial_window if admission is not None else 0
+        window = (
+            admission.initial_window
+            if isinstance(admission, AimdAdmission | ConcurAdmission)
+            else 0
+        )
         return SimEngine(index, self.clock, self.cost, self.config, PriorityScheduler(),
                          retention, self.counters, window)  # fmt: skip
 
@@ -282,7 +328,8 @@ class Simulation:
         """A turn whose context is larger than an engine's whole device KV can never run: say so
         as the workload's error, not as a stalled policy."""
         for engine in self.engines:
-            largest = max((r.traj.context + r.decode_left for r in engine.waiting), default=0)
+            requests = [*engine.waiting, *engine.running.values()]
+            largest = max((r.traj.context + r.decode_left for r in requests), default=0)
             capacity = engine.capacity * engine.page_size
             if largest > capacity:
                 raise ValueError(
@@ -315,6 +362,9 @@ class Simulation:
         self.clock.at(now + plan.sandbox_start_s, lambda: self._request_turn(t))
 
     def _request_turn(self, t: SimTrajectory) -> None:
+        if self.windows is not None:
+            self.windows.turn(t)
+            return
         if t.engine is None:  # sticky: every later turn goes where its KV is
             engine = self._route()
             if engine is None:
@@ -328,6 +378,20 @@ class Simulation:
             self.admission_pauses += 1
             return
         self._submit_turn(t)
+
+    def _tool_started(self, t: SimTrajectory) -> None:
+        """Under the KV window, a member still in this tool call after `leave_after_s` gives
+        its place up."""
+        windows, turn = self.windows, t.turn
+        if windows is None:
+            return
+
+        def expire() -> None:
+            if t.member and t.turn == turn:
+                windows.leave(t)
+                windows.admit()
+
+        self.clock.at(self.clock.now + windows.policy.leave_after_s, expire)
 
     def _submit_turn(self, t: SimTrajectory, resumed: bool = False) -> None:
         """The turn's request goes to its engine (`resumed`: after admission control paused
@@ -355,7 +419,7 @@ class Simulation:
         if self.finishes is not None:
             self.finishes.append((now, f"{t.tid}-t{t.turn}"))
         g = t.group
-        self.book.progress(g.gid, t.index, t.generated, t.turn + 1)
+        self.book.progress(g.gid, t.index, t.generated, t.turn + 1, now)
         if t.plan.infra_failure_turn == t.turn:
             self._end_trajectory(t)
             self.infra_failures += 1
@@ -369,11 +433,18 @@ class Simulation:
             t.engine.finish_trajectory(t.tid)
             self.clock.at(now + t.plan.reward_s, lambda: self._scored(t))
             return
+        deadline = t.started_at + self.workload.trajectory_limit_s
+        if now + t.plan.turns[t.turn].tool_s > deadline:  # the harness cuts it at its limit
+            t.engine.wait_on_tool(t.tid, now)
+            self.clock.at(max(now, deadline), lambda: self._timed_out(t))
+            return
         t.engine.wait_on_tool(t.tid, now + self.policy.pin_s)
+        self._tool_started(t)
         self.clock.at(now + t.plan.turns[t.turn].tool_s, lambda: self._tool_returned(t))
 
     def _tool_returned(self, t: SimTrajectory) -> None:
         turn = t.plan.turns[t.turn]
+        self.book.tool_returned(t.group.gid, t.index, turn.tool_s)
         t.context += turn.observation_tokens + self.workload.template_tokens
         t.turn += 1
         self._request_turn(t)
@@ -382,7 +453,11 @@ class Simulation:
         assert t.engine is not None
         t.engine.finish_trajectory(t.tid)
         t.engine.trajectories -= 1
-        self._admit_waiting()
+        if self.windows is not None:
+            self.windows.leave(t)
+            self.windows.admit()
+        else:
+            self._admit_waiting()
         self.sandbox_gb_s += t.plan.sandbox_rss_gb * (self.clock.now - t.started_at)
 
     def _active(self, engine: SimEngine) -> int:
@@ -390,14 +465,14 @@ class Simulation:
         return engine.trajectories - len(self._paused[engine.index])
 
     def _over_window(self, engine: SimEngine) -> bool:
-        admission = self.policy.admission
+        admission = self.counting
         return admission is not None and admission.pauses and self._active(engine) > engine.window
 
     def _route(self) -> SimEngine | None:
         """The engine a new trajectory goes to: the least loaded, if admission control admits
         one more trajectory there (None: it waits). A controller that pauses agents (Concur's)
         sends it to the least loaded of those with room."""
-        engines, admission = self.engines, self.policy.admission
+        engines, admission = self.engines, self.counting
         if admission is not None and admission.pauses:
             engines = [e for e in engines if admission.admits(self._active(e), e.window)]
             if not engines:
@@ -410,7 +485,7 @@ class Simulation:
     def _admit_waiting(self) -> None:
         """Paused trajectories resume, oldest first, while their engines have room; then those
         held back before their first turn start, oldest first, while they fit."""
-        admission = self.policy.admission
+        admission = self.counting
         if admission is None:
             return
         for engine, paused in zip(self.engines, self._paused, strict=True):
@@ -420,7 +495,7 @@ class Simulation:
             self._request_turn(self._not_admitted.popleft())
 
     def _schedule_control(self) -> None:
-        admission = self.policy.admission
+        admission = self.counting
         if admission is not None and not self._control_due:
             self._control_due = True
             self.clock.at(self.clock.now + admission.period_s, self._control_admission)
@@ -428,7 +503,7 @@ class Simulation:
     def _control_admission(self) -> None:
         """One control period of agent-level admission: each engine's window follows its cache.
         Periods run while any trajectory is active or waits to start."""
-        admission = self.policy.admission
+        admission = self.counting
         assert admission is not None
         self._control_due = False
         for e, paused in zip(self.engines, self._paused, strict=True):
@@ -442,6 +517,12 @@ class Simulation:
         self._admit_waiting()
         if self._not_admitted or any(e.trajectories for e in self.engines):
             self._schedule_control()
+
+    def _timed_out(self, t: SimTrajectory) -> None:
+        """The trajectory ran past the harness's limit: it ends, scored as a failure (no
+        reward to run), and trains as the others do."""
+        self.timeouts += 1
+        self._scored(t)
 
     def _scored(self, t: SimTrajectory) -> None:
         self._end_trajectory(t)
@@ -460,7 +541,9 @@ class Simulation:
         self._rerank()
 
     def _rerank(self) -> None:
-        self.book.rank(self.version)
+        self.book.rank(self.version, self.clock.now)
+        if self.windows is not None:
+            self.windows.reranked()
 
     def _maybe_train(self) -> None:
         if self.trainer_busy:
@@ -529,8 +612,12 @@ class Simulation:
             "staleness_max": max(self.staleness, default=0),
             "sandbox_gb_s": self.sandbox_gb_s,
             "infra_failures": self.infra_failures,
+            "trajectory_timeouts": self.timeouts,
             "groups_dropped": self.book.groups_dropped,
-            "admission_pauses": self.admission_pauses,  # turns admission control held back
+            # turns admission control held back
+            "admission_pauses": self.admission_pauses
+            + (self.windows.pauses if self.windows else 0),
+            "migrations": self.windows.migrations if self.windows else 0,
             **asdict(self.counters),
             "simulated_s": self.clock.now,
         }

@@ -73,6 +73,9 @@ class SimKV:
         self.idle: dict[str, IdleEntry] = {}  # trajectory id -> its KV between requests
         self.idle_device = 0  # tokens of `idle` on the device
         self.transfer_s = 0.0  # device-to-host copies made while planning this iteration
+        # Seconds of copying out another engine's device KV that moved here, by trajectory
+        # (`move`), until its turn is admitted.
+        self.moved_in: dict[str, float] = {}
         self._ticks = 0  # the tree's access clock, for LRU
 
     def check(self) -> None:
@@ -204,6 +207,35 @@ class SimKV:
             self.idle[t.tid] = IdleEntry(t.tid, req.segments, req.cached, req.priority, self._ticks)
             self.idle_device += req.cached
         req.segments, req.computed, req.cached = [], 0, 0
+
+    # --- migration ---------------------------------------------------------------------------
+
+    def move(self, tid: str, to: SimKV) -> None:
+        """The trajectory's idle KV leaves this engine for `to`'s host tier, from which its next
+        turn loads it: its device part is copied out (to host memory, which the engines of a
+        node share). When `to`'s host tier has no room for it, it is dropped here and its next
+        turn computes it again there. The copy out is charged with the load back, to the
+        iteration that admits the turn (`moved_in`): the turn waits for both."""
+        entry = self.idle.pop(tid, None)
+        if entry is None:
+            return
+        self.idle_device -= entry.device
+        self.host_used -= entry.host
+        tokens = entry.device + entry.host
+        short = tokens - (to.host_capacity - to.host_used)
+        key = (to.retention.rank(entry.view(), to.clock.now), float("inf"))
+        if short > 0 and not to._make_host_room(short, key):
+            self.counters.moves_dropped += 1
+            return
+        if entry.device:
+            self.counters.offloaded_bytes += entry.device * self.cost.model.kv_bytes_per_token
+            to.moved_in[tid] = self.cost.transfer_s(entry.device, to_device=False)
+        to._ticks += 1
+        entry.on_host, entry.host, entry.device = len(entry.segments), tokens, 0
+        entry.last_use = to._ticks
+        entry.set_owner(priority=entry.priority, pin_deadline=None, finished=False)
+        to.idle[tid] = entry
+        to.host_used += tokens
 
     # --- the reserve -----------------------------------------------------------------------------
 

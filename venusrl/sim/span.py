@@ -87,8 +87,19 @@ class SpanPlanner:
     """Plans a span's iterations on one engine's KV and cost model; at most `max_merged` to an
     event."""
 
-    def __init__(self, kv: SimKV, cost: CostModel, max_merged: int) -> None:
+    def __init__(
+        self, kv: SimKV, cost: CostModel, max_merged: int, overlap_copies: bool = True
+    ) -> None:
+        """`overlap_copies`: device-to-host copies run beside the compute (a side stream), so an
+        iteration takes the longer of the two; else their time is added to it."""
         self.kv, self.cost, self.max_merged = kv, cost, max_merged
+        self.overlap_copies = overlap_copies
+
+    def exposed(self, transfers: float, compute: float) -> float:
+        """Seconds of device-to-host copying an iteration waits for beyond its `compute`."""
+        if not self.overlap_copies:
+            return transfers
+        return transfers - compute if transfers > compute else 0.0
 
     def prefill_seconds(self, req: SimRequest, tokens: int, computed: int) -> tuple[float, float]:
         """Seconds of a prefill chunk of `tokens` after `computed`: computing new KV, and
@@ -123,8 +134,11 @@ class SpanPlanner:
                 prefilling.append(req)
                 if not req.prefill_left:  # its last chunk samples; it decodes from the next on
                     sampling.append((req, req.computed - 1))
-        seconds = sum(split.values())  # and the decodes, with the iteration's fixed cost:
-        seconds += self.cost.decode_step_s(decoders, context) or self.cost.gpu.t_fix
+        # The decodes, with the iteration's fixed cost, and the prefills; then the copies.
+        compute = split["prefill"] + split["reprefill"]
+        compute += self.cost.decode_step_s(decoders, context) or self.cost.gpu.t_fix
+        split["transfers"] = split.pop("loads") + self.exposed(split["transfers"], compute)
+        seconds = compute + split["transfers"]
         span = Span(sampling, prefill=None, chunk=0, budget_bound=False, hold=0,
                     release_at=release_at, repeats=False, start=now)  # fmt: skip
         span.ends.append(now + seconds)
@@ -224,12 +238,13 @@ class SpanPlanner:
                     kv.cache(req)
                 spent[0] += prefill
                 spent[1] += reprefill
+            compute = prefill + reprefill + (decode(batch, context + batch * g) or t_fix)
             if transfers:
+                transfers = self.exposed(transfers, compute)
                 spent[2] += transfers
             if not i:
                 span.first = (prefill, reprefill, transfers)
-            seconds = prefill + reprefill + transfers
-            seconds += decode(batch, context + batch * g) or t_fix
+            seconds = compute + transfers
             start += seconds
             ends.append(start)
             pages.append(used)

@@ -27,6 +27,9 @@ class SimConfig:
     # Every iteration asks the scheduler (slow; the figures are the same, a test checks it).
     decide_every_iteration: bool = False
     waiting_head: int = 64  # waiting requests shown to the scheduler (the engine shows a head too)
+    # Device-to-host copies run on a side stream beside the compute, as the engine's CUDA path
+    # does (`engine/tier_copies.py`): an iteration waits only for copies longer than itself.
+    overlap_copies: bool = True
 
 
 class Clock:
@@ -65,6 +68,7 @@ class Counters:
     tool_return_wait_s: float = 0.0
     iterations: int = 0
     decisions: int = 0
+    moves_dropped: int = 0  # KV of a member moving engines that the other host tier had no room for
 
 
 class TrajectoryRecord(Protocol):

@@ -1,0 +1,110 @@
+"""The KV window (`venus`): who runs on which engine, decided by KV and the group ranking."""
+
+from __future__ import annotations
+
+import pytest
+
+from venusrl.policy.critical_groups import BEST_EFFORT, HIGH
+from venusrl.policy.kv_window import Agent, CriticalWindow, EngineLoad, admission_key
+
+CAP = 1_000_000  # device KV of an engine, tokens
+WINDOW = CriticalWindow()  # budget 850K, keep 970K, lane 255K
+
+
+def engine(load: int = 0, critical: int = 0) -> EngineLoad:
+    return EngineLoad(CAP, load, critical)
+
+
+def test_an_agent_joins_only_within_the_budget() -> None:
+    assert WINDOW.fits(engine(800_000), Agent(50_000, BEST_EFFORT))
+    assert not WINDOW.fits(engine(800_001), Agent(50_000, BEST_EFFORT))
+
+
+def test_best_effort_agents_hold_at_most_the_lane_beside_critical_members() -> None:
+    busy = engine(load=200_000, critical=100_000)
+    assert WINDOW.fits(busy, Agent(50_000, BEST_EFFORT))
+    assert not WINDOW.fits(busy, Agent(60_000, BEST_EFFORT))  # 260K > the 255K lane
+    assert WINDOW.fits(busy, Agent(60_000, HIGH))
+    assert WINDOW.fits(engine(200_000), Agent(60_000, BEST_EFFORT))  # no critical member there
+
+
+def test_a_new_best_effort_agent_goes_to_the_least_loaded_engine() -> None:
+    engines = [engine(500_000), engine(100_000), engine(300_000)]
+    assert WINDOW.place(engines, Agent(10_000, BEST_EFFORT)) == 1
+
+
+def test_critical_agents_pack_into_a_fast_lane() -> None:
+    engines = [engine(50_000), engine(200_000, critical=150_000), engine(0)]
+    assert WINDOW.place(engines, Agent(50_000, HIGH)) == 1
+    # The lane is full: the next goes where no critical member is, least loaded first.
+    assert WINDOW.place(engines, Agent(150_000, HIGH)) == 2
+
+
+def test_an_agent_stays_home_while_it_fits_there() -> None:
+    engines = [engine(300_000), engine(0)]
+    assert WINDOW.place(engines, Agent(50_000, BEST_EFFORT, home=0)) == 0
+
+
+def test_without_migration_an_agent_runs_only_at_home() -> None:
+    window = CriticalWindow(migrate=False)
+    engines = [engine(840_000), engine(0)]
+    assert window.place(engines, Agent(50_000, BEST_EFFORT, home=0)) is None
+    assert WINDOW.place(engines, Agent(50_000, BEST_EFFORT, home=0)) == 1
+
+
+def test_no_place_when_no_engine_has_room() -> None:
+    assert WINDOW.place([engine(840_000), engine(849_000)], Agent(20_000, HIGH)) is None
+
+
+def test_a_member_yields_when_those_ranked_above_it_fill_the_device() -> None:
+    me = Agent(100_000, HIGH, home=0, counted=100_000)
+    assert WINDOW.yields(engine(990_000), ahead=880_000, a=me, rival=None, rival_placed=False)
+    assert not WINDOW.yields(engine(900_000), ahead=600_000, a=me, rival=None, rival_placed=False)
+
+
+def test_a_member_yields_to_a_more_critical_agent_with_no_place_elsewhere() -> None:
+    me = Agent(100_000, BEST_EFFORT, home=0, counted=100_000)
+    rival = Agent(100_000, HIGH)
+    full = engine(840_000)
+    assert WINDOW.yields(full, ahead=300_000, a=me, rival=rival, rival_placed=False)
+    assert not WINDOW.yields(full, ahead=300_000, a=me, rival=rival, rival_placed=True)
+    equal = Agent(100_000, BEST_EFFORT)
+    assert not WINDOW.yields(full, ahead=300_000, a=me, rival=equal, rival_placed=False)
+
+
+def test_a_best_effort_member_over_the_lane_yields_beside_critical_members() -> None:
+    me = Agent(100_000, BEST_EFFORT, home=0, counted=100_000)
+    lane_full = engine(load=300_000, critical=50_000)
+    assert WINDOW.yields(lane_full, ahead=0, a=me, rival=None, rival_placed=False)
+    assert not WINDOW.yields(engine(300_000), ahead=0, a=me, rival=None, rival_placed=False)
+
+
+def test_a_member_moves_to_an_engine_lighter_by_the_margin() -> None:
+    me = Agent(50_000, BEST_EFFORT, home=0, counted=50_000)
+    # home without it: 550K; the other with it must stay 100K below: under 450K
+    assert WINDOW.lighter([engine(600_000), engine(399_000)], me) == 1
+    assert WINDOW.lighter([engine(600_000), engine(400_000)], me) is None
+    assert CriticalWindow(migrate=False).lighter([engine(600_000), engine(0)], me) is None
+
+
+def test_waiting_agents_are_admitted_critical_first_then_started_then_by_rank() -> None:
+    keys = {
+        "critical new": admission_key(HIGH, False, 0, 0),
+        "critical started": admission_key(HIGH, True, 5, 0),
+        "best effort started": admission_key(BEST_EFFORT, True, 1, 0),
+        "best effort new, first group": admission_key(BEST_EFFORT, False, 2, 0),
+    }
+    assert sorted(keys, key=keys.__getitem__) == [
+        "critical started",
+        "critical new",
+        "best effort started",
+        "best effort new, first group",
+    ]
+
+
+@pytest.mark.parametrize(
+    "knobs", [{"fill": 0.0}, {"fill": 0.99, "keep": 0.9}, {"lane": 0.0}, {"leave_after_s": -1}]
+)
+def test_bad_knobs_are_refused(knobs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        CriticalWindow(**knobs)  # type: ignore[arg-type]

@@ -1,0 +1,169 @@
+"""Criticality-ordered KV-budget admission (`venus`): which agents run, and on which engine.
+
+Pure policy (DESIGN.md contract 1; "KV window" there). Concur (`agent_admission`) showed that
+long-lived agents must be admitted by what the cache holds, not all at once: past some
+concurrency their KV no longer fits between turns and is computed again. Concur bounds the
+*number* of active agents per engine with a congestion window and resumes paused agents oldest
+first. Ours bounds the *KV* they hold and lets the group ranking (`critical_groups`) decide who
+is inside, so the agents whose groups unlock the next batch never wait for a place.
+
+Per engine, with device KV capacity C tokens, each member counts its context c (what its next
+turn reads); the engine's load L is the sum over its members, H the part of it held by members
+of critical (HIGH) groups:
+
+- **Budget.** An agent joins an engine only if L + c <= fill * C. The rest of the device holds
+  the members' growth within a turn and the prefix cache.
+- **Keep.** At a turn boundary a member goes on unless the members ranked above it, with it,
+  hold more than keep * C (the window shrank under it: its turns grew), or a more critical agent
+  waits and has no place on any engine while this one's would fit it. A member that yields
+  pauses; its KV goes to the host tier by retention, and it resumes by rank.
+- **Tool waits leave.** A member that has waited on a tool for more than `leave_after_s` gives
+  its place up (its KV stays on the device until the engine needs the pages, then goes to the
+  host tier); it asks for a place again when its tool returns.
+- **Fast lanes.** Decode is bound by the KV a step reads, so a batch holding less KV runs each of
+  its members faster. On an engine with critical members, best-effort members may hold at most
+  `lane` of the budget; a critical agent goes where critical agents already are while the lane
+  has room (packing them), else to the least loaded engine.
+- **Rebalance.** At a turn boundary a member moves to the least loaded engine when its load,
+  with the member, stays `rebalance_tokens` below the home's without it; its KV moves with it
+  over the host link (`migrate`).
+- **Order.** Waiting agents are admitted by `admission_key`: critical groups first, then those
+  already started (their KV exists) before new ones, then by the group ranking, then member.
+
+The constants are ours, chosen on swe-long seeds 0-2 (BENCHMARKS.md) and held for every
+scenario: fill 0.85 and keep 0.97 as Concur's low and high water marks; leave after 5 s, about
+ten times the median tool call, so that only the long tail of tool calls leaves; a lane of 0.3 of
+the budget; a rebalance margin of 100K tokens, a few members' contexts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from venusrl.policy.critical_groups import HIGH
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """One engine as the window sees it."""
+
+    capacity: int  # device KV, tokens
+    load: int  # tokens its members count
+    critical: int  # of them, members of HIGH groups
+
+
+@dataclass(frozen=True)
+class Agent:
+    """A trajectory asking for a place, or a member at a turn boundary."""
+
+    context: int  # tokens its next turn reads
+    priority: int  # its group's (HIGH or BEST_EFFORT)
+    home: int | None = None  # the engine holding its KV (None: not started)
+    counted: int = 0  # tokens it counts now, as a member of `home` (0: not a member)
+
+    @property
+    def critical(self) -> bool:
+        return self.priority >= HIGH
+
+
+def admission_key(priority: int, started: bool, group_rank: int, member: int) -> tuple[int, ...]:
+    """The order waiting agents take places in (smallest first)."""
+    return (-priority, not started, group_rank, member)
+
+
+@dataclass(frozen=True)
+class CriticalWindow:
+    fill: float = 0.85
+    keep: float = 0.97
+    leave_after_s: float = 5.0
+    lane: float = 0.3
+    rebalance_tokens: int = 100_000
+    migrate: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 < self.fill <= self.keep <= 1:
+            raise ValueError(f"need 0 < fill <= keep <= 1, got {self.fill}, {self.keep}")
+        if not 0 < self.lane <= 1:
+            raise ValueError(f"lane must be in (0, 1], got {self.lane}")
+        if self.leave_after_s < 0 or self.rebalance_tokens < 0:
+            raise ValueError("leave_after_s and rebalance_tokens must be >= 0")
+
+    def budget(self, e: EngineLoad) -> int:
+        return int(self.fill * e.capacity)
+
+    def fits(self, e: EngineLoad, a: Agent) -> bool:
+        """Is there room for `a` on `e` (its own count there, as a member, already freed)? An
+        engine with no member takes any agent: it runs alone, as far as the device holds."""
+        load = e.load - a.counted
+        if load == 0:
+            return True
+        if load + a.context > self.budget(e):
+            return False
+        lane = self.lane * self.budget(e)
+        return a.critical or not e.critical or load + a.context <= lane
+
+    def _lane_room(self, e: EngineLoad, a: Agent, own: int) -> bool:
+        """Does critical `a` fit in `e`'s lane beside its other critical members?"""
+        return e.critical - own + a.context <= self.lane * self.budget(e)
+
+    def place(self, engines: Sequence[EngineLoad], a: Agent) -> int | None:
+        """The engine `a` runs on (None: none has room). Its home while it fits there (a
+        critical agent: within the lane); else, with migration or for a new agent, the best
+        engine with room: for a critical agent one whose critical members it joins within the
+        lane, then one without critical members, the least loaded first; for a best-effort
+        agent the least loaded."""
+        home = a.home
+        own = a.counted if a.critical else 0
+        if home is not None:
+            if self.fits(engines[home], a) and (
+                not a.critical or not self.migrate or self._lane_room(engines[home], a, own)
+            ):
+                return home
+            if not self.migrate:
+                return None
+        best: int | None = None
+        best_key: tuple[int, ...] = ()
+        for i, e in enumerate(engines):
+            if not self.fits(e, a):
+                continue
+            if a.critical:
+                others = e.critical - (own if i == home else 0)
+                packs = others > 0 and self._lane_room(e, a, own if i == home else 0)
+                key: tuple[int, ...] = (not packs, others > 0, e.load)
+            else:
+                key = (e.load,)
+            if best is None or key < best_key:
+                best, best_key = i, key
+        return best
+
+    def yields(
+        self, e: EngineLoad, ahead: int, a: Agent, rival: Agent | None, rival_placed: bool
+    ) -> bool:
+        """Does member `a`, at a turn boundary on `e`, give its place up? `ahead`: tokens the
+        members ranked above it count; `rival`: the most critical waiting agent, and whether it
+        has a place elsewhere."""
+        if ahead + a.context > self.keep * e.capacity:
+            return True
+        if (
+            not a.critical
+            and e.critical
+            and e.load - a.counted + a.context > self.lane * self.budget(e)
+        ):
+            return True
+        if rival is None or rival.priority <= a.priority or rival_placed:
+            return False
+        if rival.home is not None and not self.migrate and rival.home != a.home:
+            return False
+        return ahead + rival.context <= self.budget(e)
+
+    def lighter(self, engines: Sequence[EngineLoad], a: Agent) -> int | None:
+        """An engine `a` would decode faster on, or None: the least loaded, if its load with `a`
+        stays `rebalance_tokens` below the home's without it."""
+        if not self.migrate or a.home is None:
+            return None
+        home = engines[a.home].load - a.counted
+        i = min(range(len(engines)), key=lambda j: engines[j].load)
+        if engines[i].load + a.context + self.rebalance_tokens < home:
+            return i
+        return None

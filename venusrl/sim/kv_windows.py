@@ -1,0 +1,202 @@
+"""The simulator's side of the KV window (`policy.kv_window.CriticalWindow`): per engine its
+members and the KV they count, the agents waiting for a place, and moving a member's KV when it
+changes engine. Every decision is the policy's; this keeps the books it decides on.
+
+A member's KV moves over the host link: its device part is copied to host memory and adopted by
+the other engine's host tier, from which its next turn loads it (`SimKV.export`, `adopt`). The
+simulator lets it move between any two engines, at PCIe cost: engines on one node share host
+memory; across nodes the copy goes over the NIC, which RDMA runs at about PCIe speed (400 Gb/s
+InfiniBand against PCIe 5 x16's ~55 GB/s per direction measured: within 2x, a bias in ours'
+favour noted in BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Generic, Protocol, TypeVar
+
+from venusrl.policy.kv_window import Agent, CriticalWindow, EngineLoad, admission_key
+from venusrl.sim.engine import SimEngine
+
+
+class Member(Protocol):
+    """A simulated trajectory as the window sees it (`executor.SimTrajectory`)."""
+
+    tid: str
+    index: int
+    context: int
+    engine: SimEngine | None
+    member: bool
+    counted: int
+
+    @property
+    def group_id(self) -> str: ...
+
+
+M = TypeVar("M", bound=Member)
+
+
+class Ranking(Protocol):
+    """The coordinator's current ranking (`GroupBook`)."""
+
+    order: tuple[str, ...]
+
+    def priority(self, group_id: str) -> int: ...
+
+
+class KvWindows(Generic[M]):
+    def __init__(
+        self,
+        policy: CriticalWindow,
+        engines: list[SimEngine],
+        ranking: Ranking,
+        submit: Callable[[M, bool], None],
+    ) -> None:
+        """`submit(agent, resumed)`: its turn goes to its engine."""
+        self.policy, self.engines, self.ranking, self.submit = policy, engines, ranking, submit
+        self.members: list[set[M]] = [set() for _ in engines]
+        self.load = [0] * len(engines)
+        self.critical_load = [0] * len(engines)
+        self.ready: dict[str, list[M]] = {}  # agents waiting for a place, by group
+        self.group_rank: dict[str, int] = {}
+        self.pauses = self.migrations = 0
+
+    # --- what the policy sees ------------------------------------------------------------------
+
+    def reranked(self) -> None:
+        """The ranking changed: members' critical shares are counted again."""
+        self.group_rank = {gid: i for i, gid in enumerate(self.ranking.order)}
+        for i, members in enumerate(self.members):
+            self.critical_load[i] = sum(m.counted for m in members if self._critical(m))
+
+    def _critical(self, t: M) -> bool:
+        return self.agent(t).critical
+
+    def key(self, t: M) -> tuple[int, ...]:
+        gid = t.group_id
+        rank = self.group_rank.get(gid, len(self.group_rank))
+        return admission_key(self.ranking.priority(gid), t.engine is not None, rank, t.index)
+
+    def agent(self, t: M) -> Agent:
+        home = t.engine.index if t.engine is not None else None
+        return Agent(t.context, self.ranking.priority(t.group_id), home, t.counted)
+
+    def loads(self) -> list[EngineLoad]:
+        return [
+            EngineLoad(e.capacity * e.page_size, self.load[i], self.critical_load[i])
+            for i, e in enumerate(self.engines)
+        ]
+
+    # --- events --------------------------------------------------------------------------------
+
+    def turn(self, t: M) -> None:
+        """`t` has a turn to run: a member goes on unless it yields (perhaps on a lighter
+        engine); others wait for a place."""
+        if t.member:
+            assert t.engine is not None
+            self._count(t, t.context)
+            loads = self.loads()
+            me = self.agent(t)
+            i = t.engine.index
+            mine = self.key(t)
+            ahead = sum(m.counted for m in self.members[i] if m is not t and self.key(m) < mine)
+            rival = self._first_ready()
+            rival_agent = self.agent(rival) if rival is not None else None
+            rival_placed = (
+                rival_agent is not None and self.policy.place(loads, rival_agent) is not None
+            )
+            if not self.policy.yields(loads[i], ahead, me, rival_agent, rival_placed):
+                lighter = self.policy.lighter(loads, me)
+                if lighter is not None:
+                    self.leave(t)
+                    self._join(t, self.engines[lighter])
+                self.submit(t, False)
+                return
+            self.leave(t)
+            self.pauses += 1
+        self.ready.setdefault(t.group_id, []).append(t)
+        self.admit()
+
+    def leave(self, t: M) -> None:
+        """`t` gives its place up (a tool wait, a pause, its end)."""
+        if not t.member:
+            return
+        assert t.engine is not None
+        self._count(t, 0)
+        t.member = False
+        self.members[t.engine.index].discard(t)
+
+    def admit(self) -> None:
+        """Waiting agents take places in `admission_key` order, where the policy places them."""
+        most = self._most()
+        for started, gid in self._walk():
+            ready = self.ready.get(gid)
+            if not ready:
+                continue
+            for t in sorted(ready, key=lambda a: a.index):
+                if (t.engine is not None) != started or t.context > most:
+                    continue
+                loads = self.loads()
+                i = self.policy.place(loads, self.agent(t))
+                if i is None:
+                    continue
+                ready.remove(t)
+                resumed = t.engine is not None
+                self._join(t, self.engines[i])
+                self.submit(t, resumed)
+                most = self._most()
+            if not ready:
+                del self.ready[gid]
+
+    def _most(self) -> float:
+        """The largest context any engine could take now (an empty engine takes any)."""
+        loads = self.loads()
+        if any(e.load == 0 for e in loads):
+            return float("inf")
+        return max(self.policy.budget(e) - e.load for e in loads)
+
+    # --- the books -----------------------------------------------------------------------------
+
+    def _walk(self) -> Iterable[tuple[bool, str]]:
+        """(started, group) in `admission_key` order: critical groups, then the rest; in each,
+        started agents before new ones; then by rank."""
+        order, priority = self.ranking.order, self.ranking.priority
+        tiers = sorted({priority(g) for g in order}, reverse=True)
+        for tier in tiers:
+            groups = [g for g in order if priority(g) == tier]
+            for started in (True, False):
+                for gid in groups:
+                    yield started, gid
+
+    def _first_ready(self) -> M | None:
+        """The most critical waiting agent."""
+        best: M | None = None
+        for gid in self.ranking.order:
+            ready = self.ready.get(gid)
+            if ready:
+                t = min(ready, key=self.key)
+                if best is None or self.key(t) < self.key(best):
+                    best = t
+                if best.engine is not None:  # nothing later in the order ranks above it
+                    return best
+        return best
+
+    def _count(self, t: M, tokens: int) -> None:
+        assert t.engine is not None
+        i, change = t.engine.index, tokens - t.counted
+        self.load[i] += change
+        if self._critical(t):
+            self.critical_load[i] += change
+        t.counted = tokens
+
+    def _join(self, t: M, e: SimEngine) -> None:
+        if t.engine is not e:
+            if t.engine is not None:
+                self.migrations += 1
+                t.engine.kv.move(t.tid, e.kv)
+                t.engine.trajectories -= 1
+            e.trajectories += 1
+            t.engine = e
+        t.member = True
+        self.members[e.index].add(t)
+        self._count(t, t.context)
