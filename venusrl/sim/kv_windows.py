@@ -3,11 +3,10 @@ members and the KV they count, the agents waiting for a place, and moving a memb
 changes engine. Every decision is the policy's; this keeps the books it decides on.
 
 A member's KV moves over the host link: its device part is copied to host memory and adopted by
-the other engine's host tier, from which its next turn loads it (`SimKV.export`, `adopt`). The
-simulator lets it move between any two engines, at PCIe cost: engines on one node share host
-memory; across nodes the copy goes over the NIC, which RDMA runs at about PCIe speed (400 Gb/s
-InfiniBand against PCIe 5 x16's ~55 GB/s per direction measured: within 2x, a bias in ours'
-favour noted in BENCHMARKS.md).
+the other engine's host tier, from which its next turn loads it (`SimKV.move`). The simulator
+lets it move between any two engines at PCIe cost: engines on one node share host memory; across
+nodes the copy goes over the NIC, which RDMA runs at about PCIe speed (400 Gb/s per GPU, ~50 GB/s,
+against PCIe 5 x16's ~55 GB/s), its best case: BENCHMARKS.md says so beside the figures.
 """
 
 from __future__ import annotations
@@ -158,28 +157,20 @@ class KvWindows(Generic[M]):
     # --- the books -----------------------------------------------------------------------------
 
     def _walk(self) -> Iterable[tuple[bool, str]]:
-        """(started, group) in `admission_key` order: critical groups, then the rest; in each,
-        started agents before new ones; then by rank."""
-        order, priority = self.ranking.order, self.ranking.priority
-        tiers = sorted({priority(g) for g in order}, reverse=True)
-        for tier in tiers:
-            groups = [g for g in order if priority(g) == tier]
-            for started in (True, False):
-                for gid in groups:
-                    yield started, gid
+        """(started, group) of the groups with waiting agents, in `admission_key` order:
+        critical groups first; in each tier, started agents before new ones; then by rank."""
+        priority, rank, last = self.ranking.priority, self.group_rank.get, len(self.group_rank)
+        keys = [
+            (admission_key(priority(gid), started, rank(gid, last), 0), started, gid)
+            for gid in self.ready
+            for started in (True, False)
+        ]
+        for _, started, gid in sorted(keys):
+            yield started, gid
 
     def _first_ready(self) -> M | None:
         """The most critical waiting agent."""
-        best: M | None = None
-        for gid in self.ranking.order:
-            ready = self.ready.get(gid)
-            if ready:
-                t = min(ready, key=self.key)
-                if best is None or self.key(t) < self.key(best):
-                    best = t
-                if best.engine is not None:  # nothing later in the order ranks above it
-                    return best
-        return best
+        return min((t for ready in self.ready.values() for t in ready), key=self.key, default=None)
 
     def _count(self, t: M, tokens: int) -> None:
         assert t.engine is not None
