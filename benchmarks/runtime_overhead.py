@@ -10,6 +10,12 @@ reports its actor calls by method (warm-start demonstrations included), and `act
 `actor_call_caller_cpu_ms` time 2,000 calls shaped like a turn's `generate` to an actor that
 does nothing (what a call per turn would cost).
 
+The warm start (demonstrations played in sandboxes, a tokenizer learnt, imitation) runs once, in
+a one-step local run, and every timed run starts from its `start-model/` with no warm start of
+its own: it is the same for both runtimes and was most of each run's time. Each run's end is
+printed to stderr as it comes; a run that fails is recorded with its error, and the JSON is
+printed all the same (an overhead of None when a side has no run).
+
 The policy is held at the warm start (`trainer.lr=1e-12`: the trainer still computes every step
 and every new version is published to the engines) so that both runtimes play one stationary
 workload. Runs that learn drift apart whatever the runtime: on one seed, the policy of one run
@@ -21,7 +27,7 @@ Prints one JSON object: per runtime the step times and token rates of each repea
 `overhead_per_step` (median Ray step time / median local step time - 1) and
 `overhead_per_token` (median local tokens/s / median Ray tokens/s - 1); the target is <= 0.15.
 
-    python benchmarks/runtime_overhead.py [--steps 20] [--repeats 3] [--seed 0] [--learning]
+    python benchmarks/runtime_overhead.py [--steps 10] [--repeats 2] [--seed 0] [--learning]
                                           [k=v ...]
 """
 
@@ -54,7 +60,7 @@ def run(
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.monotonic() - started
     if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+        return {"error": f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}"}
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = lines[skip:]
     span = timed[-1]["wall_s"] - lines[skip - 1]["wall_s"] if skip else timed[-1]["wall_s"]
@@ -104,10 +110,21 @@ def actor_call_cost(calls: int = 2000) -> dict[str, float]:
     }
 
 
+def warm_start(seed: int, overrides: list[str], out: Path) -> list[str]:
+    """The overrides that start a run from the CPU example's warm-started policy, made once."""
+    run_dir = out / "warm-start"
+    cmd = [sys.executable, "-m", "venusrl.cli", "train", "--run-dir", str(run_dir),
+           "--runtime", "local", *overrides, "run.steps=1", f"run.seed={seed}"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"the warm start failed:\n{proc.stderr[-3000:]}")
+    return [f"model={run_dir / 'start-model'}", "run.warm_start_episodes=0"]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip", type=int, default=2, help="first steps left out of the timing")
     p.add_argument("--out", type=Path, default=None, help="where the runs go (default: a tmp dir)")
@@ -120,17 +137,31 @@ def main() -> None:
         raise SystemExit("need --steps > --skip + 1 >= 1 and --repeats >= 1")
     out = args.out or Path(tempfile.mkdtemp(prefix="venusrl-runtime-overhead-"))
     out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    say = lambda what: print(f"[{time.monotonic() - started:6.0f} s] {what}", file=sys.stderr)  # noqa: E731
+    say("warm start (once, for every run)")
+    overrides = [*args.overrides, *warm_start(args.seed, args.overrides, out)]
     runs: dict[str, list[dict[str, Any]]] = {"local": [], "ray": []}
     for i in range(args.repeats):
         # Alternate the order: a machine that slows down over time must not favour one side.
         for runtime in ("local", "ray") if i % 2 == 0 else ("ray", "local"):
-            runs[runtime].append(
-                run(runtime, args.steps, args.seed, args.skip, args.overrides, out)
-            )
+            say(f"{runtime} run {i + 1} of {args.repeats}: {args.steps} steps")
+            result = run(runtime, args.steps, args.seed, args.skip, overrides, out)
+            runs[runtime].append(result)
+            say(f"{runtime}: {result.get('step_s', 'failed')} s a step")
 
-    def median(runtime: str, key: str) -> float:
-        return statistics.median(r[key] for r in runs[runtime])
+    def median(runtime: str, key: str) -> float | None:
+        done = [r[key] for r in runs[runtime] if "error" not in r]
+        return statistics.median(done) if done else None
 
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b - 1, 3) if a is not None and b else None
+
+    try:
+        say("the cost of one actor call")
+        calls: dict[str, Any] = actor_call_cost()
+    except Exception as e:  # the JSON of the runs is still worth printing
+        calls = {"actor_call_error": f"{type(e).__name__}: {e}"}
     print(
         json.dumps(
             {
@@ -139,17 +170,13 @@ def main() -> None:
                 "seed": args.seed,
                 "overrides": args.overrides,
                 **runs,
-                "overhead_per_step": round(
-                    median("ray", "step_s") / median("local", "step_s") - 1, 3
-                ),
-                # None when no step trained a token (every group's rewards equal)
-                "overhead_per_token": (
-                    round(median("local", "tokens_per_s") / median("ray", "tokens_per_s") - 1, 3)
-                    if median("ray", "tokens_per_s") > 0
-                    else None
+                # None where a side has no run that finished, or (per token) none trained a token
+                "overhead_per_step": ratio(median("ray", "step_s"), median("local", "step_s")),
+                "overhead_per_token": ratio(
+                    median("local", "tokens_per_s"), median("ray", "tokens_per_s")
                 ),
                 "target": 0.15,
-                **actor_call_cost(),
+                **calls,
                 "runs_in": str(out),
             }
         )
