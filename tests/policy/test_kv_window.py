@@ -58,25 +58,25 @@ def test_no_place_when_no_engine_has_room() -> None:
 
 def test_a_member_yields_when_those_ranked_above_it_fill_the_device() -> None:
     me = Agent(100_000, HIGH, home=0, counted=100_000)
-    assert WINDOW.yields(engine(990_000), ahead=880_000, a=me, rival=None, rival_placed=False)
-    assert not WINDOW.yields(engine(900_000), ahead=600_000, a=me, rival=None, rival_placed=False)
+    assert WINDOW.yields([engine(990_000)], ahead=880_000, a=me, rival=None)
+    assert not WINDOW.yields([engine(900_000)], ahead=600_000, a=me, rival=None)
 
 
 def test_a_member_yields_to_a_more_critical_agent_with_no_place_elsewhere() -> None:
     me = Agent(100_000, BEST_EFFORT, home=0, counted=100_000)
     rival = Agent(100_000, HIGH)
     full = engine(840_000)
-    assert WINDOW.yields(full, ahead=300_000, a=me, rival=rival, rival_placed=False)
-    assert not WINDOW.yields(full, ahead=300_000, a=me, rival=rival, rival_placed=True)
+    assert WINDOW.yields([full], ahead=300_000, a=me, rival=rival)
+    assert not WINDOW.yields([full, engine(0)], ahead=300_000, a=me, rival=rival)  # room there
     equal = Agent(100_000, BEST_EFFORT)
-    assert not WINDOW.yields(full, ahead=300_000, a=me, rival=equal, rival_placed=False)
+    assert not WINDOW.yields([full], ahead=300_000, a=me, rival=equal)
 
 
 def test_a_best_effort_member_over_the_lane_yields_beside_critical_members() -> None:
     me = Agent(100_000, BEST_EFFORT, home=0, counted=100_000)
     lane_full = engine(load=300_000, critical=50_000)
-    assert WINDOW.yields(lane_full, ahead=0, a=me, rival=None, rival_placed=False)
-    assert not WINDOW.yields(engine(300_000), ahead=0, a=me, rival=None, rival_placed=False)
+    assert WINDOW.yields([lane_full], ahead=0, a=me, rival=None)
+    assert not WINDOW.yields([engine(300_000)], ahead=0, a=me, rival=None)
 
 
 def test_a_member_moves_to_an_engine_lighter_by_the_margin() -> None:

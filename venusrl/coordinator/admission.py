@@ -197,8 +197,7 @@ class TurnWindow:
         waiting = (self.agents[t] for t in self.waiting)
         rival = min(waiting, key=self._key, default=None)
         rival_agent = self._as_agent(rival) if rival is not None else None
-        placed = rival_agent is not None and self.policy.place([self._engine()], rival_agent) == 0
-        return self.policy.yields(self._engine(), ahead, self._as_agent(a), rival_agent, placed)
+        return self.policy.yields([self._engine()], ahead, self._as_agent(a), rival_agent)
 
     def _leave(self, a: _Agent) -> None:
         a.member, a.counted = False, 0

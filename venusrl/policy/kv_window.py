@@ -138,11 +138,12 @@ class CriticalWindow:
         return best
 
     def yields(
-        self, e: EngineLoad, ahead: int, a: Agent, rival: Agent | None, rival_placed: bool
+        self, engines: Sequence[EngineLoad], ahead: int, a: Agent, rival: Agent | None
     ) -> bool:
-        """Does member `a`, at a turn boundary on `e`, give its place up? `ahead`: tokens the
-        members ranked above it count; `rival`: the most critical waiting agent, and whether it
-        has a place elsewhere."""
+        """Does member `a`, at a turn boundary on its home engine, give its place up? `ahead`:
+        tokens the members ranked above it count; `rival`: the most critical waiting agent."""
+        assert a.home is not None, "only a member yields"
+        e = engines[a.home]
         if ahead + a.context > self.keep * e.capacity:
             return True
         if (
@@ -151,7 +152,9 @@ class CriticalWindow:
             and e.load - a.counted + a.context > self.lane * self.budget(e)
         ):
             return True
-        if rival is None or rival.priority <= a.priority or rival_placed:
+        if rival is None or rival.priority <= a.priority:
+            return False
+        if self.place(engines, rival) is not None:  # it has a place without a's
             return False
         if rival.home is not None and not self.migrate and rival.home != a.home:
             return False

@@ -101,10 +101,7 @@ class KvWindows(Generic[M]):
             ahead = sum(m.counted for m in self.members[i] if m is not t and self.key(m) < mine)
             rival = self._first_ready()
             rival_agent = self.agent(rival) if rival is not None else None
-            rival_placed = (
-                rival_agent is not None and self.policy.place(loads, rival_agent) is not None
-            )
-            if not self.policy.yields(loads[i], ahead, me, rival_agent, rival_placed):
+            if not self.policy.yields(loads, ahead, me, rival_agent):
                 lighter = self.policy.lighter(loads, me)
                 if lighter is not None:
                     self.leave(t)
