@@ -30,11 +30,13 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
+from venusrl.trainer.checkpoint import checkpoints, load_run_state
+
 
 def compare(run_dir: Path, checkpoint: Path, trajectories: int, page_size: int) -> dict[str, Any]:
     start = AutoModelForCausalLM.from_pretrained(run_dir / "start-model").eval()
     later = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
-    step = int(checkpoint.name.removeprefix("step-"))
+    step = load_run_state(checkpoint).step
     records = []
     with (run_dir / "trajectories.jsonl").open() as f:
         for line in f:
@@ -86,14 +88,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    checkpoints = sorted((args.run_dir / "checkpoints").glob("step-*"))
+    saved = checkpoints(args.run_dir)
     if args.checkpoint:
-        checkpoints = [args.run_dir / "checkpoints" / args.checkpoint]
-    if not checkpoints or not checkpoints[-1].is_dir():
+        saved = [args.run_dir / "checkpoints" / args.checkpoint]
+    if not saved or not saved[-1].is_dir():
         raise SystemExit(f"{args.run_dir}: no such checkpoint")
     config = yaml.safe_load((args.run_dir / "config.yaml").read_text())
     page_size = int(config["engine"]["page_size"])
-    print(json.dumps(compare(args.run_dir, checkpoints[-1], args.trajectories, page_size)))
+    print(json.dumps(compare(args.run_dir, saved[-1], args.trajectories, page_size)))
 
 
 if __name__ == "__main__":

@@ -39,16 +39,17 @@ from venusrl.envs.builtin.guess_number import MAX_GUESSES, GuessNumber, N  # noq
 from venusrl.envs.tool_calls import ToolCall  # noqa: E402
 from venusrl.envs.tool_formats import tool_parser  # noqa: E402
 from venusrl.runtime.evaluate import evaluation_tasks, play_policy  # noqa: E402
+from venusrl.trainer.checkpoint import checkpoints  # noqa: E402
 from venusrl.types import Trajectory  # noqa: E402
 
 
 def model_dir_of(path: Path) -> Path:
     if (path / "config.json").exists():
         return path
-    checkpoints = sorted((path / "checkpoints").glob("step-*"))
-    if not checkpoints:
+    saved = checkpoints(path)
+    if not saved:
         raise SystemExit(f"{path}: neither a model directory nor a run directory with checkpoints")
-    return checkpoints[-1]
+    return saved[-1]
 
 
 def model_turns(traj: Trajectory, fmt: ChatFormat) -> list[str]:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from tests.runtime import SMALL
 from venusrl import cli
@@ -35,6 +37,7 @@ from venusrl.runtime.roles import environment_mix, open_sandboxes
 from venusrl.runtime.run_dir import prepare_run_dir
 from venusrl.runtime.train import train
 from venusrl.runtime.warm_start import play_demonstrations
+from venusrl.trainer.checkpoint import RunState, load_run_state
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
 
@@ -122,6 +125,36 @@ def test_kill_9_mid_run_then_resume_completes_with_every_step_once(
     # of its own would spend seconds importing torch to be refused.)
     capsys.readouterr()
     assert cli.main(cmd[3:]) == 2 and "--resume" in capsys.readouterr().err
+
+
+class Stopped(Exception):
+    """The run stopped as a kill would stop it: at once, before its next checkpoint."""
+
+
+def stop_at_step_0(line: dict[str, object]) -> None:
+    raise Stopped
+
+
+def test_a_run_stopped_before_its_first_checkpoint_resumes_from_the_warm_start(
+    tmp_path: Path,
+) -> None:
+    cfg = load_config(None, [*SMALL, "run.steps=2"])  # by steps, the first checkpoint is step 1's
+    with pytest.raises(Stopped):
+        asyncio.run(train(cfg, tmp_path, on_step=stop_at_step_0))
+    # The warm-started policy, checkpointed as it was made, before any step.
+    (warm,) = (tmp_path / "checkpoints").iterdir()
+    assert warm.name == "step-start" and load_run_state(warm) == RunState(-1, 0)
+    start_model = load_file(tmp_path / "start-model" / "model.safetensors")
+    checkpointed = load_file(warm / "model.safetensors")
+    assert all(torch.equal(checkpointed[k], start_model[k]) for k in start_model)
+    messages: list[str] = []
+    # Checkpoints by time as well: every step's is due (each takes more than a microsecond).
+    resumed = load_config(tmp_path / "config.yaml", ["run.checkpoint_every_s=1e-6"])
+    metrics = asyncio.run(train(resumed, tmp_path, resume=True, on_message=messages.append))
+    assert not any(m.startswith("warm start") for m in messages)  # not played and imitated again
+    assert [m["step"] for m in metrics] == [m["step"] for m in read_metrics(tmp_path)] == [0, 1]
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert saved == ["step-000000", "step-000001", "step-start"]  # resumed from: kept
 
 
 def test_a_resume_keeps_its_overrides_and_gets_past_a_torn_line_and_a_damaged_checkpoint(

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from venusrl.engine.model_dir import init_model_dir, load_model
-from venusrl.trainer.checkpoint import RunState, latest_checkpoint, save_checkpoint
+from venusrl.trainer.checkpoint import RunState, checkpoints, latest_checkpoint, save_checkpoint
 
 torch.set_num_threads(1)
 
@@ -42,3 +42,18 @@ def test_a_checkpoint_without_its_config_is_passed_over_by_name(tmp_path: Path) 
     skipped: list[tuple[Path, str]] = []
     assert latest_checkpoint(run, lambda path, why: skipped.append((path, why))) == older
     assert skipped[0][0] == newer and "config.json" in skipped[0][1]
+
+
+def test_the_warm_starts_checkpoint_is_the_oldest_and_goes_first(tmp_path: Path) -> None:
+    start = init_model_dir(tmp_path / "initial-model", preset="micro", seed=0)
+    run = tmp_path / "run"
+    model = load_model(start)
+    optimizer = torch.optim.AdamW(model.parameters())
+    warm = save_checkpoint(run, model, optimizer, RunState(step=-1, weight_version=0), start)
+    assert warm.name == "step-start" and latest_checkpoint(run) == warm
+    # By name "step-start" sorts after the digits: the order must be the steps'.
+    save_checkpoint(run, model, optimizer, RunState(0, 1), start)
+    assert [p.name for p in checkpoints(run)] == ["step-start", "step-000000"]
+    newest = save_checkpoint(run, model, optimizer, RunState(1, 2), start)
+    assert latest_checkpoint(run) == newest
+    assert [p.name for p in checkpoints(run)] == ["step-000000", "step-000001"]

@@ -22,6 +22,13 @@ class RunConfig(Section):
     seed: int = Field(0, ge=0)
     preset: str = Field("micro", description="model preset when `model` is not given")
     checkpoint_every: int = Field(25, ge=1, description="trainer steps between checkpoints")
+    checkpoint_every_s: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="seconds of training between checkpoints, whichever of this and"
+        " run.checkpoint_every comes first (None: by steps only)",
+    )
     warm_start_episodes: int = Field(
         256, ge=0, description="scripted demonstrations imitated before RL (0 = no warm start)"
     )

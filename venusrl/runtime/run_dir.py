@@ -1,7 +1,7 @@
 """A run's directory: set up fresh, or put back to its last checkpoint on `--resume`; and the
 start policy a fresh run writes there (`start-model/`), RL's starting point and KL reference.
 
-    config.yaml  metrics.jsonl  trajectories.jsonl  checkpoints/step-NNNNNN/
+    config.yaml  metrics.jsonl  trajectories.jsonl  checkpoints/step-NNNNNN/ and step-start/
     initial-model/ (a run without `model`)  start-model/ (after a warm start)  warm_start.json
     tensorboard/  wandb/  wandb-run-id (with `run.loggers`)
 """
@@ -45,8 +45,9 @@ def prepare_run_dir(
         if checkpoint is None:
             raise ValueError(
                 f"--resume: {run_dir} has no checkpoint that reads back (the first is written "
-                f"after run.checkpoint_every={cfg.run.checkpoint_every} steps): start again with "
-                "another --run-dir, or remove this one"
+                "when the warm start ends, or without one after run.checkpoint_every="
+                f"{cfg.run.checkpoint_every} steps): start again with another --run-dir, or "
+                "remove this one"
             )
         _refuse_changes_to_the_model(cfg, run_dir)
         if (run_dir / "warm_start.json").exists() and not has_weights(run_dir / "start-model"):

@@ -29,6 +29,7 @@ from venusrl.coordinator.coordinator import Coordinator, GroupResult
 from venusrl.coordinator.mixing import EnvShare, mixed_tasks, task_key
 from venusrl.envs.accounts import PoolStats
 from venusrl.runtime import record
+from venusrl.runtime.checkpoint_schedule import CheckpointSchedule
 from venusrl.runtime.loggers import RunLoggers, open_loggers
 from venusrl.runtime.roles import (
     RolloutSide,
@@ -159,6 +160,10 @@ class _Run:
         counted = await self.side.engine.counters()
         failures = _FailureCount(self.coordinator)
         untrained = _Untrained(self.run_dir, say)
+        run = cfg.run
+        checkpoint = CheckpointSchedule(
+            run.checkpoint_every, run.steps - 1, run.checkpoint_every_s, time.monotonic()
+        )
         metrics = []
         for step in range(state.step + 1, cfg.run.steps):
             batch = await self.coordinator.next_batch()
@@ -173,10 +178,11 @@ class _Run:
             self._record(step, batch, started)
             self.loggers.log(line)  # metrics.jsonl first; a failing TensorBoard or W&B is dropped
             metrics.append(line)
-            if (step + 1) % cfg.run.checkpoint_every == 0 or step == cfg.run.steps - 1:
+            if checkpoint.due(step, time.monotonic()):
                 await self.on_trainer(
                     self.trainer.save_checkpoint, self.run_dir, state, self.start.model_dir
                 )
+                checkpoint.saved(time.monotonic())
             if on_step is not None:
                 on_step(line)
         return metrics

@@ -20,6 +20,7 @@ from venusrl.engine.tokenizer import Tokenizer
 from venusrl.envs.tool_calls import ToolCall
 from venusrl.envs.tool_formats import ToolParser, resolve_tool_parser, tool_parser
 from venusrl.runtime import record
+from venusrl.trainer.checkpoint import checkpoints
 
 
 def run_tokenizer(run_dir: Path) -> Tokenizer:
@@ -30,7 +31,7 @@ def run_tokenizer(run_dir: Path) -> Tokenizer:
     given = load_config(config).model if config.exists() else None
     candidates = [
         run_dir / "start-model",
-        *sorted((run_dir / "checkpoints").glob("step-*"), reverse=True),
+        *reversed(checkpoints(run_dir)),
         *([Path(given)] if given else []),
         run_dir / "initial-model",
     ]

@@ -87,7 +87,9 @@ async def warm_start(
     on_trainer: OnTrainer,
     tell: Callable[[str], None] | None,
 ) -> None:
-    """Imitate the demonstrations; the policy this makes is written as `start-model/`."""
+    """Imitate the demonstrations; the policy this makes is written as `start-model/` and as the
+    checkpoint before the first step (`step-start/`): a run killed before its first step's
+    checkpoint resumes from it instead of playing and imitating again."""
     info = {"prepare_s": prepared.prepare_s}
     info |= await on_trainer(imitate, cfg, prepared.demos, trainer)
     (run_dir / "warm_start.json").write_text(json.dumps(info))
@@ -99,6 +101,7 @@ async def warm_start(
             f" {info['nll_last']:.3f} in {info['wall_s']:.0f} s"
         )
     await on_trainer(write_start_policy, run_dir, trainer, start.model_dir)
+    await on_trainer(trainer.save_checkpoint, run_dir, start.state, start.model_dir)
 
 
 async def play_demonstrations(

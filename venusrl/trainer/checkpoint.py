@@ -1,6 +1,7 @@
 """Checkpoints a run can resume from after any crash, `kill -9` included.
 
-A checkpoint is a directory `checkpoints/step-NNNNNN/` in Hugging Face layout (`config.json`,
+A checkpoint is a directory `checkpoints/step-NNNNNN/` (after trainer step NNNNNN; `step-start/`
+holds the warm-started policy, before the first step) in Hugging Face layout (`config.json`,
 `model.safetensors`, the tokenizer files: `venusrl serve` and `transformers` load it as it is) plus
 the optimizer's state (`optimizer.pt`; a sharded trainer's model and optimizer shards in
 `sharded/`, written by `torch.distributed.checkpoint`, which any number of ranks read back) and
@@ -45,6 +46,21 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def checkpoint_name(step: int) -> str:
+    """The directory of the checkpoint after trainer step `step`; step -1 is the warm start's."""
+    return "step-start" if step < 0 else f"step-{step:06d}"
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    """The run's checkpoints, oldest first (by the step each follows, the warm start's first)."""
+
+    def step(path: Path) -> int:
+        digits = path.name.removeprefix("step-")
+        return int(digits) if digits.isdigit() else -1
+
+    return sorted((run_dir / "checkpoints").glob("step-*"), key=step)
+
+
 SHARDED = "sharded"  # the directory of a sharded trainer's `torch.distributed.checkpoint`
 
 
@@ -86,8 +102,8 @@ def commit_checkpoint(
     renamed into place; the oldest beyond `keep` go."""
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{state.step:06d}"
-    tmp = root / f".tmp-step-{state.step:06d}"
+    final = root / checkpoint_name(state.step)
+    tmp = root / f".tmp-{final.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     write(tmp)
@@ -101,7 +117,7 @@ def commit_checkpoint(
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     _fsync_dir(root)
-    for old in sorted(root.glob("step-*"))[:-keep]:
+    for old in checkpoints(run_dir)[:-keep]:
         # A resumed run's `model_dir` is the checkpoint it resumed from, and every checkpoint it
         # writes copies its config and tokenizer from there: removed, the next ones lack them.
         if old.resolve() != model_dir.resolve():
@@ -115,7 +131,7 @@ def latest_checkpoint(
     """The newest checkpoint that reads back whole. A damaged one (a run directory copied or
     synced in part: the atomic rename rules out a torn write) is passed over, not removed, and
     `on_skip(path, why)` says so."""
-    for path in sorted((run_dir / "checkpoints").glob("step-*"), reverse=True):
+    for path in reversed(checkpoints(run_dir)):
         try:
             check_checkpoint(path)
         except ValueError as e:
