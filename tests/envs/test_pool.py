@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from tests.processes import our_processes, wait_for_no_new_processes
 from venusrl.envs import (
     AdmissionTimeout,
     SandboxError,
@@ -22,7 +23,7 @@ from venusrl.envs import (
 from venusrl.envs.cgroups import Cgroup, detect_version
 from venusrl.envs.orphans import CGROUP_BASE, RUNTIME_BASE
 
-from .conftest import our_processes, requires_root, wait_for_no_new_processes
+from .conftest import requires_root
 
 pytestmark = requires_root
 MiB = 1 << 20

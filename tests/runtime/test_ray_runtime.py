@@ -19,6 +19,7 @@ import ray
 import torch
 from ray.cluster_utils import Cluster
 
+from tests.processes import left_after, pool_processes
 from tests.runtime import NAMESPACE, SMALL
 from venusrl.config import load_config
 from venusrl.engine.model_dir import init_model_dir, load_model
@@ -45,6 +46,7 @@ class KillAfterFirstStep(threading.Thread):
     def __init__(self, run_dir: Path, actor: str) -> None:
         super().__init__(daemon=True)
         self.run_dir, self.actor, self.killed = run_dir, actor, threading.Event()
+        self.pid = 0  # the killed worker process's
         self.start()
 
     def run(self) -> None:
@@ -54,7 +56,9 @@ class KillAfterFirstStep(threading.Thread):
             if metrics.exists() and metrics.read_text().count("\n") >= 1:
                 worker = ray.get_actor(self.actor, namespace=NAMESPACE)
                 # Several at once: one of them is still running when the kill lands.
-                if ray.get(worker.report.remote())["episodes_in_flight"] >= 2:
+                report = ray.get(worker.report.remote())
+                if report["episodes_in_flight"] >= 2:
+                    self.pid = report["pid"]
                     ray.kill(worker, no_restart=False)
                     self.killed.set()
                     return
@@ -63,16 +67,16 @@ class KillAfterFirstStep(threading.Thread):
 
 def run_killing(
     actor: str, run_dir: Path, warm_started_small: list[str], steps: int = 10
-) -> tuple[list[dict], dict]:
+) -> tuple[list[dict], dict, int]:
     """A run from SMALL's warm-started policy in which `actor` is killed after the first step;
-    it must complete every step. Its metrics and `cluster.json`."""
+    it must complete every step. Its metrics, `cluster.json` and the killed process's pid."""
     cfg = load_config(None, [*warm_started_small, *ON_TWO_ENGINES, f"run.steps={steps}"])
     killer = KillAfterFirstStep(run_dir, actor)
     metrics = asyncio.run(train(cfg, run_dir))
     killer.join()
     assert killer.killed.is_set()
     assert [m["step"] for m in metrics] == list(range(steps))
-    return metrics, json.loads((run_dir / "cluster.json").read_text())
+    return metrics, json.loads((run_dir / "cluster.json").read_text()), killer.pid
 
 
 def test_two_workers_keep_each_trajectory_on_one_engine_and_each_group_on_one_node(
@@ -148,34 +152,17 @@ def test_engines_the_cluster_cannot_hold_are_refused_before_any_actor_starts(
     assert ray.util.list_named_actors() == []
 
 
-def sandbox_processes() -> set[int]:
-    """Processes in a pid namespace other than ours: every sandbox has its own."""
-    own = os.readlink("/proc/self/ns/pid")
-    found = set()
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                if os.readlink(f"/proc/{name}/ns/pid") != own:
-                    found.add(int(name))
-            except OSError:  # gone meanwhile
-                pass
-    return found
-
-
-def sandboxes_left(before: set[int], timeout_s: float = 10.0) -> set[int]:
-    """Sandbox processes not there `before`, once those being killed had time to exit (a
-    killed process leaves /proc only when its parent has reaped it)."""
-    deadline = time.monotonic() + timeout_s
-    while (left := sandbox_processes() - before) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return left
+def sandboxes_left(workers: set[int], timeout_s: float = 10.0) -> set[int]:
+    """The sandbox processes of the pools of the rollout worker processes `workers` (pids, the
+    killed ones included) still there after up to `timeout_s`: only this test's, however many
+    other runs on the machine have sandboxes."""
+    return left_after(lambda: pool_processes(workers), timeout_s)
 
 
 def test_a_killed_rollout_worker_costs_its_episodes_as_infra_failures_and_the_run_completes(
     two_nodes: Cluster, tmp_path: Path, warm_started_small: list[str]
 ) -> None:
-    before = sandbox_processes()
-    metrics, report = run_killing("rollout-0", tmp_path, warm_started_small)
+    metrics, report, killed = run_killing("rollout-0", tmp_path, warm_started_small)
     restarted, other = report["workers"]
     assert (restarted["restarts"], other["restarts"]) == (1, 0)
     # The episodes worker 0 held were replaced, not scored.
@@ -189,7 +176,7 @@ def test_a_killed_rollout_worker_costs_its_episodes_as_infra_failures_and_the_ru
         assert all(0 <= trained_at - int(v) <= 1 for v in r["versions"])
     # The killed pool's sandboxes were reaped (by its successor, or with the run); the rest
     # closed with the run.
-    assert not sandboxes_left(before)
+    assert not sandboxes_left({killed, restarted["pid"], other["pid"]})
 
 
 def test_an_episode_whose_sandbox_is_preempted_moves_to_the_other_worker_and_goes_on_there(
@@ -297,7 +284,7 @@ def test_a_restarted_worker_gets_the_templates_and_the_model_back_and_serves_fro
     init_model_dir(model_dir, preset=cfg.run.preset, seed=0)
     trainer = GRPOTrainer(load_model(model_dir, "cpu"), cfg.trainer, version=3)
     tasks = TreasureHunt.tasks(0)
-    before = sandbox_processes()
+    workers: set[int] = set()  # their processes, the killed one's included
     model_copies = set(Path(tempfile.gettempdir()).glob("venusrl-engine-*"))
 
     async def scenario() -> None:
@@ -316,6 +303,7 @@ def test_a_restarted_worker_gets_the_templates_and_the_model_back_and_serves_fro
             group = await open_group("g0")
             assert played(await group.play("g0-a", lambda tokens, turns: None))
             held = group.worker
+            workers.add((await fleet.workers[held].report.remote())["pid"])
             ray.kill(fleet.workers[held], no_restart=False)
             # Episodes in flight there, or sent before Ray notices, fail as the platform's fault.
             for _ in range(100):
@@ -345,9 +333,10 @@ def test_a_restarted_worker_gets_the_templates_and_the_model_back_and_serves_fro
                 await g.close()
             report = await fleet.report()
             assert [w["restarts"] for w in report["workers"]][held] == 1
+            workers.update(w["pid"] for w in report["workers"])
 
     asyncio.run(scenario())
-    assert not sandboxes_left(before)
+    assert len(workers) == 3 and not sandboxes_left(workers)
     # The killed worker left no copy of the model behind.
     assert set(Path(tempfile.gettempdir()).glob("venusrl-engine-*")) == model_copies
 

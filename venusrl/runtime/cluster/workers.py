@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import tempfile
 import time
 from collections import Counter
@@ -268,6 +269,7 @@ class RolloutWorker:
     def report(self) -> dict[str, Any]:
         return {
             "node": self.node_id(),
+            "pid": os.getpid(),  # its sandbox pool's is named after it (`envs.orphans`)
             "pool": self._pool().stats().as_dict(),
             "served": sorted(self.served),
             "episodes_in_flight": len(self._progress),
@@ -744,6 +746,7 @@ class RolloutFleet:
             "workers": [
                 {
                     "node": self.nodes[i],
+                    "pid": r["pid"] if r else None,
                     "restarts": self.replicas.restarts[i],
                     "up": i in self.replicas.up,
                     "episodes_played": self.played[i],

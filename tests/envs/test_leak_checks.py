@@ -1,0 +1,54 @@
+"""The leak checks count the processes the test started, not the sandboxes of other runs on the
+machine (a killed run's orphans included), which come and go during the test."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+
+from tests.processes import our_processes, pool_processes
+from venusrl.envs import SandboxPool
+
+from .conftest import requires_root
+
+pytestmark = requires_root
+
+ANOTHER_RUN = """
+import asyncio
+from venusrl.envs import SandboxPool
+async def main():
+    pool = SandboxPool(memory_budget_bytes=1 << 30)
+    await pool.start()
+    sb = await pool.create("python")
+    await sb.exec("sleep 1000 >/dev/null 2>&1 &")
+    print(pool.name, flush=True)
+    await asyncio.sleep(1000)
+asyncio.run(main())
+"""
+
+
+def test_another_runs_orphans_are_not_ours_and_our_sandboxes_are_by_their_pool() -> None:
+    run = subprocess.Popen([sys.executable, "-c", ANOTHER_RUN], stdout=subprocess.PIPE, text=True)
+    assert run.stdout is not None and run.stdout.readline().startswith("pool-")
+    theirs = pool_processes({run.pid})
+    assert theirs  # its zygote and its sandbox's processes, in its pool's cgroups
+    run.send_signal(signal.SIGKILL)  # as another run's kill -9 test does
+    run.wait()
+    # Orphaned now (no longer under us), still in the cgroups named after their pool's process
+    # (its zygote may go with it; the sandbox's processes stay until a pool reaps them).
+    orphans = pool_processes({run.pid})
+    assert orphans and orphans <= theirs and not orphans & our_processes()
+
+    async def ours() -> None:
+        async with SandboxPool(memory_budget_bytes=1 << 30) as pool:  # reaps the dead pool's
+            sb = await pool.create("python")
+            await sb.exec("true")
+            # Counted by the pool's cgroup, not by parentage: still ours once orphaned.
+            mine = set(sb.cgroup.pids())
+            assert mine and mine <= pool_processes({os.getpid()}) and mine <= our_processes()
+
+    asyncio.run(ours())
+    assert pool_processes({run.pid}) == set()
