@@ -26,6 +26,7 @@ def test_episodes_beyond_the_window_wait_until_one_ends() -> None:
 
         await asyncio.gather(*(episode() for _ in range(6)))
         assert window.active == window.waiting == 0
+        assert window.waits == 4  # the episodes held back are counted, once each
         return seen
 
     seen = asyncio.run(main())

@@ -646,7 +646,9 @@ def test_admission_control_bounds_the_episodes_running_at_once(
     metrics = asyncio.run(asyncio.wait_for(train(cfg, tmp_path), 300))
     assert [m["step"] for m in metrics] == [0, 1]
     assert all(m["admission_window"] == 1 and m["episodes_active"] <= 1 for m in metrics)
-    assert any(m["episodes_held_back"] > 0 for m in metrics)
+    # Episodes were held back: counted as they were, not sampled as a step ends (when, on a
+    # loaded machine, none may be waiting).
+    assert metrics[-1]["window_waits"] > 0
     episodes = sorted(
         (r["turns"][0]["requested"], r["turns"][-1]["acted"]) for r in read_records(tmp_path)
     )

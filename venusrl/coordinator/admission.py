@@ -35,12 +35,14 @@ class AdmissionWindow:
         self.window = policy.initial_window
         self.active = 0
         self.waiting = 0  # episodes held back, for the run's metrics
+        self.waits = 0  # episodes that were held back, since the start
         self._changed = asyncio.Condition()
 
     @contextlib.asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
         """Held for an episode's whole length; waits while the window is full."""
         async with self._changed:
+            self.waits += not self.policy.admits(self.active, self.window)
             self.waiting += 1
             try:
                 await self._changed.wait_for(lambda: self.policy.admits(self.active, self.window))

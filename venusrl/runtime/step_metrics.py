@@ -31,6 +31,7 @@ def admission_metrics(window: AdmissionWindow | TurnWindow | None) -> dict[str, 
         "admission_window": window.window,
         "episodes_active": window.active,
         "episodes_held_back": window.waiting,
+        "window_waits": window.waits,
     }
 
 
