@@ -341,6 +341,61 @@ def test_a_restarted_worker_gets_the_templates_and_the_model_back_and_serves_fro
     assert set(Path(tempfile.gettempdir()).glob("venusrl-engine-*")) == model_copies
 
 
+def test_a_worker_that_dies_again_while_waiting_for_weights_is_revived_again_and_serves(
+    two_nodes: Cluster, tmp_path: Path
+) -> None:
+    cfg = load_config(None, [*RAY_RUN, "rollout.max_context=4096", "rollout.max_tokens_per_turn=8"])
+    model_dir = tmp_path / "model"
+    init_model_dir(model_dir, preset=cfg.run.preset, seed=0)
+    trainer = GRPOTrainer(load_model(model_dir, "cpu"), cfg.trainer, version=3)
+    tasks = TreasureHunt.tasks(0)
+
+    async def until(done: Any, fleet: RolloutFleet, what: str) -> None:
+        """Until `done()`, the fleet's calls noticing deaths meanwhile; 300 s at most, however
+        long Ray's restarts take on a loaded machine."""
+        deadline = time.monotonic() + 300
+        while not done():
+            assert time.monotonic() < deadline, what
+            await fleet.pool_stats()  # a call to every worker up: a dead one is found so
+            await asyncio.sleep(0.2)
+
+    async def scenario() -> None:
+        async with RolloutFleet(cfg, RayCluster(cfg.runtime)) as fleet:
+            await fleet.prepare_template(TreasureHunt.template)
+            await fleet.start_engines(model_dir, 0, SamplingParams(temperature=1.0))
+            await fleet.publish(trainer, tmp_path, model_dir)
+            ray.kill(fleet.workers[0], no_restart=False)
+            await until(lambda: fleet.waiting_for_weights() == [0], fleet, "never restarted")
+            # A publish that fails (a trainer rank died) leaves it waiting for the next.
+            with pytest.raises(ConnectionError, match="rank 1 died"):
+                await fleet.publish(RankDiesMidway(trainer), tmp_path, model_dir)  # type: ignore[arg-type]
+            assert fleet.waiting_for_weights() == [0]
+            # Dead again before it was back in service: Ray restarts it once more, and so
+            # does the fleet (it kept it out for good, as if it had no restarts left).
+            ray.kill(fleet.workers[0], no_restart=False)
+            trainer.version = 4
+
+            async def publish() -> None:
+                await fleet.publish(trainer, tmp_path, model_dir)
+
+            deadline = time.monotonic() + 300
+            while 0 not in fleet.replicas.up:
+                assert time.monotonic() < deadline, "the twice-killed worker never came back"
+                await publish()
+                await asyncio.sleep(0.2)
+            assert fleet.replicas.restarts == [2, 0] and fleet.waiting_for_weights() == []
+            # It plays with the weights of the publish that brought it back.
+            groups = [await fleet.open_group(g, TreasureHunt, next(tasks), 1) for g in ("g1", "g2")]
+            assert {g.worker for g in groups} == {0, 1}
+            for g in groups:
+                traj = await g.play(f"{g.group_id}-a", lambda tokens, turns: None)
+                versions = {v for v, m in zip(traj.versions, traj.mask, strict=True) if m}
+                assert traj.finish is not Finish.INFRA and versions == {4}
+                await g.close()
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.slow
 def test_the_full_size_cpu_example_runs_on_two_nodes_with_two_engines(
     two_nodes: Cluster, tmp_path: Path

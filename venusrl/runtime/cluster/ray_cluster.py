@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
@@ -137,12 +136,14 @@ async def until_alive(ping: Callable[[], Awaitable[T]], timeout_s: float) -> T:
 class Replicas:
     """Which of N restartable actors are up. One found dead is taken out of service and brought
     back in the background: `revive(i)` waits for Ray's restart and redoes what the owner needs
-    (weights, templates); the actor is up again when it returns, and stays down if it raises
-    `ActorLost` (out of restarts)."""
+    (weights, templates); the actor is up again when it returns. It raises `ActorLost` when the
+    actor died again meanwhile: that death is counted, and while Ray has restarts left for it
+    (`max_restarts`, as the actor was made with) the revive starts over; then it stays down."""
 
-    def __init__(self, n: int, revive: Callable[[int], Awaitable[None]]) -> None:
+    def __init__(self, n: int, revive: Callable[[int], Awaitable[None]], max_restarts: int) -> None:
         self.up: set[int] = set()
-        self.restarts = [0] * n
+        self.restarts = [0] * n  # deaths seen, per actor: Ray restarts one max_restarts times
+        self.max_restarts = max_restarts
         self._revive = revive
         self._reviving: set[asyncio.Future[None]] = set()
 
@@ -154,6 +155,8 @@ class Replicas:
             return False
         self.up.discard(i)
         self.restarts[i] += 1
+        if self.restarts[i] > self.max_restarts:  # Ray will not restart it
+            return True
         task = asyncio.ensure_future(self._back(i))
         self._reviving.add(task)
         task.add_done_callback(self._reviving.discard)
@@ -169,9 +172,16 @@ class Replicas:
             raise
 
     async def _back(self, i: int) -> None:
-        with contextlib.suppress(ActorLost):
-            await self._revive(i)
+        while True:
+            try:
+                await self._revive(i)
+            except ActorLost:  # died again while being brought back
+                self.restarts[i] += 1
+                if self.restarts[i] > self.max_restarts:
+                    return
+                continue
             self.up.add(i)
+            return
 
     def cancel(self) -> None:
         for task in list(self._reviving):

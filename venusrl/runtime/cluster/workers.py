@@ -439,7 +439,7 @@ class RolloutFleet:
         ]
         n = len(self.workers)
         # Restarts per worker are its epochs: keys made before the latest one are gone.
-        self.replicas = Replicas(n, self._revive)
+        self.replicas = Replicas(n, self._revive, rt.actor_restarts)
         self.nodes: list[str] = []
         self.templates: list[TemplateSpec] = []
         self.active = [0] * n  # episodes in flight, per worker
@@ -457,7 +457,8 @@ class RolloutFleet:
         self._pushers: dict[int, asyncio.Task[None]] = {}
         self._engine: tuple[Any, int, SamplingParams] | None = None
         self._published: int | None = None  # the version of the last publish
-        # Workers restarted since it, their engines loaded, waiting for the next.
+        # Workers restarted since it, their engines loaded, waiting for the next; a wait leaves
+        # only as it is resolved (`_resolve`), so no publish, however it fails, can lose one.
         self._awaiting: dict[int, asyncio.Future[None]] = {}
         # Each worker's latest engine counters and the epoch they came from; an engine that
         # restarted counts from zero, so its predecessor's last reading is carried.
@@ -532,7 +533,7 @@ class RolloutFleet:
         told: it keeps its version, refuses to run half-copied weights, and the error stops
         the run."""
         stream = trainer.hf_weights()
-        awaiting, self._awaiting = self._awaiting, {}
+        awaiting = dict(self._awaiting)  # those restarted since the last, as this one begins
         targets = {i: self.replicas.restarts[i] for i in [*self.up(), *awaiting]}
         buckets = pack(stream, int(self.cfg.trainer.publish_bucket_mib * 2**20))
         gathering: asyncio.Future[Bucket | None] | None = None
@@ -557,13 +558,26 @@ class RolloutFleet:
             with contextlib.suppress(Exception):
                 broke = f"{type(e).__name__}: {e}"
                 await self._on_each(targets, awaiting, "end_weights", broke)
-            self._awaiting.update(awaiting)  # for the next publish
-            raise
+            raise  # those awaiting still wait, for the next publish
         await self._on_each(targets, awaiting, "end_weights", None)
         self._published = trainer.version
-        for waiting in awaiting.values():
-            if not waiting.done():
+        for i, waiting in awaiting.items():  # every one left has the whole set
+            self._resolve(i, waiting, None)
+
+    def waiting_for_weights(self) -> list[int]:
+        """Workers restarted and loaded, out of service until the next publish."""
+        return sorted(self._awaiting)
+
+    def _resolve(self, i: int, waiting: asyncio.Future[None], lost: ActorLost | None) -> None:
+        """End worker i's wait for a publish: back in service, or `lost` (its revive goes
+        around again, `Replicas`). A newer wait of a later revive stays."""
+        if self._awaiting.get(i) is waiting:
+            del self._awaiting[i]
+        if not waiting.done():
+            if lost is None:
                 waiting.set_result(None)
+            else:
+                waiting.set_exception(lost)
 
     async def _on_each(
         self, targets: dict[int, int], awaiting: dict[int, asyncio.Future[None]], method: str,
@@ -582,9 +596,8 @@ class RolloutFleet:
                     await self.call(i, targets[i], method, *args)
             except (InfraFailure, ActorLost) as e:
                 del targets[i]
-                waiting = awaiting.pop(i, None)
-                if waiting is not None and not waiting.done():
-                    waiting.set_exception(ActorLost(str(e)))  # it stays down (`Replicas`)
+                if i in awaiting:  # died again since its restart
+                    self._resolve(i, awaiting.pop(i), ActorLost(str(e)))
 
         errors = await asyncio.gather(*map(one, list(targets)), return_exceptions=True)
         for error in errors:
@@ -724,7 +737,8 @@ class RolloutFleet:
     async def _revive(self, i: int) -> None:
         """Wait for Ray to restart worker i; prepare the run's templates on it (its pool reaps
         the dead pool's sandboxes when it starts), then the model; once weights were published,
-        wait for the next publish to bring it the current ones."""
+        wait for the next publish to bring it the current ones. `ActorLost` if it died again
+        meanwhile (`Replicas` counts that death and, while Ray restarts it, revives it again)."""
         worker = self.workers[i]
         self._pushed[i] = {}
         self.nodes[i] = await until_alive(lambda: call(worker.node_id), RESTART_TIMEOUT_S)
@@ -760,6 +774,7 @@ class RolloutFleet:
             "trajectories_on_several_engines": sorted(t for t, n in served.items() if n > 1),
             "migrated_trajectories": self.migrated,
             "reopened_groups": self.reopened_groups,
+            "waiting_for_weights": self.waiting_for_weights(),
             "migrated_episodes": len(self.migrated),
             "migrated_completed": self.migrated_completed,
             "actor_calls": self.cluster.actor_calls(),
