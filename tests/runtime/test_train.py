@@ -127,6 +127,28 @@ def test_kill_9_mid_run_then_resume_completes_with_every_step_once(
     assert cli.main(cmd[3:]) == 2 and "--resume" in capsys.readouterr().err
 
 
+def test_kill_9_after_the_warm_start_then_resume_goes_on_from_the_warm_started_policy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "venusrl.cli", "train", "--run-dir", str(run), *SMALL,
+        "run.steps=1000",  # it cannot end before the kill
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    warm = run / "checkpoints" / "step-start"
+    deadline = time.monotonic() + 240
+    while not warm.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert warm.exists(), proc.stderr.read().decode()[-2000:] if proc.stderr else ""
+    capsys.readouterr()
+    assert cli.main([*cmd[3:6], "--resume", "run.steps=3"]) == 0, capsys.readouterr().err[-2000:]
+    assert "warm start:" not in capsys.readouterr().out  # not played and imitated again
+    assert [m["step"] for m in read_metrics(run)] == [0, 1, 2]
+
+
 class Stopped(Exception):
     """The run stopped as a kill would stop it: at once, before its next checkpoint."""
 
