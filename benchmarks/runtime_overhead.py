@@ -148,7 +148,8 @@ def main() -> None:
             say(f"{runtime} run {i + 1} of {args.repeats}: {args.steps} steps")
             result = run(runtime, args.steps, args.seed, args.skip, overrides, out)
             runs[runtime].append(result)
-            say(f"{runtime}: {result.get('step_s', 'failed')} s a step")
+            step_s = result.get("step_s")
+            say(f"{runtime}: {step_s} s a step" if step_s else f"{runtime}: failed (see the JSON)")
 
     def median(runtime: str, key: str) -> float | None:
         done = [r[key] for r in runs[runtime] if "error" not in r]

@@ -30,6 +30,20 @@ def test_it_times_both_runtimes_on_the_same_steps_and_reports_the_overhead() -> 
     assert calls["play"] > 0 and "generate" not in calls
 
 
+@pytest.mark.slow
+def test_a_side_that_fails_is_recorded_with_its_error_and_the_json_is_still_printed() -> None:
+    # The Ray side asks for more CPUs than the machine has (refused before any actor starts);
+    # the local side ignores runtime.* and runs.
+    args = ["--steps", "3", "--skip", "1", "--repeats", "1", *SMALL, "runtime.engine_cpus=1024"]
+    proc = run_benchmark("runtime_overhead.py", *args)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert "needs 1024 CPUs" in out["ray"][0]["error"] and out["local"][0]["steps_run"] == 3
+    assert out["overhead_per_step"] is None and out["overhead_per_token"] is None
+    # Its progress, on stderr.
+    assert "ray run 1 of 1: 3 steps" in proc.stderr and "ray: failed (see the JSON)" in proc.stderr
+
+
 def test_a_timing_window_with_no_step_is_refused() -> None:
     code, stderr = refused("runtime_overhead.py", "--steps", "2", "--skip", "2")
     assert code != 0 and "--steps > --skip + 1" in stderr
