@@ -93,8 +93,10 @@ def slowest_remaining_s(group: GroupView, pred: Prediction, snap: CoordinatorSna
     per call (at least the tool call it waits on now, and what that call has run past it: a call
     that has run long is likely to run as long again). Run for every open group at every
     re-ranking: one plain loop."""
-    calls = sum(m.tool_calls for m in group.members)
-    spent = sum(m.tool_s for m in group.members)
+    calls, spent = 0, 0.0
+    for m in group.members:
+        calls += m.tool_calls
+        spent += m.tool_s
     tool_s = (spent + TOOL_PRIOR * snap.tool_s_per_turn) / (calls + TOOL_PRIOR)
     slowest = 0.0
     for m in group.members:

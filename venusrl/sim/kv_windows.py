@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Generic, Protocol, TypeVar
 
+from venusrl.policy.critical_groups import HIGH
 from venusrl.policy.kv_window import Agent, CriticalWindow, EngineLoad, admission_key
 from venusrl.sim.engine import SimEngine
 
@@ -39,6 +40,7 @@ class Ranking(Protocol):
     """The coordinator's current ranking (`GroupBook`)."""
 
     order: tuple[str, ...]
+    priorities: dict[str, int]
 
     def priority(self, group_id: str) -> int: ...
 
@@ -58,18 +60,24 @@ class KvWindows(Generic[M]):
         self.critical_load = [0] * len(engines)
         self.ready: dict[str, list[M]] = {}  # agents waiting for a place, by group
         self.group_rank: dict[str, int] = {}
+        self.critical_groups: set[str] = set()
         self.pauses = self.migrations = 0
 
     # --- what the policy sees ------------------------------------------------------------------
 
     def reranked(self) -> None:
-        """The ranking changed: members' critical shares are counted again."""
+        """The ranking changed: members' critical shares are counted again if the critical
+        groups changed."""
         self.group_rank = {gid: i for i, gid in enumerate(self.ranking.order)}
+        critical = {gid for gid, p in self.ranking.priorities.items() if p >= HIGH}
+        if critical == self.critical_groups:
+            return
+        self.critical_groups = critical
         for i, members in enumerate(self.members):
-            self.critical_load[i] = sum(m.counted for m in members if self._critical(m))
+            self.critical_load[i] = sum(m.counted for m in members if m.group_id in critical)
 
     def _critical(self, t: M) -> bool:
-        return self.agent(t).critical
+        return self.ranking.priority(t.group_id) >= HIGH
 
     def key(self, t: M) -> tuple[int, ...]:
         gid = t.group_id
@@ -123,33 +131,36 @@ class KvWindows(Generic[M]):
         self.members[t.engine.index].discard(t)
 
     def admit(self) -> None:
-        """Waiting agents take places in `admission_key` order, where the policy places them."""
-        most = self._most()
+        """Waiting agents take places in `admission_key` order, where the policy places them.
+
+        An agent with no place refuses every later one of its kind with as large a context
+        until the loads change: a place depends on the context (the larger, the fewer engines
+        fit), on whether the agent is critical and, without migration, on its home. Asking
+        the policy only once per kind keeps a long queue from costing a walk per turn."""
+        loads = self.loads()
+        refused: dict[tuple[bool, int | None], int] = {}  # by kind: the smallest refused context
         for started, gid in self._walk():
             ready = self.ready.get(gid)
             if not ready:
                 continue
             for t in sorted(ready, key=lambda a: a.index):
-                if (t.engine is not None) != started or t.context > most:
+                if (t.engine is not None) != started:
                     continue
-                loads = self.loads()
-                i = self.policy.place(loads, self.agent(t))
+                a = self.agent(t)
+                kind = (a.critical, None if self.policy.migrate else a.home)
+                if a.context >= refused.get(kind, a.context + 1):
+                    continue
+                i = self.policy.place(loads, a)
                 if i is None:
+                    refused[kind] = a.context
                     continue
                 ready.remove(t)
                 resumed = t.engine is not None
                 self._join(t, self.engines[i])
                 self.submit(t, resumed)
-                most = self._most()
+                loads, refused = self.loads(), {}
             if not ready:
                 del self.ready[gid]
-
-    def _most(self) -> float:
-        """The largest context any engine could take now (an empty engine takes any)."""
-        loads = self.loads()
-        if any(e.load == 0 for e in loads):
-            return float("inf")
-        return max(self.policy.budget(e) - e.load for e in loads)
 
     # --- the books -----------------------------------------------------------------------------
 
