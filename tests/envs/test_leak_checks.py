@@ -38,9 +38,10 @@ def test_another_runs_orphans_are_not_ours_and_our_sandboxes_are_by_their_pool()
     run.send_signal(signal.SIGKILL)  # as another run's kill -9 test does
     run.wait()
     # Orphaned now (no longer under us), still in the cgroups named after their pool's process
-    # (its zygote may go with it; the sandbox's processes stay until a pool reaps them).
+    # until a pool reaps them; or gone already: the kernel may end a sandbox's pid namespace with
+    # the zygote, before or after this looks. Whatever outlives the kill is not counted ours.
     orphans = pool_processes({run.pid})
-    assert orphans and orphans <= theirs and not orphans & our_processes()
+    assert orphans <= theirs and not orphans & our_processes()
 
     async def ours() -> None:
         async with SandboxPool(memory_budget_bytes=1 << 30) as pool:  # reaps the dead pool's

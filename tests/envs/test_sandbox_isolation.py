@@ -179,7 +179,9 @@ def test_fork_bomb_is_stopped_and_the_host_pid_count_recovers(bomb: list[str]) -
 
     async def check(sb: Sandbox) -> None:
         r = await sb.exec(bomb, timeout_s=3)
-        assert r.timed_out
+        # Ended by the deadline, or by the pid limit: a shell that cannot fork for its own next
+        # command exits ("Cannot fork"), which a loaded machine makes it meet first.
+        assert r.timed_out or (r.exit_code != 0 and b"fork" in r.stderr.lower())
         assert sb.usage().pids <= 64
         assert (await sb.exec("echo ok")).stdout == b"ok\n"  # the timeout cleaned up after it
 
