@@ -18,8 +18,15 @@ def _record_only() -> list[LoggerName]:
 
 
 class RunConfig(Section):
+    """The training run itself: its length, seed, checkpoints, warm start and loggers."""
+
     steps: int = Field(150, ge=1, description="trainer steps")
-    seed: int = Field(0, ge=0)
+    seed: int = Field(
+        0,
+        ge=0,
+        description="seed of the run's task stream, its warm start (tasks, demonstrators,"
+        " imitation order), the initial model's weights, torch and fault injection",
+    )
     preset: str = Field("micro", description="model preset when `model` is not given")
     checkpoint_every: int = Field(25, ge=1, description="trainer steps between checkpoints")
     checkpoint_every_s: float | None = Field(
@@ -32,7 +39,9 @@ class RunConfig(Section):
     warm_start_episodes: int = Field(
         256, ge=0, description="scripted demonstrations imitated before RL (0 = no warm start)"
     )
-    warm_start_epochs: int = Field(15, ge=1)
+    warm_start_epochs: int = Field(
+        15, ge=1, description="passes of imitation over the demonstrations"
+    )
     warm_start_batch: int = Field(8, ge=1, description="demonstrations per imitation step")
     warm_start_lr: float = Field(2e-3, gt=0, description="learning rate of the imitation steps")
     engine_url: str | None = Field(
@@ -89,7 +98,11 @@ class FaultsConfig(Section):
 class RuntimeConfig(Section):
     """Where the roles run: all in this process, or as actors of a Ray cluster."""
 
-    kind: Literal["local", "ray"] = "local"
+    kind: Literal["local", "ray"] = Field(
+        "local",
+        description="local: every role in this process; ray: the rollout workers (and trainer"
+        " ranks) as Ray actors, the coordinator in the driver",
+    )
     address: str | None = Field(
         None, description="Ray cluster to join ('auto', 'ray://host:10001'); None starts one here"
     )

@@ -11,8 +11,10 @@ from venusrl.sections import Section
 
 
 class ServerConfig(Section):
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
+    """`venusrl serve`: where it listens, who may call it, how it reads tool calls."""
+
+    host: str = Field("127.0.0.1", description="bind address (loopback by default)")
+    port: int = Field(8000, ge=0, le=65535, description="port to listen on")
     api_key: str | None = Field(
         None,
         min_length=1,  # an empty key (an unset variable) must not silently turn auth off

@@ -25,13 +25,20 @@ roughly cancel."""
 
 
 class TrainerConfig(Section):
+    """The GRPO step: optimiser, loss, memory, LoRA and the sharded ranks."""
+
     device: str = Field(
         "cpu", description="torch device of the trained model (fp32 weights and AdamW state)"
     )
-    lr: float = Field(5e-4, gt=0)
+    lr: float = Field(5e-4, gt=0, description="AdamW's learning rate of the RL steps")
     weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay")
-    clip_eps: float = Field(0.2, gt=0, lt=1)
-    entropy_coef: float = Field(0.0, ge=0)
+    clip_eps: float = Field(
+        0.2,
+        gt=0,
+        lt=1,
+        description="the importance ratio is clipped to [1 - clip_eps, 1 + clip_eps]",
+    )
+    entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus")
     kl_coef: float = Field(
         0.1,
         ge=0,
@@ -39,8 +46,10 @@ class TrainerConfig(Section):
         " where the start policy had it while the advantages move the decisions (without it the"
         " CPU example's losers, taking the format down with them, make the reward dip early)",
     )
-    max_grad_norm: float = Field(1.0, gt=0)
-    micro_batch_tokens: int = Field(8192, ge=2)
+    max_grad_norm: float = Field(1.0, gt=0, description="gradients are clipped to this global norm")
+    micro_batch_tokens: int = Field(
+        8192, ge=2, description="most tokens of the rows in one forward and backward"
+    )
     # -- memory: logits in chunks, LoRA (trainer/chunked_logprobs.py, trainer/lora.py) --
     logprob_chunk_tokens: int = Field(
         1024,
