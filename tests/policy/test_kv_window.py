@@ -8,11 +8,12 @@ from venusrl.policy.critical_groups import BEST_EFFORT, HIGH
 from venusrl.policy.kv_window import Agent, CriticalWindow, EngineLoad, admission_key
 
 CAP = 1_000_000  # device KV of an engine, tokens
-WINDOW = CriticalWindow()  # budget 850K, keep 970K, lane 255K
+WINDOW = CriticalWindow()  # budget 850K, keep 970K, no lane
+LANE = CriticalWindow(lane=0.3)  # a lane of 255K
 
 
-def engine(load: int = 0, critical: int = 0) -> EngineLoad:
-    return EngineLoad(CAP, load, critical)
+def engine(load: int = 0, critical: int = 0, members: int = 0) -> EngineLoad:
+    return EngineLoad(CAP, load, critical, members)
 
 
 def test_an_agent_joins_only_within_the_budget() -> None:
@@ -22,22 +23,38 @@ def test_an_agent_joins_only_within_the_budget() -> None:
 
 def test_best_effort_agents_hold_at_most_the_lane_beside_critical_members() -> None:
     busy = engine(load=200_000, critical=100_000)
-    assert WINDOW.fits(busy, Agent(50_000, BEST_EFFORT))
-    assert not WINDOW.fits(busy, Agent(60_000, BEST_EFFORT))  # 260K > the 255K lane
-    assert WINDOW.fits(busy, Agent(60_000, HIGH))
-    assert WINDOW.fits(engine(200_000), Agent(60_000, BEST_EFFORT))  # no critical member there
+    assert LANE.fits(busy, Agent(50_000, BEST_EFFORT))
+    assert not LANE.fits(busy, Agent(60_000, BEST_EFFORT))  # 260K > the 255K lane
+    assert LANE.fits(busy, Agent(60_000, HIGH))
+    assert LANE.fits(engine(200_000), Agent(60_000, BEST_EFFORT))  # no critical member there
 
 
-def test_a_new_best_effort_agent_goes_to_the_least_loaded_engine() -> None:
-    engines = [engine(500_000), engine(100_000), engine(300_000)]
+def test_a_new_best_effort_agent_goes_to_the_engine_with_fewest_members() -> None:
+    # Every member's context grows to about the same: a new agent's share of an engine's work
+    # to come is one member's, whatever the members hold now.
+    engines = [engine(500_000, members=9), engine(100_000, members=6), engine(300_000, members=4)]
+    assert WINDOW.place(engines, Agent(10_000, BEST_EFFORT)) == 2
+    # Among as many members, the least loaded.
+    engines = [engine(500_000, members=4), engine(100_000, members=4), engine(300_000, members=4)]
     assert WINDOW.place(engines, Agent(10_000, BEST_EFFORT)) == 1
 
 
+def test_a_started_best_effort_agent_moves_to_the_least_loaded_engine() -> None:
+    engines = [engine(840_000, members=2), engine(100_000, members=9), engine(300_000, members=1)]
+    assert WINDOW.place(engines, Agent(50_000, BEST_EFFORT, home=0)) == 1
+
+
 def test_critical_agents_pack_into_a_fast_lane() -> None:
-    engines = [engine(50_000), engine(200_000, critical=150_000), engine(0)]
-    assert WINDOW.place(engines, Agent(50_000, HIGH)) == 1
+    engines = [engine(800_000), engine(200_000, critical=150_000), engine(700_000)]
+    assert LANE.place(engines, Agent(50_000, HIGH)) == 1
     # The lane is full: the next goes where no critical member is, least loaded first.
-    assert WINDOW.place(engines, Agent(150_000, HIGH)) == 2
+    assert LANE.place(engines, Agent(150_000, HIGH)) == 2
+
+
+def test_critical_agents_spread_when_a_lane_would_hold_more_than_the_mean_load() -> None:
+    # Light engines: packing would make the lane the slowest engine, not the fastest.
+    engines = [engine(30_000, critical=30_000), engine(10_000), engine(20_000)]
+    assert LANE.place(engines, Agent(5_000, HIGH)) == 1
 
 
 def test_an_agent_stays_home_while_it_fits_there() -> None:
@@ -75,8 +92,8 @@ def test_a_member_yields_to_a_more_critical_agent_with_no_place_elsewhere() -> N
 def test_a_best_effort_member_over_the_lane_yields_beside_critical_members() -> None:
     me = Agent(100_000, BEST_EFFORT, home=0, counted=100_000)
     lane_full = engine(load=300_000, critical=50_000)
-    assert WINDOW.yields([lane_full], ahead=0, a=me, rival=None)
-    assert not WINDOW.yields([engine(300_000)], ahead=0, a=me, rival=None)
+    assert LANE.yields([lane_full], ahead=0, a=me, rival=None)
+    assert not LANE.yields([engine(300_000)], ahead=0, a=me, rival=None)
 
 
 def test_a_member_moves_to_an_engine_lighter_by_the_margin() -> None:

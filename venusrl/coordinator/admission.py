@@ -188,7 +188,7 @@ class TurnWindow:
 
     def _engine(self) -> EngineLoad:
         critical = sum(a.counted for a in self.agents.values() if self._priority(a) >= HIGH)
-        return EngineLoad(self.capacity, self.load, critical)
+        return EngineLoad(self.capacity, self.load, critical, self.members)
 
     def _as_agent(self, a: _Agent) -> Agent:
         return Agent(a.context, self._priority(a), 0 if a.started else None, a.counted)

@@ -23,7 +23,12 @@ of critical (HIGH) groups:
 - **Fast lanes.** Decode is bound by the KV a step reads, so a batch holding less KV runs each of
   its members faster. On an engine with critical members, best-effort members may hold at most
   `lane` of the budget; a critical agent goes where critical agents already are while the lane
-  has room (packing them), else to the least loaded engine.
+  has room and the engine stays at or below the mean load with it (packing them: a lane loaded
+  above the mean is no fast lane; math-python's light engines packed all critical agents on one
+  and lost 11 %), else to an engine without critical members, else the least loaded.
+- **New agents** go to the engine with the fewest members (then the least loaded): every
+  member's context grows to about the same, so a new agent's share of an engine's work to come is
+  one member's, whatever the members hold now.
 - **Rebalance.** At a turn boundary a member moves to the least loaded engine when its load,
   with the member, stays `rebalance_tokens` below the home's without it; its KV moves with it
   over the host link (`migrate`).
@@ -32,8 +37,10 @@ of critical (HIGH) groups:
 
 The constants are ours, chosen on swe-long seeds 0-2 (BENCHMARKS.md) and held for every
 scenario: fill 0.85 and keep 0.97 as Concur's low and high water marks; leave after 5 s, about
-ten times the median tool call, so that only the long tail of tool calls leaves; a lane of 0.3 of
-the budget; a rebalance margin of 100K tokens, a few members' contexts.
+ten times the median tool call, so that only the long tail of tool calls leaves; no lane (1.0):
+a lane of 0.3 gains ~2 % on swe-long but loses 7 % on swe-short, where it starves best-effort
+work that had room (BENCHMARKS.md), so packing is bounded by the mean load alone; a rebalance
+margin of 100K tokens, a few members' contexts.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ class EngineLoad:
     capacity: int  # device KV, tokens
     load: int  # tokens its members count
     critical: int  # of them, members of HIGH groups
+    members: int = 0  # agents holding a place
 
 
 @dataclass(frozen=True)
@@ -77,7 +85,7 @@ class CriticalWindow:
     fill: float = 0.85
     keep: float = 0.97
     leave_after_s: float = 5.0
-    lane: float = 0.3
+    lane: float = 1.0
     rebalance_tokens: int = 100_000
     migrate: bool = True
 
@@ -111,8 +119,9 @@ class CriticalWindow:
         """The engine `a` runs on (None: none has room). Its home while it fits there (a
         critical agent: within the lane); else, with migration or for a new agent, the best
         engine with room: for a critical agent one whose critical members it joins within the
-        lane, then one without critical members, the least loaded first; for a best-effort
-        agent the least loaded."""
+        lane and the mean load, then one without critical members, the least loaded first; for
+        a new best-effort agent the one with the fewest members, for a started one the least
+        loaded."""
         home = a.home
         own = a.counted if a.critical else 0
         if home is not None:
@@ -124,13 +133,21 @@ class CriticalWindow:
                 return None
         best: int | None = None
         best_key: tuple[int, ...] = ()
+        fair = (sum(e.load for e in engines) - a.counted + a.context) / len(engines)
         for i, e in enumerate(engines):
             if not self.fits(e, a):
                 continue
             if a.critical:
-                others = e.critical - (own if i == home else 0)
-                packs = others > 0 and self._lane_room(e, a, own if i == home else 0)
+                mine = own if i == home else 0
+                others = e.critical - mine
+                packs = (
+                    others > 0
+                    and self._lane_room(e, a, mine)
+                    and e.load - (a.counted if i == home else 0) + a.context <= fair
+                )
                 key: tuple[int, ...] = (not packs, others > 0, e.load)
+            elif home is None:
+                key = (e.members, e.load)
             else:
                 key = (e.load,)
             if best is None or key < best_key:

@@ -90,7 +90,12 @@ class KvWindows(Generic[M]):
 
     def loads(self) -> list[EngineLoad]:
         return [
-            EngineLoad(e.capacity * e.page_size, self.load[i], self.critical_load[i])
+            EngineLoad(
+                e.capacity * e.page_size,
+                self.load[i],
+                self.critical_load[i],
+                len(self.members[i]),
+            )
             for i, e in enumerate(self.engines)
         ]
 
