@@ -13,6 +13,21 @@ from pathlib import Path
 from venusrl.envs.cgroups import Cgroup, detect_version
 from venusrl.envs.orphans import CGROUP_BASE
 
+# A script that opens a sandbox pool, leaves a sandbox process running and prints the pool's
+# name: another run, whose kill -9 orphans its sandboxes.
+ORPHAN_MAKER = """
+import asyncio, sys
+from venusrl.envs import SandboxPool
+async def main():
+    pool = SandboxPool(memory_budget_bytes=1 << 30)
+    await pool.start()
+    sb = await pool.create("python")
+    await sb.exec("sleep 1000 >/dev/null 2>&1 &")
+    print(pool.name, flush=True)
+    await asyncio.sleep(1000)
+asyncio.run(main())
+"""
+
 
 def pool_processes(owners: Collection[int]) -> set[int]:
     """The processes in the cgroups of the sandbox pools opened by the processes `owners`, alive

@@ -9,29 +9,16 @@ import signal
 import subprocess
 import sys
 
-from tests.processes import our_processes, pool_processes
+from tests.processes import ORPHAN_MAKER, our_processes, pool_processes
 from venusrl.envs import SandboxPool
 
 from .conftest import requires_root
 
 pytestmark = requires_root
 
-ANOTHER_RUN = """
-import asyncio
-from venusrl.envs import SandboxPool
-async def main():
-    pool = SandboxPool(memory_budget_bytes=1 << 30)
-    await pool.start()
-    sb = await pool.create("python")
-    await sb.exec("sleep 1000 >/dev/null 2>&1 &")
-    print(pool.name, flush=True)
-    await asyncio.sleep(1000)
-asyncio.run(main())
-"""
-
 
 def test_another_runs_orphans_are_not_ours_and_our_sandboxes_are_by_their_pool() -> None:
-    run = subprocess.Popen([sys.executable, "-c", ANOTHER_RUN], stdout=subprocess.PIPE, text=True)
+    run = subprocess.Popen([sys.executable, "-c", ORPHAN_MAKER], stdout=subprocess.PIPE, text=True)
     assert run.stdout is not None and run.stdout.readline().startswith("pool-")
     theirs = pool_processes({run.pid})
     assert theirs  # its zygote and its sandbox's processes, in its pool's cgroups

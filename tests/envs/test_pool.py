@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.processes import our_processes, wait_for_no_new_processes
+from tests.processes import ORPHAN_MAKER, our_processes, wait_for_no_new_processes
 from venusrl.envs import (
     AdmissionTimeout,
     SandboxError,
@@ -89,20 +89,6 @@ def test_100_concurrent_execs_over_32_sandboxes_complete() -> None:
             assert [r.stdout for r in results] == [f"{i * 2}\n".encode() for i in range(100)]
 
     asyncio.run(main())
-
-
-ORPHAN_MAKER = """
-import asyncio, sys
-from venusrl.envs import SandboxPool
-async def main():
-    pool = SandboxPool(memory_budget_bytes=1 << 30)
-    await pool.start()
-    sb = await pool.create("python")
-    await sb.exec("sleep 1000 >/dev/null 2>&1 &")
-    print(pool.name, flush=True)
-    await asyncio.sleep(1000)
-asyncio.run(main())
-"""
 
 
 @pytest.mark.parametrize("died_while_killing", [False, True])
