@@ -62,7 +62,7 @@ def _check_task_source(env: str, tasks: str | None, fields: dict[str, str]) -> N
 class MixEntry(Section):
     """One environment of a mixed run (`rollout.mix`)."""
 
-    env: EnvName
+    env: EnvName = Field(description="as rollout.env: a built-in name or 'module:Class'")
     weight: float = Field(1.0, gt=0, description="share of the groups, relative to the others")
     group_size: int | None = Field(None, ge=2, description="K; default rollout.group_size")
     max_turns: int | None = Field(None, ge=1, description="turn cap; default the environment's")
@@ -101,16 +101,22 @@ class RolloutConfig(Section):
         " (policy.staleness)",
     )
     max_infra_retries: int = Field(2, ge=0, description="replacement members per group")
-    priorities: Literal["critical", "fifo"] = "critical"
+    priorities: Literal["critical", "fifo"] = Field(
+        "critical",
+        description="how open groups are ranked: critical (those that unlock the next batch"
+        " first, policy.critical_groups) or fifo (arrival order, all equal)",
+    )
     tool_parser: Annotated[str, AfterValidator(tool_parser_setting)] = Field(
         "auto",
         description="how the model writes tool calls: hermes (Qwen2.5/Qwen3 <tool_call> JSON),"
         " qwen3_coder (Qwen3-Coder XML), llama3_json (Llama 3.1/3.2), or auto: the one the"
         " model's chat template shows, hermes when it shows none",
     )
-    temperature: float = Field(1.0, ge=0)
-    max_tokens_per_turn: int = Field(24, ge=1)
-    max_context: int = Field(1024, ge=16)
+    temperature: float = Field(1.0, ge=0, description="sampling temperature of every turn")
+    max_tokens_per_turn: int = Field(24, ge=1, description="the longest action the model writes")
+    max_context: int = Field(
+        1024, ge=16, description="tokens of a trajectory's record; past it the episode ends"
+    )
     group_timeout_s: float = Field(
         900.0, gt=0, description="a group not complete this long after it opened is dropped"
     )
@@ -160,7 +166,7 @@ class RolloutConfig(Section):
         "venus",
         description="venus: our engine, in-process or `venusrl serve` at run.engine_url (the only"
         " one that keeps a trajectory's KV across its tool calls); vllm or sglang: a running"
-        " server of that project at run.engine_url (README: what each gives up)",
+        " server of that project at run.engine_url (docs/backends.md: what each gives up)",
     )
 
     @model_validator(mode="after")
