@@ -174,6 +174,7 @@ def test_a_run_stopped_before_its_first_checkpoint_resumes_from_the_warm_start(
     resumed = load_config(tmp_path / "config.yaml", ["run.checkpoint_every_s=1e-6"])
     metrics = asyncio.run(train(resumed, tmp_path, resume=True, on_message=messages.append))
     assert not any(m.startswith("warm start") for m in messages)  # not played and imitated again
+    assert "resuming from checkpoints/step-start (after the warm start)" in messages
     assert [m["step"] for m in metrics] == [m["step"] for m in read_metrics(tmp_path)] == [0, 1]
     saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert saved == ["step-000000", "step-000001", "step-start"]  # resumed from: kept

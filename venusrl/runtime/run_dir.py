@@ -70,6 +70,8 @@ def prepare_run_dir(
         record.truncate_records(run_dir, state.step)
         # What it resumes with, overrides included: the next --resume starts from this.
         _write_config(cfg, run_dir)
+        done = "the warm start" if state.step < 0 else f"step {state.step + 1}"
+        say(f"resuming from {checkpoint.relative_to(run_dir)} (after {done})")
         return RunStart(checkpoint, state, kept[-1]["wall_s"] if kept else 0.0, fresh=False)
     if metrics_file.exists():
         raise ValueError(f"{run_dir} already holds a run: pass --resume, or another --run-dir")
