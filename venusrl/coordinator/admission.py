@@ -187,8 +187,12 @@ class TurnWindow:
         return self.priority.get(a.group_id, BEST_EFFORT)
 
     def _engine(self) -> EngineLoad:
-        critical = sum(a.counted for a in self.agents.values() if self._priority(a) >= HIGH)
-        return EngineLoad(self.capacity, self.load, critical, self.members)
+        load = critical = members = 0
+        for a in self.agents.values():  # one pass: asked at every turn
+            load += a.counted
+            critical += a.counted if self._priority(a) >= HIGH else 0
+            members += a.member
+        return EngineLoad(self.capacity, load, critical, members)
 
     def _as_agent(self, a: _Agent) -> Agent:
         return Agent(a.context, self._priority(a), 0 if a.started else None, a.counted)
