@@ -32,6 +32,9 @@ from venusrl.envs import wire
 from venusrl.envs.isolation import PR_SET_CHILD_SUBREAPER, WORKSPACE, prctl
 
 _EXIT_GRACE_S = 0.2  # after the command exits, how long to wait for its pipes to drain
+# A process stuck in the kernel may not die at once; past this the sandbox's close kills its
+# cgroup, and the leader answers rather than hold the call.
+_KILL_TREE_S = 10.0
 
 
 class _Timeout(BaseException):
@@ -118,19 +121,24 @@ def _descendants(root_pid: int) -> list[int]:
 
 
 def _kill_tree(leader: int) -> None:
-    """SIGKILL every descendant of the (subreaper) leader until none is left; stop first so a
-    fork bomb cannot outrun the loop."""
-    for _ in range(1000):
+    """SIGKILL every descendant of the (subreaper) leader and reap them until the leader has no
+    child left. A dying process's orphans are re-parented to the leader before it can be reaped,
+    so no child means nothing of the command is left, not even a process still exiting (an empty
+    list of descendants is not enough: a killed `yes` may take a moment to exit, and a parent
+    reaped mid-scan hides its children). Stop first so a fork bomb cannot outrun the loop."""
+    give_up = time.monotonic() + _KILL_TREE_S
+    while time.monotonic() < give_up:
         pids = _descendants(leader)
-        if not pids:
-            return
         for sig in (signal.SIGSTOP, signal.SIGKILL):
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
-        with contextlib.suppress(ChildProcessError):
+        try:
             while os.waitpid(-1, os.WNOHANG)[0] > 0:
                 pass
+        except ChildProcessError:
+            return
+        time.sleep(0.001)  # children still exiting
 
 
 def _start_command(req: dict[str, Any]) -> tuple[int, int, int, int]:
