@@ -55,9 +55,9 @@ from venusrl.engine.attention import StepBatch  # noqa: E402
 from venusrl.engine.config import EngineConfig  # noqa: E402
 from venusrl.engine.engine import Engine  # noqa: E402
 from venusrl.engine.kv_manager import DTYPES  # noqa: E402
-from venusrl.engine.model import CausalLM, ModelConfig  # noqa: E402
-from venusrl.engine.model_dir import QWEN3_DEFAULTS, build_model  # noqa: E402
-from venusrl.engine.presets import PRESETS  # noqa: E402
+from venusrl.model.architecture import CausalLM, ModelConfig  # noqa: E402
+from venusrl.model.directory import QWEN3_DEFAULTS, build_model  # noqa: E402
+from venusrl.model.presets import PRESETS  # noqa: E402
 from venusrl.types import SamplingParams  # noqa: E402
 
 SECTIONS = ("engine", "hf", "profile")
@@ -498,9 +498,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cpu", action="store_true", help="tiny sizes on the CPU (CI)")
     parser.add_argument("--device", help="default: cuda (cpu with --cpu)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: bfloat16 (fp32 on cpu)")
-    parser.add_argument(
-        "--presets", help="comma-separated model shapes (venusrl/engine/presets.py)"
-    )
+    parser.add_argument("--presets", help="comma-separated model shapes (venusrl/model/presets.py)")
     parser.add_argument("--sections", default=",".join(SECTIONS), help="of " + ",".join(SECTIONS))
     parser.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "triton"))
     parser.add_argument("--cuda-graphs", action="store_true", help="engine.cuda_graphs")

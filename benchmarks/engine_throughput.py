@@ -166,7 +166,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from venusrl.engine.model_dir import init_model_dir, read_model_config
+    from venusrl.model.directory import init_model_dir, read_model_config
 
     model_dir = args.model_dir or ROOT / "runs" / "bench-models" / args.preset
     if not (model_dir / "config.json").exists():

@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 from venusrl.engine.config import EngineConfig  # noqa: E402
 from venusrl.engine.engine import Engine, tool_return_wait_mean_s  # noqa: E402
 from venusrl.engine.kv_manager import REPREFILL_CAUSES  # noqa: E402
-from venusrl.engine.model_dir import (  # noqa: E402
+from venusrl.model.directory import (  # noqa: E402
     ModelConfigError,
     init_model_dir,
     read_model_config,

@@ -44,13 +44,13 @@ from venusrl.engine.config import EngineConfig  # noqa: E402
 from venusrl.engine.engine import Engine  # noqa: E402
 from venusrl.engine.kv_cache import KVCache  # noqa: E402
 from venusrl.engine.kv_manager import DTYPES  # noqa: E402
-from venusrl.engine.model_dir import (  # noqa: E402
+from venusrl.engine.tier_copies import StreamedLayers  # noqa: E402
+from venusrl.model.directory import (  # noqa: E402
     ModelConfigError,
     init_model_dir,
     load_model,
     read_model_config,
 )
-from venusrl.engine.tier_copies import StreamedLayers  # noqa: E402
 from venusrl.policy.critical_groups import HIGH  # noqa: E402
 from venusrl.policy.layer_residency import LayerResidency  # noqa: E402
 from venusrl.types import SamplingParams, TurnMeta  # noqa: E402

@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT))
 
 from venusrl.engine.config import EngineConfig  # noqa: E402
 from venusrl.engine.engine import Engine  # noqa: E402
-from venusrl.engine.model_dir import init_model_dir, load_model  # noqa: E402
-from venusrl.engine.presets import PRESETS  # noqa: E402
+from venusrl.model.directory import init_model_dir, load_model  # noqa: E402
+from venusrl.model.presets import PRESETS  # noqa: E402
 from venusrl.trainer.config import TrainerConfig  # noqa: E402
 from venusrl.trainer.ranks import RankedTrainer  # noqa: E402
 from venusrl.trainer.trainer import GRPOTrainer  # noqa: E402

@@ -17,7 +17,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from venusrl.engine.model_dir import init_model_dir
+from venusrl.model.directory import init_model_dir
 from venusrl.sim.calibrate import calibrate
 
 

@@ -34,10 +34,10 @@ sys.path.insert(0, str(ROOT))
 
 from venusrl.config import load_config  # noqa: E402
 from venusrl.coordinator.agent_loop import ChatFormat  # noqa: E402
-from venusrl.engine.tokenizer import Tokenizer  # noqa: E402
 from venusrl.envs.builtin.guess_number import MAX_GUESSES, GuessNumber, N  # noqa: E402
-from venusrl.envs.tool_calls import ToolCall  # noqa: E402
-from venusrl.envs.tool_formats import tool_parser  # noqa: E402
+from venusrl.model.tokenizer import Tokenizer  # noqa: E402
+from venusrl.model.tool_calls import ToolCall  # noqa: E402
+from venusrl.model.tool_formats import tool_parser  # noqa: E402
 from venusrl.runtime.evaluate import evaluation_tasks, play_policy  # noqa: E402
 from venusrl.trainer.checkpoint import checkpoints  # noqa: E402
 from venusrl.types import Trajectory  # noqa: E402

@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from venusrl.engine.model import CausalLM, ModelConfig
-from venusrl.engine.model_dir import QWEN3_DEFAULTS, build_model
-from venusrl.engine.presets import PRESETS
+from venusrl.model.architecture import CausalLM, ModelConfig
+from venusrl.model.directory import QWEN3_DEFAULTS, build_model
+from venusrl.model.presets import PRESETS
 from venusrl.trainer.config import TrainerConfig
 from venusrl.trainer.lora import add_adapters
 from venusrl.trainer.trainer import GRPOTrainer
@@ -83,10 +83,11 @@ LORA_ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "dow
 
 def layer_activations(cfg: ModelConfig, rows: list[int], attention: str) -> int:
     """Elements one decoder layer keeps for backward over packed rows of these lengths (no common
-    prefix): what `DecoderLayer.forward_rows` saves, tensor by tensor. `attention="ours"` is
-    `packed_attention` on a CPU (each row's keys and values copied per query head, its softmax
-    probabilities [heads, L, L] kept); "flash" is a fused kernel keeping q, k, v, its output and
-    a log-sum-exp per head and token: `packed_attention` on CUDA (SDPA, lower-right causal)."""
+    prefix): what `DecoderLayer.forward` saves under `CausalLM.forward_rows`, tensor by tensor.
+    `attention="ours"` is `packed_attention` on a CPU (each row's keys and values copied per
+    query head, its softmax probabilities [heads, L, L] kept); "flash" is a fused kernel keeping
+    q, k, v, its output and a log-sum-exp per head and token: `packed_attention` on CUDA (SDPA,
+    lower-right causal)."""
     h, i = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     tokens = sum(rows)

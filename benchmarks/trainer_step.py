@@ -40,9 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 from devices import device_problem
 
-from venusrl.engine.model import ModelConfig
-from venusrl.engine.model_dir import QWEN3_DEFAULTS, build_model, init_model_dir, load_model
-from venusrl.engine.presets import PRESETS
+from venusrl.model.architecture import ModelConfig
+from venusrl.model.directory import QWEN3_DEFAULTS, build_model, init_model_dir, load_model
+from venusrl.model.presets import PRESETS
 from venusrl.trainer.api import Trainer
 from venusrl.trainer.config import TrainerConfig
 from venusrl.trainer.ranks import RankedTrainer

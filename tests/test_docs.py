@@ -49,7 +49,7 @@ RUN_BY: dict[str, tuple[str, ...]] = {
         "tests/runtime/test_train.py::test_a_run_trains_on_an_environment_of_the_users_own_named_by_its_file",
     ),
     ".venv/bin/venusrl model init runs/tiny --preset tiny": (
-        "tests/engine/test_model_dir.py::test_model_init_writes_a_directory_transformers_can_load",
+        "tests/model/test_directory.py::test_model_init_writes_a_directory_transformers_can_load",
     ),
     ".venv/bin/venusrl serve --model runs/tiny --port 8000 engine.page_size=16 engine.threads=2": (
         "tests/server/test_server.py::test_openai_client_greedy_completion_matches_transformers",

@@ -16,6 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "venusrl"
 FLOORS: list[set[str]] = [
     {"types", "sections", "workloads"},  # leaves: what crosses roles, config base, workloads
     {"policy"},  # pure decisions, shared by the engine and the simulator
+    {"model"},  # the architecture, its files, tokenizer, weight streams, tool-call formats
     {"engine"},
     {"envs", "trainer"},
     {"coordinator"},

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from venusrl.config import ConfigError, load_config
-from venusrl.engine.hub import model_path
-from venusrl.engine.presets import PRESETS
+from venusrl.model.hub import model_path
+from venusrl.model.presets import PRESETS
 
 if TYPE_CHECKING:  # rich is imported by the commands that print with it
     from rich.console import Console
@@ -294,9 +294,9 @@ def _train(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     import asyncio
 
-    from venusrl.engine.tokenizer import Tokenizer
     from venusrl.envs.loading import environment_class
     from venusrl.envs.task_file import check_fields, parse_fields, read_task_file
+    from venusrl.model.tokenizer import Tokenizer
     from venusrl.runtime import evaluate
 
     samples = args.k if args.samples is None else args.samples
@@ -508,7 +508,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _model_init(args: argparse.Namespace) -> int:
     import yaml
 
-    from venusrl.engine.model_dir import init_model_dir
+    from venusrl.model.directory import init_model_dir
 
     fields: dict[str, Any] = {}
     if args.hf_config:

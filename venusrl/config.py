@@ -19,9 +19,9 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 
 from venusrl.coordinator.config import RolloutConfig
 from venusrl.engine.config import EngineConfig
-from venusrl.engine.hub import model_path
 from venusrl.envs.config import SandboxConfig
 from venusrl.envs.loading import canonical_reference
+from venusrl.model.hub import model_path
 from venusrl.runtime.config import FaultsConfig, RunConfig, RuntimeConfig
 from venusrl.sections import Section
 from venusrl.server.config import ServerConfig

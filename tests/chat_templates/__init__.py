@@ -13,7 +13,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from venusrl.engine.tokenizer import Tokenizer, build_byte_level_tokenizer
+from venusrl.model.tokenizer import Tokenizer, build_byte_level_tokenizer
 
 HERE = Path(__file__).parent
 QWEN_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")

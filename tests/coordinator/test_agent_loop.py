@@ -23,12 +23,12 @@ from venusrl.coordinator.rollouts import LocalRollouts
 from venusrl.engine.async_engine import AsyncEngine
 from venusrl.engine.config import EngineConfig
 from venusrl.engine.engine import Engine
-from venusrl.engine.model_dir import init_model_dir
-from venusrl.engine.tokenizer import Tokenizer
 from venusrl.envs import SandboxPool
 from venusrl.envs.builtin.guess_number import BinarySearchExpert, GuessNumber
 from venusrl.envs.environment import TOOL_OVERRUN_GRACE_S, SandboxVerbs, StepResult, Tool
-from venusrl.envs.tool_calls import format_tool_call
+from venusrl.model.directory import init_model_dir
+from venusrl.model.tokenizer import Tokenizer
+from venusrl.model.tool_calls import format_tool_call
 from venusrl.policy.critical_groups import BEST_EFFORT, HIGH
 from venusrl.types import (
     FailureKind,

@@ -11,9 +11,9 @@ import pytest
 from tests.chat_templates import MODELS, tokenizer, transformers_tokenizer
 from venusrl.config import ConfigError, load_config
 from venusrl.coordinator.agent_loop import ChatFormat
-from venusrl.engine.tokenizer import CHATML_TEMPLATE, Tokenizer, build_byte_level_tokenizer
 from venusrl.envs.builtin.guess_number import GuessNumber
-from venusrl.envs.tool_formats import tool_parser
+from venusrl.model.tokenizer import CHATML_TEMPLATE, Tokenizer, build_byte_level_tokenizer
+from venusrl.model.tool_formats import tool_parser
 
 OPENING = [
     {"role": "system", "content": GuessNumber.instructions},

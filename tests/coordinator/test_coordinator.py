@@ -15,11 +15,11 @@ from venusrl.coordinator.config import RolloutConfig
 from venusrl.coordinator.coordinator import Coordinator
 from venusrl.coordinator.mixing import GroupTask
 from venusrl.coordinator.rollouts import LocalRollouts
-from venusrl.engine.model_dir import init_model_dir
-from venusrl.engine.tokenizer import Tokenizer
 from venusrl.envs import SandboxPool
 from venusrl.envs.builtin.guess_number import GuessNumber
-from venusrl.envs.tool_calls import format_tool_call
+from venusrl.model.directory import init_model_dir
+from venusrl.model.tokenizer import Tokenizer
+from venusrl.model.tool_calls import format_tool_call
 from venusrl.policy.critical_groups import TurnRates
 from venusrl.types import GenerationOutput, SamplingParams, TurnMeta
 

@@ -13,16 +13,16 @@ from tests import chat_templates
 from venusrl.coordinator.agent_loop import ChatFormat, run_episode
 from venusrl.coordinator.config import RolloutConfig
 from venusrl.coordinator.demonstrations import ScriptedGenerate, in_format, retokenize
-from venusrl.engine.tokenizer import (
+from venusrl.envs import SandboxPool
+from venusrl.envs.builtin.guess_number import BinarySearchExpert, GuessNumber
+from venusrl.model.tokenizer import (
     CHATML_TEMPLATE,
     Tokenizer,
     build_byte_level_tokenizer,
     write_byte_level_tokenizer,
 )
-from venusrl.envs import SandboxPool
-from venusrl.envs.builtin.guess_number import BinarySearchExpert, GuessNumber
-from venusrl.envs.tool_calls import format_tool_call
-from venusrl.envs.tool_formats import tool_parser
+from venusrl.model.tool_calls import format_tool_call
+from venusrl.model.tool_formats import tool_parser
 from venusrl.types import Finish, SamplingParams, Trajectory
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")

@@ -13,8 +13,8 @@ from tests.conftest import TEST_DEVICE, write_hf_model
 from venusrl.engine.config import EngineConfig
 from venusrl.engine.engine import Engine, RequestError
 from venusrl.engine.kv_cache import KVCache
-from venusrl.engine.model import ModelConfigError
-from venusrl.engine.model_dir import iter_safetensors
+from venusrl.model.architecture import ModelConfigError
+from venusrl.model.directory import iter_safetensors
 from venusrl.types import SamplingParams, TurnMeta
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

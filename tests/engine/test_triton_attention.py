@@ -270,7 +270,7 @@ def test_an_engine_on_the_triton_backend_generates_what_the_torch_backend_does(
                               device=str(TEST_DEVICE))  # fmt: skip
         engine = Engine.from_model_dir(tiny_qwen3, config)
         if backend == "triton":
-            assert engine.model.layers[0].attention is kernels.triton_paged_attention
+            assert engine.forward.attention is kernels.triton_paged_attention
         outputs.append(engine.generate(prompts, params))
         assert not graphs or (engine.graphs is not None and engine.graphs._by_rows)
     for torch_out, *triton_outs in zip(*outputs, strict=True):

@@ -13,7 +13,7 @@ import pytest
 from tests.conftest import StandIn
 from tests.engine.test_backend_clients import vllm_completion, vllm_server_info
 from venusrl.config import load_config
-from venusrl.engine.model_dir import init_model_dir
+from venusrl.model.directory import init_model_dir
 from venusrl.runtime.engines import served_engine
 from venusrl.types import SamplingParams, TurnMeta
 

@@ -14,9 +14,9 @@ import torch
 from tests.runtime import SMALL
 from venusrl import cli
 from venusrl.config import load_config
-from venusrl.engine.model_dir import init_model_dir
 from venusrl.envs.builtin.math_python import TASKS
-from venusrl.envs.tool_formats import tool_parser
+from venusrl.model.directory import init_model_dir
+from venusrl.model.tool_formats import tool_parser
 from venusrl.runtime.evaluate import check_k, pass_at_k, resolve_model, summarize
 from venusrl.runtime.train import train
 from venusrl.types import Failure, FailureKind, Finish, Trajectory

@@ -20,7 +20,7 @@ from rich.console import Console
 
 from venusrl import cli
 from venusrl.config import ConfigError, load_config
-from venusrl.engine.tokenizer import CHATML_TEMPLATE, Tokenizer, build_byte_level_tokenizer
+from venusrl.model.tokenizer import CHATML_TEMPLATE, Tokenizer, build_byte_level_tokenizer
 from venusrl.runtime.loggers import JsonlLogger, RunLoggers, TensorBoardLogger, open_loggers
 from venusrl.runtime.record import read_metrics, read_records
 from venusrl.runtime.train import train

@@ -22,9 +22,9 @@ from ray.cluster_utils import Cluster
 from tests.processes import left_after, pool_processes
 from tests.runtime import NAMESPACE, SMALL
 from venusrl.config import load_config
-from venusrl.engine.model_dir import init_model_dir, load_model
-from venusrl.engine.weight_stream import WeightStream
 from venusrl.envs.builtin.treasure_hunt import TreasureHunt
+from venusrl.model.directory import init_model_dir, load_model
+from venusrl.model.weight_stream import WeightStream
 from venusrl.runtime.cluster.ray_cluster import RayCluster, check_reachable
 from venusrl.runtime.cluster.workers import RemoteGroup, RolloutFleet
 from venusrl.runtime.record import read_records

@@ -19,7 +19,7 @@ from ray.util import placement_group_table
 from tests.runtime import NAMESPACE, SMALL
 from tests.trainer.test_ranks import assert_same_weights, batch, config
 from venusrl.config import load_config
-from venusrl.engine.model_dir import init_model_dir, load_model
+from venusrl.model.directory import init_model_dir, load_model
 from venusrl.runtime.cluster.trainer_actors import RayRanks
 from venusrl.runtime.config import RuntimeConfig
 from venusrl.runtime.record import read_metrics

@@ -26,11 +26,11 @@ from venusrl import cli
 from venusrl.config import load_config
 from venusrl.coordinator.agent_loop import ChatFormat
 from venusrl.coordinator.coordinator import EpisodesFailing
-from venusrl.engine.model_dir import init_model_dir
-from venusrl.engine.tokenizer import CHATML_TEMPLATE, Tokenizer, build_byte_level_tokenizer
 from venusrl.envs.builtin.math_python import MathPython
 from venusrl.envs.pool import SandboxPool
 from venusrl.envs.types import GiB
+from venusrl.model.directory import init_model_dir
+from venusrl.model.tokenizer import CHATML_TEMPLATE, Tokenizer, build_byte_level_tokenizer
 from venusrl.runtime.plots import plot_run
 from venusrl.runtime.record import read_metrics, read_records
 from venusrl.runtime.roles import environment_mix, open_sandboxes

@@ -12,7 +12,7 @@ import torch
 
 from tests.runtime import SMALL
 from venusrl.config import load_config
-from venusrl.engine.model_dir import load_model
+from venusrl.model.directory import load_model
 from venusrl.runtime.record import read_metrics
 from venusrl.runtime.train import train
 

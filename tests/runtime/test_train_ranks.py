@@ -13,7 +13,7 @@ import pytest
 
 from tests.runtime import SMALL
 from venusrl.config import load_config
-from venusrl.engine.model_dir import load_model
+from venusrl.model.directory import load_model
 from venusrl.runtime.record import read_metrics
 from venusrl.runtime.train import train
 from venusrl.trainer.checkpoint import SHARDED, latest_checkpoint

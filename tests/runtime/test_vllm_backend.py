@@ -20,8 +20,8 @@ import pytest
 from venusrl.config import load_config
 from venusrl.engine.config import EngineConfig
 from venusrl.engine.engine import Engine
-from venusrl.engine.model_dir import init_model_dir
 from venusrl.engine.vllm_client import VllmEngine
+from venusrl.model.directory import init_model_dir
 from venusrl.runtime.record import read_records
 from venusrl.runtime.train import train
 from venusrl.types import GenerationOutput, SamplingParams, TurnMeta

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from venusrl.config import load_config
-from venusrl.engine.tokenizer import CHATML_TEMPLATE, Tokenizer, build_byte_level_tokenizer
 from venusrl.envs import SandboxPool
 from venusrl.envs.builtin.guess_number import GuessNumber
+from venusrl.model.tokenizer import CHATML_TEMPLATE, Tokenizer, build_byte_level_tokenizer
 from venusrl.runtime.roles import environment_mix
 from venusrl.runtime.run_dir import RunStart
 from venusrl.runtime.warm_start import Prepared, longest_turn, new_model, prepare_model

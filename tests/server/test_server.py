@@ -17,7 +17,7 @@ from tests.conftest import write_hf_model
 from tests.engine.test_parity_hf import reference_logprobs, reference_tokens
 from tests.server.process import serving
 from venusrl.engine.remote import RemoteEngine
-from venusrl.engine.tokenizer import Tokenizer, write_byte_level_tokenizer
+from venusrl.model.tokenizer import Tokenizer, write_byte_level_tokenizer
 from venusrl.types import GenerationOutput, SamplingParams
 
 API_KEY = "test-key"

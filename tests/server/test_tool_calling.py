@@ -18,16 +18,16 @@ import torch
 
 from tests.conftest import write_hf_model
 from tests.server.process import serving
-from venusrl.engine.model_dir import load_model
-from venusrl.engine.packed_rows import PackedRows
-from venusrl.engine.tokenizer import (
+from venusrl.model.directory import load_model
+from venusrl.model.packed_rows import PackedRows
+from venusrl.model.tokenizer import (
     CHATML_TEMPLATE,
     Tokenizer,
     build_byte_level_tokenizer,
     renders_tools,
     write_byte_level_tokenizer,
 )
-from venusrl.envs.tool_formats import tool_parser
+from venusrl.model.tool_formats import tool_parser
 from venusrl.server.bodies import ChatBody
 from venusrl.server.tool_calling import CallRules, CallWatch, template_input
 from venusrl.trainer.checkpoint import write_model_dir

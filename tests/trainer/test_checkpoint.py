@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from venusrl.engine.model_dir import init_model_dir, load_model
+from venusrl.model.directory import init_model_dir, load_model
 from venusrl.trainer.checkpoint import RunState, checkpoints, latest_checkpoint, save_checkpoint
 
 torch.set_num_threads(1)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from venusrl.engine.model import ModelConfig
-from venusrl.engine.model_dir import build_model
-from venusrl.engine.presets import PRESETS
+from venusrl.model.architecture import ModelConfig
+from venusrl.model.directory import build_model
+from venusrl.model.presets import PRESETS
 from venusrl.trainer.chunked_logprobs import token_logprobs
 from venusrl.trainer.config import TrainerConfig
 from venusrl.trainer.trainer import GRPOTrainer

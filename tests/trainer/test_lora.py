@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from tests.server.process import serving
-from venusrl.engine.model import CausalLM, Linear
-from venusrl.engine.model_dir import init_model_dir, load_model
-from venusrl.engine.packed_rows import PackedRows
+from venusrl.model.architecture import CausalLM, Linear
+from venusrl.model.directory import init_model_dir, load_model
+from venusrl.model.packed_rows import PackedRows
 from venusrl.trainer.checkpoint import RunState, latest_checkpoint, save_checkpoint
 from venusrl.trainer.config import TrainerConfig
 from venusrl.trainer.lora import LoRALinear, add_adapters, load_adapters

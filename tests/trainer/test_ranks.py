@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from venusrl.engine.engine import Engine
-from venusrl.engine.model import ModelConfigError, TornWeights
-from venusrl.engine.model_dir import init_model_dir, load_model
-from venusrl.engine.weight_stream import WeightStream
+from venusrl.model.architecture import ModelConfigError, TornWeights
+from venusrl.model.directory import init_model_dir, load_model
+from venusrl.model.weight_stream import WeightStream
 from venusrl.trainer.checkpoint import RunState, latest_checkpoint
 from venusrl.trainer.config import TrainerConfig
 from venusrl.trainer.rank_processes import ProcessRanks

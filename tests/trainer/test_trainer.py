@@ -9,9 +9,9 @@ import torch
 
 from venusrl.engine.config import EngineConfig
 from venusrl.engine.engine import Engine
-from venusrl.engine.model import CausalLM
-from venusrl.engine.model_dir import init_model_dir, load_model
-from venusrl.engine.packed_rows import PackedRows
+from venusrl.model.architecture import CausalLM
+from venusrl.model.directory import init_model_dir, load_model
+from venusrl.model.packed_rows import PackedRows
 from venusrl.trainer.config import TrainerConfig
 from venusrl.trainer.trainer import GRPOTrainer
 from venusrl.types import SamplingParams, Trajectory

@@ -26,10 +26,10 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from venusrl.coordinator.config import RolloutConfig
-from venusrl.engine.tokenizer import Tokenizer
 from venusrl.envs.environment import Environment, acting_for
-from venusrl.envs.tool_formats import ToolParser, resolve_tool_parser, with_tool_prompt
 from venusrl.envs.types import InfraFailure, SandboxPreempted
+from venusrl.model.tokenizer import Tokenizer
+from venusrl.model.tool_formats import ToolParser, resolve_tool_parser, with_tool_prompt
 from venusrl.types import (
     FailureKind,
     Finish,

@@ -9,8 +9,8 @@ from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from venusrl.envs.loading import canonical_reference, environment_class
 from venusrl.envs.task_file import SUFFIXES, check_fields
-from venusrl.envs.tool_formats import tool_parser_setting
 from venusrl.envs.types import TemplateSpec
+from venusrl.model.tool_formats import tool_parser_setting
 from venusrl.policy.staleness import StalenessBound
 from venusrl.sections import Section
 

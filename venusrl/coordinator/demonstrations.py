@@ -13,9 +13,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
-from venusrl.engine.tokenizer import Tokenizer
-from venusrl.envs.tool_calls import RESPONSE_CLOSE, RESPONSE_OPEN, ToolCall
-from venusrl.envs.tool_formats import ToolParser, tool_parser
+from venusrl.model.tokenizer import Tokenizer
+from venusrl.model.tool_calls import RESPONSE_CLOSE, RESPONSE_OPEN, ToolCall
+from venusrl.model.tool_formats import ToolParser, tool_parser
 from venusrl.types import GenerationOutput, SamplingParams, Trajectory, TurnMeta
 
 TextPolicy = Callable[[str], str]

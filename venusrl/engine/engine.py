@@ -33,13 +33,14 @@ from venusrl.engine.config import EngineConfig
 from venusrl.engine.decode_graphs import DecodeGraphs
 from venusrl.engine.host_malloc import keep_freed_memory_in_heap
 from venusrl.engine.kv_manager import DTYPES, REPREFILL_CAUSES, EngineStats, KVManager
-from venusrl.engine.model import CausalLM
-from venusrl.engine.model_dir import check_same_model, iter_safetensors, load_model
 from venusrl.engine.page_table import PageTables
+from venusrl.engine.paged_forward import PagedForward
 from venusrl.engine.request import Request, Status
 from venusrl.engine.sampler import sample
 from venusrl.engine.snapshot import snapshot
-from venusrl.engine.tokenizer import Tokenizer
+from venusrl.model.architecture import CausalLM
+from venusrl.model.directory import check_same_model, iter_safetensors, load_model
+from venusrl.model.tokenizer import Tokenizer
 from venusrl.policy.engine_schedule import (
     PriorityScheduler,
     pages_for,
@@ -82,7 +83,9 @@ class Engine:
         if torch.device(cfg.device).type == "cpu":
             keep_freed_memory_in_heap()
         self.model = model
-        model.use_attention(attention_backend(cfg.attention_backend, torch.device(cfg.device)))
+        self.forward = PagedForward(
+            model, attention_backend(cfg.attention_backend, torch.device(cfg.device))
+        )
         self.tokenizer = tokenizer
         self.scheduler = scheduler or PriorityScheduler()
         mc = model.config
@@ -114,7 +117,7 @@ class Engine:
             # The graphs record up to the final hidden states; the vocabulary projection runs
             # after a replay (a [rows, vocab] output per bucket would hold GBs at 150K vocab).
             self.graphs = DecodeGraphs(
-                model.hidden_states, self.cache.kv, cfg.max_running, max_pages, capture
+                self.forward.hidden_states, self.cache.kv, cfg.max_running, max_pages, capture
             )
             self.graphs.capture_all()  # at start, so that no step pays for a capture
         eos = set(mc.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
@@ -306,7 +309,7 @@ class Engine:
             self.model.check_whole()  # a replay never calls the model, whose forward asks
             logits = self.model.logits(self.graphs.run(batch))
         else:
-            logits = self.model(batch, self.cache.kv)
+            logits = self.forward(batch, self.cache.kv)
         self.stats.steps += 1
         finished = self._postprocess(work, logits)
         self.stats.busy_s += time.perf_counter() - began

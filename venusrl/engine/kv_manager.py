@@ -29,10 +29,10 @@ from venusrl.engine.attention import BandedPages
 from venusrl.engine.config import EngineConfig
 from venusrl.engine.kv_cache import KVCache
 from venusrl.engine.layer_bands import BandStats, LayerBands
-from venusrl.engine.model import ModelConfig
 from venusrl.engine.radix_lending import LendingRadixTree
 from venusrl.engine.radix_tree import Cached, PrefixMatch, RadixNode
 from venusrl.engine.request import Request, Status
+from venusrl.model.architecture import ModelConfig
 from venusrl.policy.critical_groups import HIGH
 from venusrl.policy.engine_schedule import RequestView, pages_for, pages_needed
 from venusrl.policy.kv_retention import (

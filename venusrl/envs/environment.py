@@ -41,16 +41,16 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
-from venusrl.envs.tool_calls import (
+from venusrl.envs.tool_schema import function_schema
+from venusrl.envs.types import ExecResult, InfraFailure, TemplateSpec
+from venusrl.model.tool_calls import (
     ToolCall,
     ToolCallError,
     clip_response,
     format_tool_response,
     json_type,
 )
-from venusrl.envs.tool_formats import ToolParser, tool_parser
-from venusrl.envs.tool_schema import function_schema
-from venusrl.envs.types import ExecResult, InfraFailure, TemplateSpec
+from venusrl.model.tool_formats import ToolParser, tool_parser
 
 log = logging.getLogger(__name__)
 # How long past `tool_timeout_s` a tool call may run before it is reported as overrunning: a tool

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from venusrl.engine.presets import PRESETS
+from venusrl.model.presets import PRESETS
 from venusrl.sections import Section
 
 LoggerName = Literal["jsonl", "tensorboard", "wandb"]

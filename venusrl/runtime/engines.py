@@ -17,10 +17,10 @@ from venusrl.config import Config
 from venusrl.engine.async_engine import AsyncEngine
 from venusrl.engine.backend_client import BackendClient
 from venusrl.engine.engine import Engine
-from venusrl.engine.model_dir import read_hf_config, read_model_config
 from venusrl.engine.remote import RemoteEngine, RemoteEngineError
 from venusrl.engine.sglang_client import SglangEngine
 from venusrl.engine.vllm_client import VllmEngine
+from venusrl.model.directory import read_hf_config, read_model_config
 from venusrl.policy.agent_admission import CacheSignal
 from venusrl.trainer.api import Trainer
 from venusrl.types import GenerationOutput, SamplingParams, TurnMeta

@@ -18,10 +18,10 @@ from typing import Any
 
 from venusrl.config import Config
 from venusrl.coordinator.agent_loop import ChatFormat, run_episode
-from venusrl.engine.tokenizer import Tokenizer
 from venusrl.envs.environment import Environment, Task
 from venusrl.envs.pool import SandboxPool
 from venusrl.envs.types import GiB
+from venusrl.model.tokenizer import Tokenizer
 from venusrl.runtime.engines import LocalEngine
 from venusrl.runtime.step_metrics import won
 from venusrl.trainer.checkpoint import latest_checkpoint

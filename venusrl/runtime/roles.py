@@ -19,13 +19,13 @@ from venusrl.coordinator.agent_loop import ChatFormat
 from venusrl.coordinator.config import MixEntry
 from venusrl.coordinator.mixing import EnvShare
 from venusrl.coordinator.rollouts import LocalRollouts, Rollouts
-from venusrl.engine.model_dir import load_model
 from venusrl.envs.environment import Environment
 from venusrl.envs.loading import environment_class
 from venusrl.envs.pool import SandboxPool
 from venusrl.envs.service import SandboxSource
 from venusrl.envs.task_file import read_task_file
 from venusrl.envs.types import GiB
+from venusrl.model.directory import load_model
 from venusrl.policy.agent_admission import AimdAdmission
 from venusrl.policy.kv_window import CriticalWindow
 from venusrl.runtime.engines import LocalEngine, ServedEngine, served_engine

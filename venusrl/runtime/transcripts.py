@@ -16,9 +16,9 @@ from rich.rule import Rule
 from rich.text import Text
 
 from venusrl.config import load_config
-from venusrl.engine.tokenizer import Tokenizer
-from venusrl.envs.tool_calls import ToolCall
-from venusrl.envs.tool_formats import ToolParser, resolve_tool_parser, tool_parser
+from venusrl.model.tokenizer import Tokenizer
+from venusrl.model.tool_calls import ToolCall
+from venusrl.model.tool_formats import ToolParser, resolve_tool_parser, tool_parser
 from venusrl.runtime import record
 from venusrl.trainer.checkpoint import checkpoints
 

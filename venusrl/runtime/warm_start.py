@@ -21,11 +21,11 @@ from venusrl.coordinator.agent_loop import ChatFormat, run_episode
 from venusrl.coordinator.config import RolloutConfig
 from venusrl.coordinator.demonstrations import ScriptedGenerate, retokenize
 from venusrl.coordinator.mixing import EnvShare, task_stream
-from venusrl.engine.model_dir import init_model_dir
-from venusrl.engine.presets import PRESETS
-from venusrl.engine.tokenizer import CHATML_TEMPLATE, Tokenizer, build_byte_level_tokenizer
 from venusrl.envs.environment import Environment, Task
 from venusrl.envs.service import SandboxSource
+from venusrl.model.directory import init_model_dir
+from venusrl.model.presets import PRESETS
+from venusrl.model.tokenizer import CHATML_TEMPLATE, Tokenizer, build_byte_level_tokenizer
 from venusrl.runtime.run_dir import RunStart, write_start_policy
 from venusrl.trainer.api import Trainer
 from venusrl.types import Finish, SamplingParams, Trajectory

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from pydantic import AfterValidator, Field
 
-from venusrl.envs.tool_formats import tool_parser_setting
+from venusrl.model.tool_formats import tool_parser_setting
 from venusrl.sections import Section
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from venusrl.engine.tokenizer import Tokenizer
+from venusrl.model.tokenizer import Tokenizer
 from venusrl.types import SamplingParams, TopLogprobs
 
 

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 
-from venusrl.engine.model import ModelConfigError
+from venusrl.model.architecture import ModelConfigError
 from venusrl.server.bodies import EndTrajectoryBody, GenerateBody, UpdateWeightsBody
 from venusrl.server.errors import ApiError
 from venusrl.server.served import Served, served, unless_disconnected

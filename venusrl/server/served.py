@@ -12,8 +12,8 @@ from fastapi import Request
 
 from venusrl.engine.async_engine import AsyncEngine
 from venusrl.engine.engine import Engine, RequestError
-from venusrl.engine.tokenizer import Tokenizer, cut_at_stop
-from venusrl.envs.tool_formats import ToolParser, resolve_tool_parser
+from venusrl.model.tokenizer import Tokenizer, cut_at_stop
+from venusrl.model.tool_formats import ToolParser, resolve_tool_parser
 from venusrl.server.bodies import SamplingBody
 from venusrl.server.errors import ApiError, checked
 from venusrl.server.streaming import Jobs, Stream, usage

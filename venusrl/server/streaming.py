@@ -14,7 +14,7 @@ from fastapi.responses import StreamingResponse
 
 from venusrl.engine.async_engine import AsyncEngine, TokenDelta
 from venusrl.engine.engine import RequestError
-from venusrl.engine.tokenizer import IncrementalDecoder, Tokenizer
+from venusrl.model.tokenizer import IncrementalDecoder, Tokenizer
 from venusrl.server.logprobs import chat_logprobs, completion_logprobs
 from venusrl.server.tool_calling import CallRules, CallWatch, call_deltas
 from venusrl.types import SamplingParams

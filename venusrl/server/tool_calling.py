@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from venusrl.envs.tool_calls import ToolCall, format_tool_response
-from venusrl.envs.tool_formats import ToolParser, with_tool_prompt
+from venusrl.model.tool_calls import ToolCall, format_tool_response
+from venusrl.model.tool_formats import ToolParser, with_tool_prompt
 
 Tools = Sequence[Mapping[str, Any]]  # OpenAI's {"type": "function", "function": {...}} schemas
 

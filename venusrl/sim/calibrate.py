@@ -29,7 +29,7 @@ import torch
 
 from venusrl.engine.config import EngineConfig
 from venusrl.engine.engine import Engine
-from venusrl.engine.model_dir import read_model_config
+from venusrl.model.directory import read_model_config
 from venusrl.sim.cost_model import CostModel, GpuSpec, ModelSpec
 from venusrl.types import SamplingParams
 

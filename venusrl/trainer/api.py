@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
-from venusrl.engine.weight_stream import WeightStream
+from venusrl.model.weight_stream import WeightStream
 from venusrl.trainer.checkpoint import RunState
 from venusrl.trainer.trainer import StepStats
 from venusrl.types import Trajectory

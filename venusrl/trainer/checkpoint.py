@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemReader
 
-from venusrl.engine.model import CausalLM
+from venusrl.model.architecture import CausalLM
 from venusrl.trainer.lora import ADAPTERS_FILE, save_adapters
 
 MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")

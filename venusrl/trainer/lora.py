@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from venusrl.engine.model import CausalLM, DecoderLayer, Linear
+from venusrl.model.architecture import CausalLM, DecoderLayer, Linear
 from venusrl.trainer.config import LORA_TARGETS
 
 # Not *.safetensors: a model directory's loader reads every such file as the model's weights.

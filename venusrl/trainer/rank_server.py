@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from venusrl.engine.weight_stream import Spec, pack
+from venusrl.model.weight_stream import Spec, pack
 from venusrl.trainer.checkpoint import SHARDED
 from venusrl.trainer.rank_link import Message, RankJob
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from venusrl.engine.weight_stream import WeightStream
+from venusrl.model.weight_stream import WeightStream
 from venusrl.trainer.checkpoint import SHARDED, RunState, commit_checkpoint
 from venusrl.trainer.config import TrainerConfig
 from venusrl.trainer.rank_link import Launch, Message, RankGone, RankJob

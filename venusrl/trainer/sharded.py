@@ -34,9 +34,9 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from venusrl.engine.model import CausalLM, Linear, ModelConfig
-from venusrl.engine.model_dir import load_model, read_model_config
-from venusrl.engine.weight_stream import WeightStream
+from venusrl.model.architecture import CausalLM, Linear, ModelConfig
+from venusrl.model.directory import load_model, read_model_config
+from venusrl.model.weight_stream import WeightStream
 from venusrl.trainer.checkpoint import SHARDED, write_weights_dir
 from venusrl.trainer.config import TrainerConfig
 from venusrl.trainer.lora import LoRALinear, add_adapters
@@ -57,10 +57,9 @@ def shard_model(model: CausalLM, config: TrainerConfig) -> CausalLM:
         if config.activation_checkpointing:
             # Inside the layer's FSDP unit, as torchtitan does: the recomputation in the
             # backward runs while the layer's parameters are gathered for its gradients.
-            forward = functools.partial(checkpoint, layer.forward_rows, use_reentrant=False)
-            setattr(layer, "forward_rows", forward)  # noqa: B010 - an instance's, not the class's
+            forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+            setattr(layer, "forward", forward)  # noqa: B010 - an instance's, not the class's
         fully_shard(layer, mp_policy=mixed, offload_policy=offload)
-        register_fsdp_forward_method(layer, "forward_rows")
     fully_shard(model, mp_policy=mixed, offload_policy=offload)
     register_fsdp_forward_method(model, "forward_rows")
     for module in model.modules():

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from venusrl.engine.model import CausalLM
-from venusrl.engine.model_dir import build_model, load_model
-from venusrl.engine.packed_rows import PackedRows
-from venusrl.engine.weight_stream import WeightStream
+from venusrl.model.architecture import CausalLM
+from venusrl.model.directory import build_model, load_model
+from venusrl.model.packed_rows import PackedRows
+from venusrl.model.weight_stream import WeightStream
 from venusrl.trainer.checkpoint import RunState, save_checkpoint, write_model_dir
 from venusrl.trainer.chunked_logprobs import token_logprobs
 from venusrl.trainer.config import LossAggregation, TrainerConfig

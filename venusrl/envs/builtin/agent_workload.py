@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from venusrl.envs.environment import Environment, StepResult, Task, Tool
-from venusrl.envs.tool_calls import clip_response, format_tool_response
 from venusrl.envs.types import MiB, TemplateSpec
+from venusrl.model.tool_calls import clip_response, format_tool_response
 from venusrl.workloads import SWE_LONG, LogNormal
 
 TIME_SCALE = 0.25

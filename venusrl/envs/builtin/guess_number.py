@@ -15,8 +15,8 @@ import random
 from collections.abc import Iterator
 
 from venusrl.envs.environment import Environment, SandboxVerbs, Task, Tool
-from venusrl.envs.tool_calls import RESPONSE_OPEN, format_tool_call
 from venusrl.envs.types import MiB, TemplateSpec
+from venusrl.model.tool_calls import RESPONSE_OPEN, format_tool_call
 
 N = 63
 MAX_GUESSES = 6

@@ -18,8 +18,8 @@ from typing import Any
 from venusrl.envs.environment import Environment, SandboxVerbs, StepResult, Task, Tool
 from venusrl.envs.numeric_answer import answer_is_correct, parse_number
 from venusrl.envs.task_file import looped_tasks, read_task_file
-from venusrl.envs.tool_calls import RESPONSE_CLOSE, RESPONSE_OPEN, format_tool_call
 from venusrl.envs.types import MiB, TemplateSpec
+from venusrl.model.tool_calls import RESPONSE_CLOSE, RESPONSE_OPEN, format_tool_call
 
 TASKS = Path(__file__).with_name("data") / "math_python.jsonl"
 _MAX_OUTPUT_BYTES = 64 << 10  # per call; the observation is capped further in characters

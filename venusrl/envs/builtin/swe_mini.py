@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from venusrl.envs.environment import Environment, SandboxVerbs, Task, Tool
-from venusrl.envs.tool_calls import RESPONSE_CLOSE, RESPONSE_OPEN, format_tool_call
 from venusrl.envs.types import InfraFailure, MiB, SandboxError, TemplateSpec
+from venusrl.model.tool_calls import RESPONSE_CLOSE, RESPONSE_OPEN, format_tool_call
 
 _REPO: dict[str, str] = {
     "mini/__init__.py": '"""A tiny utility library."""\n',

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from venusrl.envs.environment import Environment, SandboxVerbs, Task, Tool
-from venusrl.envs.tool_calls import format_tool_call
 from venusrl.envs.types import MiB, TemplateSpec
+from venusrl.model.tool_calls import format_tool_call
 
 TASK_FILE = Path(__file__).with_name("data") / "treasure_hunt.jsonl"
 TASK_FILE_SEED, TASK_FILE_ROWS = 20261204, 128  # its rows are the first of tasks(TASK_FILE_SEED)

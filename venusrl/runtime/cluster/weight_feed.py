@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import torch
 
-from venusrl.engine.weight_stream import Bucket, Spec, WeightStream
+from venusrl.model.weight_stream import Bucket, Spec, WeightStream
 from venusrl.runtime.engines import LocalEngine
 
 

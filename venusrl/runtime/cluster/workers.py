@@ -50,13 +50,13 @@ import torch
 from venusrl.config import Config
 from venusrl.coordinator.agent_loop import ChatFormat
 from venusrl.coordinator.rollouts import LocalGroup, LocalRollouts, OnTurn, failed
-from venusrl.engine.tokenizer import Tokenizer
-from venusrl.engine.weight_stream import Bucket, Spec, pack
 from venusrl.envs.accounts import PoolStats
 from venusrl.envs.environment import Environment, Task
 from venusrl.envs.pool import SandboxPool
 from venusrl.envs.sandbox import Sandbox
 from venusrl.envs.types import ExecResult, GiB, InfraFailure, SandboxCrashed, TemplateSpec
+from venusrl.model.tokenizer import Tokenizer
+from venusrl.model.weight_stream import Bucket, Spec, pack
 from venusrl.policy.critical_groups import BEST_EFFORT
 from venusrl.policy.placement import place_group
 from venusrl.runtime.cluster.ray_cluster import (

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from venusrl.engine.model import CausalLM, ModelConfig
-from venusrl.engine.model_dir import build_model
-from venusrl.engine.packed_rows import PackedRows, common_prefix_len, packed_attention
-from venusrl.engine.presets import PRESETS
+from venusrl.model.architecture import CausalLM, ModelConfig
+from venusrl.model.directory import build_model
+from venusrl.model.packed_rows import PackedRows, common_prefix_len, packed_attention
+from venusrl.model.presets import PRESETS
 
 torch.set_num_threads(1)
 

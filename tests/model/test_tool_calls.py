@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from venusrl.envs.environment import Environment, SandboxVerbs, Task, Tool
-from venusrl.envs.tool_formats import tool_parser
 from venusrl.envs.types import ExecResult, SandboxCrashed, SandboxError, TemplateSpec
+from venusrl.model.tool_formats import tool_parser
 
 
 def call(name: str, **arguments: Any) -> str:

@@ -15,8 +15,8 @@ from tests.conftest import write_hf_model
 from venusrl import cli
 from venusrl.engine.config import EngineConfig
 from venusrl.engine.engine import Engine
-from venusrl.engine.model import ModelConfigError
-from venusrl.engine.model_dir import iter_safetensors, load_model, read_model_config
+from venusrl.model.architecture import ModelConfigError
+from venusrl.model.directory import iter_safetensors, load_model, read_model_config
 from venusrl.types import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

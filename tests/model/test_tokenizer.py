@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jinja2 import TemplateError
 
-from venusrl.engine.tokenizer import (
+from venusrl.model.tokenizer import (
     IncrementalDecoder,
     Tokenizer,
     build_byte_level_tokenizer,

@@ -16,8 +16,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from venusrl.envs.tool_calls import ToolCall, ToolCallError, format_tool_call, json_type
-from venusrl.envs.tool_formats.base import ParsedCall, cut_marker_start, tagged_blocks
+from venusrl.model.tool_calls import ToolCall, ToolCallError, format_tool_call, json_type
+from venusrl.model.tool_formats.base import ParsedCall, cut_marker_start, tagged_blocks
 
 CALL_OPEN = "<tool_call>"
 CALL_CLOSE = "</tool_call>"

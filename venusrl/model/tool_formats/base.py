@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
-from venusrl.envs.tool_calls import ToolCall, ToolCallError
+from venusrl.model.tool_calls import ToolCall, ToolCallError
 
 ParsedCall = ToolCall | ToolCallError
 

@@ -9,8 +9,8 @@ import pytest
 from venusrl import cli
 from venusrl.config import ConfigError, load_config
 from venusrl.engine.engine import Engine
-from venusrl.engine.hub import model_path
-from venusrl.engine.model_dir import init_model_dir
+from venusrl.model.directory import init_model_dir
+from venusrl.model.hub import model_path
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"
 

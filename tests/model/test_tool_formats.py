@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from venusrl.envs.tool_calls import ToolCall, ToolCallError, format_tool_response
-from venusrl.envs.tool_formats import (
+from venusrl.model.tool_calls import ToolCall, ToolCallError, format_tool_response
+from venusrl.model.tool_formats import (
     TOOL_PARSERS,
     ToolParser,
     detect_tool_parser,
@@ -354,7 +354,7 @@ def test_the_format_is_detected_from_the_real_chat_template(template: str, parse
 
 
 def test_a_template_without_tools_falls_back_to_hermes():
-    from venusrl.engine.tokenizer import CHATML_TEMPLATE
+    from venusrl.model.tokenizer import CHATML_TEMPLATE
 
     assert detect_tool_parser(CHATML_TEMPLATE) is None
     assert resolve_tool_parser("auto", CHATML_TEMPLATE).name == "hermes"

@@ -5,29 +5,31 @@ queries and keys (QK norm) and has no q/k/v bias; Qwen2 has q/k/v bias and no QK
 neither. Weights keep Hugging Face names on the way in (`load_weights`), but q/k/v and gate/up
 are stored fused, which halves the number of matmuls per layer.
 
-`forward` runs one engine step over a packed batch of tokens from many sequences (no padding in
-the matmuls), reading and writing the paged KV cache through `attention.py`.
+`hidden_states` runs packed tokens of many sequences (no padding in the matmuls) with the
+attention its caller gives: the engine's over its paged KV cache (`engine/paged_forward.py`), the
+trainer's causal within each packed row (`forward_rows`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from venusrl.engine.attention import HostReads, StepBatch, paged_attention
-from venusrl.engine.attention_backend import AttentionBackend
-from venusrl.engine.kv_cache import KVCache
-from venusrl.engine.packed_rows import PackedRows, packed_attention
-from venusrl.engine.tier_copies import StreamedLayers
-from venusrl.engine.weight_stream import Spec, WeightStream, spec
+from venusrl.model.packed_rows import PackedRows, packed_attention
+from venusrl.model.weight_stream import Spec, WeightStream, spec
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 SUPPORTED_ROPE_TYPES = ("default",)
+
+
+# Layer `layer`'s attention over its q [tokens, heads, dim], k and v [tokens, kv_heads, dim]:
+# [tokens, heads * dim]. Called (q, k, v, layer).
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 class ModelConfigError(ValueError):
@@ -261,7 +263,6 @@ class DecoderLayer(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attention: AttentionBackend = paged_attention  # `CausalLM.use_attention`
 
     def _qkv(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, ...]
@@ -284,25 +285,10 @@ class DecoderLayer(nn.Module):
         return x + self.down_proj(F.silu(gate) * up)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, ...],
-        batch: StepBatch,
-        kv: KVCache,
-        host: HostReads | None = None,
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, ...], attend: Attend
     ) -> torch.Tensor:
         q, k, v = self._qkv(x, rope)
-        i = self.layer_index
-        attn = self.attention(q, k, v, kv.layer(i), batch, i, host)
-        return self._residual_and_mlp(x, attn)
-
-    def forward_rows(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, ...], rows: PackedRows
-    ) -> torch.Tensor:
-        """x: [tokens, hidden] of packed rows, causal attention within each row: the training
-        path."""
-        q, k, v = self._qkv(x, rope)
-        return self._residual_and_mlp(x, packed_attention(q, k, v, rows))
+        return self._residual_and_mlp(x, attend(q, k, v, self.layer_index))
 
 
 class CausalLM(nn.Module):
@@ -318,45 +304,39 @@ class CausalLM(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
         self.torn: str | None = None  # what broke a weight update midway (`load_weights`)
 
-    def use_attention(self, backend: AttentionBackend) -> None:
-        """The paged attention every layer runs (`engine.attention_backend`)."""
-        for layer in self.layers:
-            cast(DecoderLayer, layer).attention = backend
-
-    def forward(self, batch: StepBatch, kv: KVCache) -> torch.Tensor:
-        """Runs every token of the step; returns logits for `batch.logits_rows` only."""
-        return self.logits(self.hidden_states(batch, kv))
-
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states onto the vocabulary, in fp32 (what the sampler reads)."""
         return self.lm_head(hidden).float()
 
-    def hidden_states(self, batch: StepBatch, kv: KVCache) -> torch.Tensor:
-        """Runs every token of the step; returns the final (normed) hidden states of
-        `batch.logits_rows` only: what a decode graph records (`decode_graphs.py`), whose
-        output buffer is then [rows, hidden] rather than [rows, vocab]."""
-        self.check_whole()
-        # A banded step's host pages stream in one layer ahead of the layer that reads them.
-        streamed = StreamedLayers.of_step(batch.host_reads, kv.copies)
-        x = self.embed_tokens(batch.input_ids)
-        rope = self.rotary.tables(batch.positions, x.dtype)
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        wanted: torch.Tensor,
+        attend: Attend,
+        after_layer: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Final (normed) hidden states [len(wanted), hidden] at the packed tokens `wanted`: not
+        the whole logits, which the caller projects (`logits`) as it needs. `after_layer(i)` runs
+        once layer i is queued (the engine starts copying the next layer's host pages there)."""
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            host = None if streamed is None else streamed.layer(i)
-            x = layer(x, rope, batch, kv, host)
-            if streamed is not None:
-                streamed.prefetch(after=i)
-        return self.norm(x.index_select(0, batch.logits_rows))
+            x = layer(x, rope, attend)
+            if after_layer is not None:
+                after_layer(i)
+        return self.norm(x.index_select(0, wanted))
 
     def forward_rows(self, rows: PackedRows, wanted: torch.Tensor) -> torch.Tensor:
-        """Final (normed) hidden states [len(wanted), hidden] at the packed tokens `wanted`, with
-        autograd: what the trainer runs. Same weights and arithmetic as the paged path, without a
-        KV cache. The caller projects them onto the vocabulary (`lm_head`), the trainer chunk by
-        chunk (`trainer/chunked_logprobs.py`) so that the whole logits never exist."""
-        x = self.embed_tokens(rows.input_ids)
-        rope = self.rotary.tables(rows.positions, x.dtype)
-        for layer in self.layers:
-            x = cast(DecoderLayer, layer).forward_rows(x, rope, rows)
-        return self.norm(x.index_select(0, wanted))
+        """`hidden_states` with causal attention within each packed row, with autograd: what the
+        trainer runs, with the engine's weights and arithmetic but no KV cache. The trainer
+        projects them chunk by chunk (`trainer/chunked_logprobs.py`) so that the whole logits
+        never exist."""
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, _layer: int) -> torch.Tensor:
+            return packed_attention(q, k, v, rows)
+
+        return self.hidden_states(rows.input_ids, rows.positions, wanted, attend)
 
     # -- weights in Hugging Face naming --------------------------------------------------------
 

@@ -19,10 +19,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer as HFTokenizer
 
-from venusrl.engine.model import CausalLM, ModelConfig, ModelConfigError
-from venusrl.engine.presets import PRESETS
-from venusrl.engine.tokenizer import build_byte_level_tokenizer, write_byte_level_tokenizer
-from venusrl.engine.weight_stream import Spec, WeightStream
+from venusrl.model.architecture import CausalLM, ModelConfig, ModelConfigError
+from venusrl.model.presets import PRESETS
+from venusrl.model.tokenizer import build_byte_level_tokenizer, write_byte_level_tokenizer
+from venusrl.model.weight_stream import Spec, WeightStream
 
 # safetensors' header names of dtypes; any other is announced as bytes (not floating-point).
 _SAFETENSORS_DTYPES = {

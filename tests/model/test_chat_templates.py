@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from tests.chat_templates import MODELS, tokenizer, transformers_tokenizer
-from venusrl.engine.tokenizer import CHATML_TEMPLATE, Tokenizer, build_byte_level_tokenizer
 from venusrl.envs.environment import Tool
+from venusrl.model.tokenizer import CHATML_TEMPLATE, Tokenizer, build_byte_level_tokenizer
 
 
 def lookup(key: str, table: str = "main") -> str:

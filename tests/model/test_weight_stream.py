@@ -14,8 +14,8 @@ import torch
 
 from tests.engine.test_engine import GREEDY, engine_for
 from venusrl.engine.engine import Engine
-from venusrl.engine.model import ModelConfigError, TornWeights
-from venusrl.engine.weight_stream import Spec, WeightStream, pack, spec
+from venusrl.model.architecture import ModelConfigError, TornWeights
+from venusrl.model.weight_stream import Spec, WeightStream, pack, spec
 
 
 def other_weights(engine: Engine, seed: int = 1) -> dict[str, torch.Tensor]:

@@ -25,14 +25,14 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from venusrl.envs.tool_calls import ToolCall, ToolCallError
-from venusrl.envs.tool_formats.base import (
+from venusrl.model.tool_calls import ToolCall, ToolCallError
+from venusrl.model.tool_formats.base import (
     ParsedCall,
     cut_marker_start,
     function_schemas,
     tagged_blocks,
 )
-from venusrl.envs.tool_formats.hermes import CALL_CLOSE, CALL_OPEN
+from venusrl.model.tool_formats.hermes import CALL_CLOSE, CALL_OPEN
 
 _FUNCTION = re.compile(r"\s*<function=([^>\n]*)>(.*?)</function>\s*", re.DOTALL)
 _PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)</parameter>", re.DOTALL)

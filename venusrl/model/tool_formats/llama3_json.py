@@ -14,9 +14,9 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from venusrl.envs.tool_calls import ToolCallError
-from venusrl.envs.tool_formats.base import ParsedCall, cut_marker_start
-from venusrl.envs.tool_formats.hermes import json_call
+from venusrl.model.tool_calls import ToolCallError
+from venusrl.model.tool_formats.base import ParsedCall, cut_marker_start
+from venusrl.model.tool_formats.hermes import json_call
 
 PYTHON_TAG = "<|python_tag|>"
 _LINE_OPENS_OBJECT = re.compile(r"(?:^|\n)[ \t]*\{")

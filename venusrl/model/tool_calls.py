@@ -1,6 +1,6 @@
 """A tool call as the environment runs it, and the tool responses of our own rendering.
 
-Parsing a call out of model text is the model's format's business (`venusrl.envs.tool_formats`:
+Parsing a call out of model text is the model's format's business (`venusrl.model.tool_formats`:
 one parser per family of chat templates); what comes out is a `ToolCall`, or a `ToolCallError`
 whose message is written for the model to read, so that it can learn the format from its
 mistakes. Parsing never raises on model text.

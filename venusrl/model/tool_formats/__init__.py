@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import logging
 
-from venusrl.envs.tool_formats.base import ParsedCall, ToolParser, with_tool_prompt
-from venusrl.envs.tool_formats.hermes import Hermes
-from venusrl.envs.tool_formats.llama3_json import Llama3Json
-from venusrl.envs.tool_formats.qwen3_coder import Qwen3Coder
+from venusrl.model.tool_formats.base import ParsedCall, ToolParser, with_tool_prompt
+from venusrl.model.tool_formats.hermes import Hermes
+from venusrl.model.tool_formats.llama3_json import Llama3Json
+from venusrl.model.tool_formats.qwen3_coder import Qwen3Coder
 
 __all__ = [
     "TOOL_PARSERS",
