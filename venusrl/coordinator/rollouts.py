@@ -6,7 +6,7 @@ process: the member's sandbox forks from the group's zygote, the agent loop driv
 turn by turn, and every request carries the group's current priority. On a Ray cluster each
 rollout worker runs a `LocalRollouts` of its own next to its engine and its sandbox pool, so an
 episode is one call from the coordinator, not one per turn and per tool call
-(`venusrl.runtime.cluster.workers`).
+(`venusrl.runtime.cluster.worker`).
 """
 
 from __future__ import annotations

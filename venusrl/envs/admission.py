@@ -39,7 +39,7 @@ class Entry:
     """Something the pool's memory is committed to: a sandbox or a zygote."""
 
     key: str  # the estimator's template key
-    priority: int
+    own_priority: int  # a zygote's or a single sandbox's; a member ranks as its group (`priority`)
     seq: int
     declared_bytes: int
     cgroup: Cgroup
@@ -51,13 +51,24 @@ class Entry:
     group: Group | None = None  # a member's group, from its admission on
     private_zygote: Zygote | None = None  # the cold baseline's own interpreter
 
+    @property
+    def priority(self) -> int:
+        """Its rank while it runs: a member's is its group's, which the coordinator re-ranks
+        (the group holds it; nothing copies it)."""
+        if self.group is not None and not self.is_zygote:
+            return self.group.priority
+        return self.own_priority
+
 
 @dataclass(eq=False)
 class _Pending:
     entry: Entry
-    priority: int
     admitted: asyncio.Future[None]
-    group: Group | None  # a member's group: it waits at the group's priority
+    group: Group | None  # the group it is for (a member's or a zygote's): it waits at its rank
+
+    @property
+    def priority(self) -> int:
+        return self.entry.priority if self.group is None else self.group.priority
 
 
 class Admission:
@@ -111,9 +122,10 @@ class Admission:
         declared = spec.declared_memory_bytes
         return Entry(key, priority, next(self._seq), declared, cgroup, record, is_zygote=zygote)
 
-    async def wait(self, entry: Entry, priority: int, group: Group | None = None) -> None:
-        """Wait until the policy admits this entry (bounded by the admission timeout); a member
-        of `group` waits at the group's priority as it is re-ranked."""
+    async def wait(self, entry: Entry, group: Group | None = None) -> None:
+        """Wait until the policy admits this entry (bounded by the admission timeout); an entry
+        for `group` (a member, or the group's zygote) waits at the group's priority as it is
+        re-ranked."""
         need = self.peaks().get(entry.key, entry.declared_bytes)
         limit = self.budget_bytes * getattr(self.policy, "safety_fraction", 1.0)
         if need > limit:
@@ -123,7 +135,7 @@ class Admission:
                 "raise the budget"
             )
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        pending = _Pending(entry, priority, fut, group)
+        pending = _Pending(entry, fut, group)
         self.pending.append(pending)
         try:
             await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
@@ -157,19 +169,6 @@ class Admission:
                 p.admitted.set_exception(error)
                 p.admitted.exception()  # its waiter may be gone already: nothing to log
         self.pending.clear()
-
-    def set_group_priority(self, group: Group, priority: int) -> None:
-        """The group's members rank at `priority` from now on, waiting or running (its zygote
-        keeps the zygotes' rank). A member admitted but not yet started takes the group's
-        priority when it starts (`SandboxPool._create_member`)."""
-        for p in self.pending:
-            if p.group is group:
-                p.priority = p.entry.priority = priority
-        for entry in self.running.values():
-            if entry.group is group and not entry.is_zygote:
-                entry.priority = priority
-                if entry.sandbox is not None:
-                    entry.sandbox.priority = priority
 
     # --- measuring and deciding ---------------------------------------------------------------
 

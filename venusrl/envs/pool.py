@@ -75,9 +75,7 @@ class SandboxGroup(list[Sandbox]):
     def set_priority(self, priority: int) -> None:
         """The group's members, waiting for admission or running, rank at `priority` from now
         on: higher ones are admitted first and preempted last (the coordinator re-ranked it)."""
-        if priority != self._state.priority:
-            self._state.priority = priority
-            self._pool._admission.set_group_priority(self._state, priority)
+        self._state.priority = priority  # its members and their waits read it from there
 
     async def close(self) -> None:
         self._state.release_when_empty = True
@@ -227,7 +225,7 @@ class SandboxPool:
         key = f"{t.spec.name}:zygote"
         entry = self._admission.new_entry(key, ZYGOTE_PRIORITY, t.spec, cgroup, zygote=True)
         group.zygote_entry = entry.record.sandbox_id
-        await self._admit(entry, group.priority)
+        await self._admit(entry, group)
         try:
             await self._warm.start_group_zygote(t, group, cgroup)
         except (ZygoteError, OSError) as e:
@@ -304,11 +302,10 @@ class SandboxPool:
         cgroup = self._cgroup.child(sid)
         key = f"{t.spec.name}:{'member' if self.share_pages else 'cold'}"
         entry = self._admission.new_entry(key, priority, t.spec, cgroup, record_id=sid)
-        await self._admit(entry, priority, group)
+        await self._admit(entry, group)
         if group is not None:
             entry.group = group
             group.members += 1
-            entry.priority = group.priority  # re-ranked between its admission and now
         try:
             if group is not None and group.released:
                 raise SandboxError(f"group {group.group_id} was closed")
@@ -334,7 +331,7 @@ class SandboxPool:
         sid, cgroup = entry.record.sandbox_id, entry.cgroup
         sock, entry.private_zygote = await self._warm.spawn(t, group, sid, cgroup)
         return await Sandbox.connect(
-            self, sid, t.spec.name, entry.priority, cgroup, sock, self.start_timeout_s
+            self, sid, t.spec.name, cgroup, sock, self.start_timeout_s
         )
 
     async def fork_sandbox(self, parent: Sandbox) -> Sandbox:
@@ -343,7 +340,7 @@ class SandboxPool:
             raise SandboxError(f"sandbox {parent.id} is not running")
         t = self._warm.template(parent.template)
         header, blobs = await parent.export_state(2 * t.spec.workspace_bytes + FORK_STATE_BYTES)
-        child = await self._create_member(t, entry.group, parent.priority)
+        child = await self._create_member(t, entry.group, entry.priority)
         try:
             await child.import_state(header, blobs)
         except BaseException:
@@ -354,10 +351,10 @@ class SandboxPool:
 
     # --- admission ----------------------------------------------------------------------------
 
-    async def _admit(self, entry: Entry, priority: int, group: Group | None = None) -> None:
+    async def _admit(self, entry: Entry, group: Group | None = None) -> None:
         self._check_open()
         try:
-            await self._admission.wait(entry, priority, group)
+            await self._admission.wait(entry, group)
         except BaseException:
             if entry.record.sandbox_id in self._admission.running:
                 self._finish(entry, "failed")  # admitted meanwhile, but nobody will use it

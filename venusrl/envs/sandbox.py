@@ -65,14 +65,12 @@ class Sandbox:
         owner: SandboxOwner,
         sandbox_id: str,
         template: str,
-        priority: int,
         cgroup: Cgroup,
         sock: socket.socket,
     ) -> None:
         """Made by a pool (`connect`), not by hand."""
         self.id = sandbox_id
         self.template = template
-        self.priority = priority  # its group's, as the coordinator re-ranks it
         self.cgroup = cgroup
         self.dropped_state: list[str] = []  # after `fork`: the globals that could not be carried
         self._owner = owner
@@ -95,13 +93,12 @@ class Sandbox:
         owner: SandboxOwner,
         sandbox_id: str,
         template: str,
-        priority: int,
         cgroup: Cgroup,
         sock: socket.socket,
         timeout_s: float,
     ) -> Sandbox:
         """The handle on a started member, once it said it is ready on `sock`."""
-        sb = cls(owner, sandbox_id, template, priority, cgroup, sock)
+        sb = cls(owner, sandbox_id, template, cgroup, sock)
         reader, sb._writer = await asyncio.open_unix_connection(sock=sock, limit=1 << 20)
         hello, _ = await asyncio.wait_for(wire.read(reader, 0), timeout_s)
         if not hello.get("ready"):

@@ -1,5 +1,5 @@
 """What a run needs of a sandbox service: the local `SandboxPool`; on a Ray cluster the rollout
-workers (`runtime.cluster.workers.RolloutFleet`) make single sandboxes for the warm start, and
+workers (`runtime.cluster.fleet.RolloutFleet`) make single sandboxes for the warm start, and
 each runs its groups on a pool of its own."""
 
 from __future__ import annotations

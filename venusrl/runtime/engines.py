@@ -1,6 +1,6 @@
 """The rollout engine of a run in one process: in-process on its own thread, or served over
 HTTP (`venusrl serve`, or a vLLM or SGLang server: `rollout.backend`). On a Ray cluster each
-rollout worker runs a `LocalEngine` of its own (`runtime.cluster.workers`)."""
+rollout worker runs a `LocalEngine` of its own (`runtime.cluster.worker`)."""
 
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ from venusrl.trainer.trainer import GRPOTrainer
 from venusrl.types import SamplingParams
 
 if TYPE_CHECKING:  # ray is imported for Ray runs only
-    from venusrl.runtime.cluster.workers import RolloutFleet
+    from venusrl.runtime.cluster.fleet import RolloutFleet
 
 
 class RolloutEngine(Protocol):
@@ -109,8 +109,8 @@ def start_fleet(cfg: Config, stack: contextlib.AsyncExitStack) -> RolloutFleet:
     """The run's rollout workers, on the cluster `runtime.address` names (or one started here,
     shut down with the run)."""
     try:
+        from venusrl.runtime.cluster.fleet import RolloutFleet
         from venusrl.runtime.cluster.ray_cluster import RayCluster
-        from venusrl.runtime.cluster.workers import RolloutFleet
     except ModuleNotFoundError as e:
         raise ValueError(f"runtime.kind=ray needs Ray ({e}): pip install 'venusrl[ray]'") from None
     cluster = RayCluster(cfg.runtime)

@@ -9,7 +9,7 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
@@ -18,6 +18,10 @@ from venusrl.runtime.config import RuntimeConfig
 from venusrl.trainer.config import TrainerConfig
 
 T = TypeVar("T")
+P = ParamSpec("P")
+Actor = TypeVar("Actor")
+# A method of an actor's class, named to call it on a handle: its arguments and result typed.
+Method = Callable[Concatenate[Actor, P], Awaitable[T]]
 log = logging.getLogger(__name__)
 # Actor calls this process made, by method name: each costs the caller ~1 ms of CPU (submission,
 # serialisation), what the Ray runtime adds over one process (`cluster.json`, runtime_overhead.py).
@@ -107,12 +111,22 @@ def check_reachable(address: str | None) -> None:
         raise ValueError(f"runtime.address: nothing answers at {address} ({e})") from None
 
 
-async def call(method: Any, *args: Any) -> Any:
-    """`await actor.method.remote(*args)`, with the method's own exception re-raised as it is
-    (a sandbox error stays a sandbox error) and a dead actor as `ActorLost`."""
-    CALLS[getattr(method, "_method_name", "?")] += 1
+def by_ref(value: T) -> T:
+    """`value` put in the object store once, for many actor calls to share: Ray hands each call
+    the object itself (an argument that is a ref is resolved), so the calls type as with `T`."""
+    return cast(T, ray.put(value))
+
+
+async def call(actor: Any, method: Method[Actor, P, T], *args: P.args, **kw: P.kwargs) -> T:
+    """`await actor.method.remote(*args, **kw)`, `method` given as the actor class's own (so a
+    call is type-checked as a local one would be; Ray's handles are untyped), with the method's
+    own exception re-raised as it is (a sandbox error stays a sandbox error) and a dead actor as
+    `ActorLost`."""
+    name = method.__name__
+    CALLS[name] += 1
     try:
-        return await method.remote(*args)
+        result: T = await getattr(actor, name).remote(*args, **kw)
+        return result
     except RayTaskError as e:
         if isinstance(e.cause, BaseException):
             raise e.cause from None
@@ -162,11 +176,14 @@ class Replicas:
         task.add_done_callback(self._reviving.discard)
         return True
 
-    async def call(self, i: int, epoch: int, method: Any, *args: Any) -> Any:
-        """`call(method, *args)` on actor i, made at `epoch`; if the actor is dead, it is taken
-        out of service (and brought back) before `ActorLost` reaches the caller."""
+    async def call(
+        self, i: int, epoch: int, actor: Any, method: Method[Actor, P, T],
+        *args: P.args, **kw: P.kwargs,
+    ) -> T:  # fmt: skip
+        """`call(actor, method, ...)` on actor i, made at `epoch`; if the actor is dead, it is
+        taken out of service (and brought back) before `ActorLost` reaches the caller."""
         try:
-            return await call(method, *args)
+            return await call(actor, method, *args, **kw)
         except ActorLost:
             self.lost(i, epoch)
             raise

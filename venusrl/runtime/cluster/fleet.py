@@ -1,9 +1,7 @@
-"""Rollout workers: an engine, a sandbox pool and the agent loops beside them, as one Ray actor.
-
-Each worker runs, in its own process on the CPUs or GPUs Ray gives it, what one process runs
-locally: the in-process engine on its thread, a sandbox pool with the node's memory (shared out
-among the workers of the node), and the agent loops of the groups placed on it
-(`coordinator.rollouts.LocalRollouts`). The coordinator's driver-side view is `RolloutFleet`:
+"""The run's rollout workers (`worker.RolloutWorker`, one Ray actor each: an engine, a sandbox
+pool and the agent loops beside them), seen from the driver as the coordinator's `Rollouts`, the
+trainer's weight publisher and the warm start's sandbox source. Every call names the worker's
+method itself (`ray_cluster.call`), so the seam is type-checked as a local call is.
 
 - **One call per episode.** A member's whole episode (fork its sandbox from the group's zygote,
   every turn's generation, every tool call, the reward) runs in the worker; the trajectory comes
@@ -36,8 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -45,253 +41,37 @@ from pathlib import Path
 from typing import Any
 
 import ray
-import torch
 
 from venusrl.config import Config
-from venusrl.coordinator.agent_loop import ChatFormat
-from venusrl.coordinator.rollouts import LocalGroup, LocalRollouts, OnTurn, failed
+from venusrl.coordinator.rollouts import OnTurn, failed
 from venusrl.envs.accounts import PoolStats
 from venusrl.envs.environment import Environment, Task
-from venusrl.envs.pool import SandboxPool
-from venusrl.envs.sandbox import Sandbox
-from venusrl.envs.types import ExecResult, GiB, InfraFailure, SandboxCrashed, TemplateSpec
-from venusrl.model.tokenizer import Tokenizer
-from venusrl.model.weight_stream import Bucket, Spec, pack
+from venusrl.envs.types import ExecResult, InfraFailure, SandboxCrashed, TemplateSpec
+from venusrl.model.weight_stream import Bucket, pack
 from venusrl.policy.critical_groups import BEST_EFFORT
 from venusrl.policy.placement import place_group
 from venusrl.runtime.cluster.ray_cluster import (
     ActorLost,
+    Method,
+    P,
     RayCluster,
     Replicas,
-    at_default_priority,
+    T,
+    by_ref,
     call,
     until_alive,
 )
-from venusrl.runtime.cluster.weight_feed import WeightFeed
-from venusrl.runtime.engines import LocalEngine
-from venusrl.runtime.faults import engine_faults, sandbox_faults
+from venusrl.runtime.cluster.worker import RolloutWorker, WorkerReport
 from venusrl.trainer.api import Trainer
-from venusrl.types import (
-    FailureKind,
-    Finish,
-    GenerationOutput,
-    SamplingParams,
-    Trajectory,
-    TurnMeta,
-    TurnTimes,
-)
+from venusrl.types import FailureKind, Finish, SamplingParams, Trajectory, TurnTimes
 
 START_TIMEOUT_S = 600.0  # loading a large model onto a GPU takes a while
 RESTART_TIMEOUT_S = 300.0
-NODE_MEMORY_FRACTION = 0.8  # of the node's available memory, at most, for its sandboxes
-SANDBOX_VERBS = ("exec", "run_python", "read_file", "write_file")
-
-
-def _available_memory_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise OSError("/proc/meminfo has no MemAvailable")
 
 
 def _add(total: dict[str, float], counts: Mapping[str, float]) -> None:
     for key, value in counts.items():
         total[key] = total.get(key, 0) + value
-
-
-class RolloutWorker:
-    """One rollout worker (a Ray actor). Groups and sandboxes are named by keys."""
-
-    def __init__(self, cfg: dict[str, Any], index: int) -> None:
-        at_default_priority()
-        self.cfg = Config.model_validate(cfg)
-        self.index = index
-        torch.set_num_threads(self.cfg.engine.threads or 1)
-        self.pool: SandboxPool | None = None
-        self.engine: LocalEngine | None = None
-        self.rollouts: LocalRollouts | None = None
-        self._groups: dict[str, LocalGroup] = {}
-        self._sandboxes: dict[str, Sandbox] = {}
-        self._progress: dict[str, tuple[int, int]] = {}  # episodes in flight: tokens, turns
-        self.served: set[str] = set()  # trajectory ids this engine generated for
-        self._faults: list[asyncio.Task[None]] = []  # `faults.*_sandboxes`
-        self._feed: WeightFeed | None = None  # a publish under way
-
-    def node_id(self) -> str:
-        return str(ray.get_runtime_context().get_node_id())
-
-    async def ready(self, templates: list[TemplateSpec], workers_on_node: int) -> str:
-        """Start the pool (its share of the node's memory) and prepare `templates` (again,
-        after a restart); the node's id."""
-        if self.pool is None:
-            sb = self.cfg.sandbox
-            # Sized from the node: the configured budget, but never more than the node can give.
-            node_budget = min(
-                int(sb.memory_budget_gib * GiB),
-                int(NODE_MEMORY_FRACTION * _available_memory_bytes()),
-            )
-            pool = SandboxPool(
-                node_budget // workers_on_node, admission=sb.admission, share_pages=sb.share_pages
-            )
-            await pool.start()
-            self.pool = pool
-        for spec in templates:
-            await self.pool.prepare_template(spec)
-        return self.node_id()
-
-    def room(self) -> int:
-        return self._pool().room_bytes()
-
-    async def start_engine(
-        self,
-        model_files: dict[str, bytes],
-        version: int,
-        sampling: SamplingParams,
-    ) -> None:
-        # The engine and the tokenizer read the files once: the directory goes right after, so a
-        # worker that is killed leaves nothing behind in /tmp.
-        with tempfile.TemporaryDirectory(prefix="venusrl-engine-") as tmp:
-            model_dir = Path(tmp)
-            for name, data in model_files.items():
-                (model_dir / name).write_bytes(data)
-            tokenizer = Tokenizer.load(model_dir)
-            if tokenizer is None or tokenizer.chat_template is None:
-                raise ValueError("the published model needs a tokenizer with a chat template")
-            self.engine = LocalEngine(model_dir, self.cfg, version)
-        seed = self.cfg.run.seed + self.index
-        generate = engine_faults(self._generate, self.cfg.faults, seed)
-        fmt = ChatFormat(tokenizer, self.cfg.rollout.tool_parser)
-        self.rollouts = LocalRollouts(
-            self._pool(), generate, fmt, sampling, self.cfg.rollout,
-            end_trajectory=self.engine.end_trajectory,
-            resume_preempted=False,  # the fleet moves it to another worker
-        )  # fmt: skip
-        # From here on: the warm start's sandboxes are spared, as in one process.
-        self._faults = sandbox_faults(self._pool(), self.cfg.faults, seed)
-
-    async def _generate(
-        self, prompt_ids: list[int], params: SamplingParams, meta: TurnMeta
-    ) -> GenerationOutput:
-        assert self.engine is not None
-        if meta.trajectory_id is not None:
-            self.served.add(meta.trajectory_id)
-        return await self.engine.generate(prompt_ids, params, meta)
-
-    async def engine_counters(self) -> dict[str, float]:
-        return {} if self.engine is None else await self.engine.counters()
-
-    def pool_stats(self) -> PoolStats:
-        return self._pool().stats()
-
-    async def begin_weights(self, manifest: dict[str, Spec], version: int) -> None:
-        """An update of the engine's weights to `version`: announced by `manifest` (answered
-        once the engine accepts it), its buckets to come (`weights_bucket`), then
-        `end_weights`."""
-        if self.engine is None:  # restarted since the publish began: it waits for the next
-            raise ActorLost("the worker restarted: no engine to update yet")
-        timeout_s = self.cfg.trainer.rank_timeout_s  # the longest the trainer may take
-        self._feed = WeightFeed(self.engine, manifest, version, timeout_s)
-        await self._feed.started()
-
-    async def weights_bucket(self, bucket: Bucket) -> None:
-        """Answered once the engine has copied `bucket`. A worker restarted since the update
-        began has no feed: it answers as a lost actor, so that the publish leaves it out (it
-        waits for the next) rather than fail for every engine."""
-        if self._feed is None:
-            raise ActorLost("the worker restarted during a weight update")
-        await self._feed.give(bucket)
-
-    async def end_weights(self, broke: str | None) -> None:
-        feed, self._feed = self._feed, None
-        if feed is not None:
-            await feed.end(broke)
-
-    # --- groups and their episodes ----------------------------------------------------------
-
-    async def open_group(self, key: str, env: type[Environment], task: Task, priority: int) -> None:
-        rollouts = self._rollouts()
-        rollouts.set_priorities({**rollouts.priority, key: priority})
-        self._groups[key] = await rollouts.open_group(key, env, task, priority)
-
-    async def play(
-        self, key: str, trajectory_id: str, replay: Trajectory | None
-    ) -> tuple[Trajectory, float, dict[str, tuple[int, int]]]:
-        """One member's episode of group `key` (going on from `replay`, when given); when it
-        started on this worker's clock; the progress of the other episodes in flight here."""
-        started = time.monotonic()
-        group = self._groups.get(key)
-        if group is None:  # this worker restarted since the group opened
-            raise SandboxCrashed(f"group {key} is not on this worker (it restarted)")
-        self._progress[trajectory_id] = (0, 0)
-        try:
-            traj = await group.play(
-                trajectory_id,
-                lambda tokens, turns: self._progress.__setitem__(trajectory_id, (tokens, turns)),
-                replay,
-            )
-        finally:
-            del self._progress[trajectory_id]
-        return traj, started, dict(self._progress)
-
-    async def close_group(self, key: str) -> None:
-        group = self._groups.pop(key, None)
-        if group is not None:
-            await group.close()
-
-    def set_priorities(self, priority: dict[str, int]) -> None:
-        self._rollouts().set_priorities(priority)
-
-    # --- single sandboxes (the warm start's demonstrations) ---------------------------------
-
-    async def create(
-        self, template: str, priority: int, setup: str | None, files: Mapping[str, bytes] | None
-    ) -> str:
-        sb = await self._pool().create(template, priority, setup, files)
-        self._sandboxes[sb.id] = sb
-        return sb.id
-
-    async def verb(self, sandbox: str, name: str, args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
-        if name not in SANDBOX_VERBS:
-            raise ValueError(f"{name} is not a sandbox verb")
-        sb = self._sandboxes.get(sandbox)
-        if sb is None:
-            raise SandboxCrashed(f"sandbox {sandbox} is not on this worker (it restarted)")
-        return await getattr(sb, name)(*args, **kw)
-
-    async def close_sandbox(self, sandbox: str) -> None:
-        sb = self._sandboxes.pop(sandbox, None)
-        if sb is not None:
-            await sb.close()
-
-    # --- reports and shutdown ---------------------------------------------------------------
-
-    def report(self) -> dict[str, Any]:
-        return {
-            "node": self.node_id(),
-            "pid": os.getpid(),  # its sandbox pool's is named after it (`envs.orphans`)
-            "pool": self._pool().stats().as_dict(),
-            "served": sorted(self.served),
-            "episodes_in_flight": len(self._progress),
-        }
-
-    async def shutdown(self) -> None:
-        for task in self._faults:
-            task.cancel()
-        if self.engine is not None:
-            await self.engine.close()
-        if self.pool is not None:
-            await self.pool.close()
-
-    def _pool(self) -> SandboxPool:
-        if self.pool is None:
-            raise RuntimeError("the worker's pool is not started: call ready() first")
-        return self.pool
-
-    def _rollouts(self) -> LocalRollouts:
-        if self.rollouts is None:
-            raise RuntimeError("the worker has no engine yet: call start_engine() first")
-        return self.rollouts
 
 
 class RemoteSandbox:
@@ -305,17 +85,16 @@ class RemoteSandbox:
     async def exec(
         self, command: str | Sequence[str], /, *, timeout_s: float, max_output_bytes: int
     ) -> ExecResult:
-        kw = {"timeout_s": timeout_s, "max_output_bytes": max_output_bytes}
-        return await self._verb("exec", (command,), kw)
+        return await self._call(RolloutWorker.exec, self.id, command, timeout_s, max_output_bytes)
 
     async def run_python(self, source: str, /, *, timeout_s: float) -> ExecResult:
-        return await self._verb("run_python", (source,), {"timeout_s": timeout_s})
+        return await self._call(RolloutWorker.run_python, self.id, source, timeout_s)
 
     async def read_file(self, path: str, /) -> bytes:
-        return await self._verb("read_file", (path,), {})
+        return await self._call(RolloutWorker.read_file, self.id, path)
 
     async def write_file(self, path: str, data: bytes, /) -> None:
-        await self._verb("write_file", (path, data), {})
+        await self._call(RolloutWorker.write_file, self.id, path, data)
 
     async def close(self) -> None:
         if self._closed:
@@ -323,10 +102,10 @@ class RemoteSandbox:
         self._closed = True
         self._fleet.single_sandboxes -= 1
         with contextlib.suppress(SandboxCrashed):
-            await self._fleet.call(self.worker, self._epoch, "close_sandbox", self.id)
+            await self._call(RolloutWorker.close_sandbox, self.id)
 
-    async def _verb(self, name: str, args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
-        return await self._fleet.call(self.worker, self._epoch, "verb", self.id, name, args, kw)
+    async def _call(self, method: Method[RolloutWorker, P, T], *args: P.args, **kw: P.kwargs) -> T:
+        return await self._fleet.call(self.worker, self._epoch, method, *args, **kw)
 
 
 class RemoteGroup:
@@ -389,7 +168,7 @@ class RemoteGroup:
         sent = time.monotonic()
         try:
             traj, started, progress = await fleet.call(
-                worker, epoch, "play", self.group_id, tid, replay
+                worker, epoch, RolloutWorker.play, self.group_id, tid, replay
             )
         except Exception as e:  # the worker died, or the episode failed there
             return failed(
@@ -414,7 +193,7 @@ class RemoteGroup:
         self.fleet.group_closed(self.group_id)
         for worker, epoch in self.opened.items():
             with contextlib.suppress(InfraFailure):
-                await self.fleet.call(worker, epoch, "close_group", self.group_id)
+                await self.fleet.call(worker, epoch, RolloutWorker.close_group, self.group_id)
 
 
 class RolloutFleet:
@@ -424,7 +203,7 @@ class RolloutFleet:
     def __init__(self, cfg: Config, cluster: RayCluster) -> None:
         rt = cfg.runtime
         self.cfg, self.cluster = cfg, cluster
-        self.workers: list[Any] = [
+        self.workers: list[Any] = [  # Ray's handles, untyped: called through `call`
             ray.remote(RolloutWorker)
             .options(
                 name=f"rollout-{i}",
@@ -434,7 +213,7 @@ class RolloutFleet:
                 max_restarts=rt.actor_restarts,
                 max_task_retries=0,  # an episode lost with its worker is the coordinator's call
             )
-            .remote(cfg.model_dump(), i)
+            .remote(cfg, i)
             for i in range(rt.engines)
         ]
         n = len(self.workers)
@@ -455,7 +234,7 @@ class RolloutFleet:
         self._pushed: list[dict[str, int]] = [{} for _ in range(n)]
         self._to_push: dict[int, dict[str, int]] = {}
         self._pushers: dict[int, asyncio.Task[None]] = {}
-        self._engine: tuple[Any, int, SamplingParams] | None = None
+        self._engine: tuple[dict[str, bytes], int, SamplingParams] | None = None
         self._published: int | None = None  # the version of the last publish
         # Workers restarted since it, their engines loaded, waiting for the next; a wait leaves
         # only as it is resolved (`_resolve`), so no publish, however it fails, can lose one.
@@ -472,7 +251,8 @@ class RolloutFleet:
         try:
             self.nodes = list(
                 await asyncio.wait_for(
-                    asyncio.gather(*(call(w.node_id) for w in self.workers)), START_TIMEOUT_S
+                    asyncio.gather(*(call(w, RolloutWorker.node_id) for w in self.workers)),
+                    START_TIMEOUT_S,
                 )
             )
         except TimeoutError:
@@ -484,7 +264,10 @@ class RolloutFleet:
             ) from None
         try:
             await asyncio.gather(
-                *(call(w.ready, [], self._sharing(i)) for i, w in enumerate(self.workers))
+                *(
+                    call(w, RolloutWorker.ready, [], self._sharing(i))
+                    for i, w in enumerate(self.workers)
+                )
             )
         except BaseException:  # a pool that cannot start (not root, no cgroups): none stays
             await self.close()
@@ -502,7 +285,10 @@ class RolloutFleet:
     async def prepare_template(self, spec: TemplateSpec) -> None:
         self.templates.append(spec)
         await asyncio.gather(
-            *(call(self.workers[i].ready, [spec], self._sharing(i)) for i in self.up())
+            *(
+                call(self.workers[i], RolloutWorker.ready, [spec], self._sharing(i))
+                for i in self.up()
+            )
         )
 
     async def start_engines(
@@ -512,10 +298,10 @@ class RolloutFleet:
         no filesystem)."""
         files = {p.name: p.read_bytes() for p in sorted(model_dir.iterdir()) if p.is_file()}
         # Held for the fleet's life: a restarted worker loads the model from it again.
-        self._engine = (ray.put(files), version, sampling)
+        self._engine = (by_ref(files), version, sampling)
         await asyncio.gather(
             *(
-                self.call(i, self.replicas.restarts[i], "start_engine", *self._engine)
+                self.call(i, self.replicas.restarts[i], RolloutWorker.start_engine, *self._engine)
                 for i in self.up()
             )
         )
@@ -539,14 +325,14 @@ class RolloutFleet:
         gathering: asyncio.Future[Bucket | None] | None = None
         try:
             begin = (stream.manifest, trainer.version)
-            await self._on_each(targets, awaiting, "begin_weights", *begin)
+            await self._on_each(targets, awaiting, RolloutWorker.begin_weights, *begin)
             # Off the event loop: sharded ranks stream the weights meanwhile.
             gathering = asyncio.ensure_future(asyncio.to_thread(next, buckets, None))
             while (bucket := await gathering) is not None:
-                ref = ray.put(bucket)
+                ref = by_ref(bucket)
                 del bucket
                 gathering = asyncio.ensure_future(asyncio.to_thread(next, buckets, None))
-                await self._on_each(targets, awaiting, "weights_bucket", ref)
+                await self._on_each(targets, awaiting, RolloutWorker.weights_bucket, ref)
                 del ref  # out of the store once every worker has it
         except BaseException as e:
             if gathering is not None:
@@ -557,9 +343,9 @@ class RolloutFleet:
             await asyncio.to_thread(buckets.close)
             with contextlib.suppress(Exception):
                 broke = f"{type(e).__name__}: {e}"
-                await self._on_each(targets, awaiting, "end_weights", broke)
+                await self._on_each(targets, awaiting, RolloutWorker.end_weights, broke)
             raise  # those awaiting still wait, for the next publish
-        await self._on_each(targets, awaiting, "end_weights", None)
+        await self._on_each(targets, awaiting, RolloutWorker.end_weights, None)
         self._published = trainer.version
         for i, waiting in awaiting.items():  # every one left has the whole set
             self._resolve(i, waiting, None)
@@ -580,8 +366,8 @@ class RolloutFleet:
                 waiting.set_exception(lost)
 
     async def _on_each(
-        self, targets: dict[int, int], awaiting: dict[int, asyncio.Future[None]], method: str,
-        *args: Any,
+        self, targets: dict[int, int], awaiting: dict[int, asyncio.Future[None]],
+        method: Method[RolloutWorker, P, None], *args: P.args, **kw: P.kwargs,
     ) -> None:  # fmt: skip
         """`method` on every worker of `targets` (index -> epoch), those `awaiting` their first
         weights since a restart among them; a worker that dies leaves `targets` (it is being
@@ -591,9 +377,9 @@ class RolloutFleet:
         async def one(i: int) -> None:
             try:
                 if i in awaiting:  # not in service: outside `call`'s bookkeeping
-                    await call(getattr(self.workers[i], method), *args)
+                    await call(self.workers[i], method, *args, **kw)
                 else:
-                    await self.call(i, targets[i], method, *args)
+                    await self.call(i, targets[i], method, *args, **kw)
             except (InfraFailure, ActorLost) as e:
                 del targets[i]
                 if i in awaiting:  # died again since its restart
@@ -611,7 +397,7 @@ class RolloutFleet:
         async def read(i: int) -> None:
             epoch = self.replicas.restarts[i]
             try:
-                counts = dict(await self.call(i, epoch, "engine_counters"))
+                counts = await self.call(i, epoch, RolloutWorker.engine_counters)
             except InfraFailure:
                 return
             last = self._counters.get(i)
@@ -631,10 +417,9 @@ class RolloutFleet:
 
         async def read(i: int) -> PoolStats | None:
             try:
-                stats: PoolStats = await self.call(i, self.replicas.restarts[i], "pool_stats")
+                return await self.call(i, self.replicas.restarts[i], RolloutWorker.pool_stats)
             except InfraFailure:
                 return None
-            return stats
 
         stats = [s for s in await asyncio.gather(*(read(i) for i in self.up())) if s is not None]
         return PoolStats.merge(stats) if stats else None
@@ -662,7 +447,7 @@ class RolloutFleet:
         self, worker: int, epoch: int, group_id: str, env: type[Environment], task: Task
     ) -> None:
         priority = self._priority.get(group_id, BEST_EFFORT)
-        await self.call(worker, epoch, "open_group", group_id, env, task, priority)
+        await self.call(worker, epoch, RolloutWorker.open_group, group_id, env, task, priority)
         self._group_workers.setdefault(group_id, set()).add(worker)
         self.groups_placed[worker] += 1
 
@@ -690,7 +475,9 @@ class RolloutFleet:
             while i in self._to_push:
                 mine = self._to_push.pop(i)
                 with contextlib.suppress(InfraFailure):
-                    await self.call(i, self.replicas.restarts[i], "set_priorities", mine)
+                    await self.call(
+                        i, self.replicas.restarts[i], RolloutWorker.set_priorities, mine
+                    )
         finally:
             del self._pushers[i]
 
@@ -707,7 +494,7 @@ class RolloutFleet:
         files: Mapping[str, bytes] | None = None,
     ) -> RemoteSandbox:
         worker, epoch = await self.place(self.up())
-        key = await self.call(worker, epoch, "create", template, priority, setup, files)
+        key = await self.call(worker, epoch, RolloutWorker.create, template, priority, setup, files)
         return RemoteSandbox(self, worker, epoch, key)
 
     # --- calls, failures, reports -----------------------------------------------------------
@@ -718,19 +505,22 @@ class RolloutFleet:
     def is_up(self, i: int, epoch: int) -> bool:
         return i in self.replicas.up and epoch == self.replicas.restarts[i]
 
-    async def call(self, i: int, epoch: int, method: str, *args: Any) -> Any:
+    async def call(
+        self, i: int, epoch: int, method: Method[RolloutWorker, P, T], *args: P.args,
+        **kw: P.kwargs,
+    ) -> T:  # fmt: skip
         """A call to worker i as it was at `epoch`; a worker that died or restarted since is an
         `InfraFailure` (`SandboxCrashed`), after it was taken out of service."""
         if not self.is_up(i, epoch):
             raise SandboxCrashed(f"rollout worker {i} restarted")
         try:
-            return await self.replicas.call(i, epoch, getattr(self.workers[i], method), *args)
+            return await self.replicas.call(i, epoch, self.workers[i], method, *args, **kw)
         except ActorLost as e:
             raise SandboxCrashed(f"rollout worker {i} died: {e}") from e
 
     async def _room(self, i: int) -> int:
         try:
-            return int(await self.call(i, self.replicas.restarts[i], "room"))
+            return await self.call(i, self.replicas.restarts[i], RolloutWorker.room)
         except InfraFailure:
             return -1
 
@@ -741,11 +531,13 @@ class RolloutFleet:
         meanwhile (`Replicas` counts that death and, while Ray restarts it, revives it again)."""
         worker = self.workers[i]
         self._pushed[i] = {}
-        self.nodes[i] = await until_alive(lambda: call(worker.node_id), RESTART_TIMEOUT_S)
-        await call(worker.ready, self.templates, self._sharing(i))
+        self.nodes[i] = await until_alive(
+            lambda: call(worker, RolloutWorker.node_id), RESTART_TIMEOUT_S
+        )
+        await call(worker, RolloutWorker.ready, self.templates, self._sharing(i))
         if self._engine is None:
             return
-        await call(worker.start_engine, *self._engine)
+        await call(worker, RolloutWorker.start_engine, *self._engine)
         if self._published is not None:
             # Holding no whole copy of the weights, the fleet has none to give it before then.
             self._awaiting[i] = asyncio.get_running_loop().create_future()
@@ -765,7 +557,7 @@ class RolloutFleet:
                     "up": i in self.replicas.up,
                     "episodes_played": self.played[i],
                     "groups_placed": self.groups_placed[i],
-                    "pool": r["pool"] if r else None,
+                    "pool": r["pool"].as_dict() if r else None,
                     "trajectories_served": len(r["served"]) if r else None,
                 }
                 for i, r in enumerate(reports)
@@ -780,11 +572,11 @@ class RolloutFleet:
             "actor_calls": self.cluster.actor_calls(),
         }
 
-    async def _report(self, i: int) -> dict[str, Any] | None:
+    async def _report(self, i: int) -> WorkerReport | None:
         if i not in self.replicas.up:
             return None
         try:
-            return dict(await call(self.workers[i].report))
+            return await call(self.workers[i], RolloutWorker.report)
         except ActorLost:
             return None
 
@@ -797,6 +589,6 @@ class RolloutFleet:
             task.cancel()
         for i in self.up():
             with contextlib.suppress(ActorLost):
-                await call(self.workers[i].shutdown)
+                await call(self.workers[i], RolloutWorker.shutdown)
         for worker in self.workers:
             ray.kill(worker, no_restart=True)
