@@ -19,7 +19,7 @@ def book(batch: int, staleness: int, start_version: int = 0) -> GroupBook[None]:
 def open_groups(b: GroupBook[None], n: int, size: int = 2, version: int = 0) -> list[str]:
     ids = [f"g{b.groups_started + i}" for i in range(n)]
     for gid in ids:
-        b.open_group(gid, f"prompt-{gid}", size, version, None)
+        b.start_group(gid, f"prompt-{gid}", size, version, None)
     return ids
 
 

@@ -194,7 +194,7 @@ def replay(
     engine = Engine.from_model_dir(model_dir, config, clock)
     engine.scheduler = RecordingScheduler(decisions)
     engine.cache.retention = RecordingRetention(engine.cache.retention, decisions)
-    engine.model.register_forward_hook(clock.forward_pass)
+    engine.model.norm.register_forward_hook(clock.forward_pass)  # once per forward pass
 
     rng = random.Random(seed)
     vocab = engine.model.config.vocab_size

@@ -205,7 +205,7 @@ class Coordinator:
     def _open(self, work: GroupTask, version: int) -> Group[_GroupRun]:
         k = work.group_size
         run = _GroupRun(work.env, work.task, [None] * k, time.monotonic())
-        return self.book.open_group(f"g{next(self._ids)}", work.task.id, k, version, run)
+        return self.book.start_group(f"g{next(self._ids)}", work.task.id, k, version, run)
 
     def _spawn(self, coro: object) -> None:
         task = asyncio.ensure_future(coro)  # type: ignore[call-overload]

@@ -82,7 +82,7 @@ class GroupBook(Generic[T]):
         placed = self._groups_before + self.groups_started - self.groups_dropped
         return self.bound.startable(placed, version)
 
-    def open_group(
+    def start_group(
         self, group_id: str, prompt_id: str, size: int, version: int, data: T
     ) -> Group[T]:
         """A group of `size` members opens at weight `version`; call `rank` once the groups that

@@ -76,7 +76,10 @@ class Engine:
         tokenizer: Tokenizer | None = None,
         scheduler: PriorityScheduler | None = None,
         clock: Callable[[], float] = time.monotonic,
+        weight_version: int = 0,
     ) -> None:
+        """`weight_version`: what the weights it starts with are (a run resumed at step N
+        starts from N's); `update_weights` moves it on."""
         self.cfg = cfg = config or EngineConfig()
         if cfg.threads is not None:
             torch.set_num_threads(cfg.threads)
@@ -122,7 +125,7 @@ class Engine:
             self.graphs.capture_all()  # at start, so that no step pays for a capture
         eos = set(mc.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
         self.eos_token_ids = frozenset(eos)
-        self.weight_version = 0
+        self.weight_version = weight_version
         self.weights_loaded = 0  # loads since start: the cache's salt (`update_weights`)
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by the scheduler's queue order
@@ -145,10 +148,12 @@ class Engine:
         model_dir: str | Path,
         config: EngineConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        weight_version: int = 0,
     ) -> Engine:
         cfg = config or EngineConfig()
         model = load_model(model_dir, cfg.device, DTYPES[cfg.dtype])
-        return cls(model, cfg, Tokenizer.load(model_dir), clock=clock)
+        tokenizer = Tokenizer.load(model_dir)
+        return cls(model, cfg, tokenizer, clock=clock, weight_version=weight_version)
 
     # -- requests -----------------------------------------------------------------------------
 

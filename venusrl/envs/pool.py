@@ -291,7 +291,7 @@ class SandboxPool:
         await self._ensure_template(template)
         t = self._warm.template(template)
         gid = f"g{next(self._ids)}"
-        group = self._warm.open_group(gid, template, priority, setup or "", files or {})
+        group = self._warm.add_group(gid, template, priority, setup or "", files or {})
         if self.share_pages:
             await self._start_group_zygote(t, group)
         return SandboxGroup(self, group)
@@ -330,9 +330,7 @@ class SandboxPool:
     async def _spawn(self, t: Template, group: Group | None, entry: Entry) -> Sandbox:
         sid, cgroup = entry.record.sandbox_id, entry.cgroup
         sock, entry.private_zygote = await self._warm.spawn(t, group, sid, cgroup)
-        return await Sandbox.connect(
-            self, sid, t.spec.name, cgroup, sock, self.start_timeout_s
-        )
+        return await Sandbox.connect(self, sid, t.spec.name, cgroup, sock, self.start_timeout_s)
 
     async def fork_sandbox(self, parent: Sandbox) -> Sandbox:
         entry = self._admission.running.get(parent.id)

@@ -111,7 +111,7 @@ class WarmStarts:
 
     # --- groups -------------------------------------------------------------------------------
 
-    def open_group(
+    def add_group(
         self, group_id: str, template: str, priority: int, setup: str, files: Mapping[str, bytes]
     ) -> Group:
         files_dir = self._write_files(self.runtime / "groups" / group_id, files)

@@ -32,8 +32,7 @@ class LocalEngine:
     """The in-process engine, on its own thread."""
 
     def __init__(self, model_dir: Path, cfg: Config, version: int) -> None:
-        core = Engine.from_model_dir(model_dir, cfg.engine)
-        core.weight_version = version
+        core = Engine.from_model_dir(model_dir, cfg.engine, weight_version=version)
         self.engine = AsyncEngine(core).start()
         self.generate = self.engine.generate
         self._lost = 0  # re-prefill tokens after eviction, at the last cache signal

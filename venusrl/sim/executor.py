@@ -349,7 +349,7 @@ class Simulation:
     def _open_group(self) -> None:
         prompt, k = self.sampler.next_prompt(), self.workload.group_size
         g = SimGroup(f"g{self.book.groups_started}", prompt, self.clock.now, [0] * k)
-        self.book.open_group(g.gid, prompt.prompt_id, k, self.version, g)
+        self.book.start_group(g.gid, prompt.prompt_id, k, self.version, g)
         for i in range(k):
             self._start_member(g, i)
 
