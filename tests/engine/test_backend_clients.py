@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 
 from tests.conftest import Reply, StandIn
-from venusrl.engine.remote import RemoteEngineError
+from venusrl.engine.remote import RemoteEngine, RemoteEngineError
 from venusrl.engine.sglang_client import SglangEngine
 from venusrl.engine.vllm_client import VllmEngine
-from venusrl.types import SamplingParams, TurnMeta
+from venusrl.types import GenerationOutput, SamplingParams, TurnMeta
 
 
 def vllm_completion(body: dict[str, Any]) -> tuple[int, Any]:
@@ -205,3 +205,32 @@ def test_a_malformed_reply_is_an_engine_failure_not_a_crash(
 
     with pytest.raises(RemoteEngineError, match="malformed"):
         asyncio.run(turn())
+
+
+def test_a_native_reply_missing_a_field_or_of_the_wrong_type_is_an_engine_failure(
+    stand_in: StandIn,
+) -> None:
+    good = {"request_id": "r", "token_ids": [5], "logprobs": [-0.1], "weight_versions": [0],
+            "finish_reason": "length", "prompt_tokens": 1}  # fmt: skip
+    engine = RemoteEngine(stand_in.url)
+
+    async def turn() -> GenerationOutput:
+        return await engine.generate([1], SamplingParams(max_tokens=1), TurnMeta())
+
+    async def check() -> None:
+        try:
+            stand_in.replies["/generate"] = lambda body: (200, good)
+            out = await turn()
+            assert out.token_ids == [5] and out.weight_versions == [0]
+            for broken, field in [
+                ({k: v for k, v in good.items() if k != "weight_versions"}, "weight_versions"),
+                ({**good, "token_ids": ["5"]}, "token_ids.0"),
+                ({**good, "surprise": 1}, "surprise"),
+            ]:
+                stand_in.replies["/generate"] = lambda body, broken=broken: (200, broken)
+                with pytest.raises(RemoteEngineError, match=f"malformed reply.*{field}"):
+                    await turn()
+        finally:
+            await engine.close()
+
+    asyncio.run(check())

@@ -10,13 +10,22 @@ signature of `AsyncEngine.generate`. A request that fails (connection, 5xx, time
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
+from pydantic import BaseModel, ValidationError
 
+from venusrl.engine.native_wire import (
+    EndTrajectoryBody,
+    GenerateBody,
+    GenerateReply,
+    UpdateWeightsBody,
+    UpdateWeightsReply,
+)
 from venusrl.types import GenerationOutput, SamplingParams, TurnMeta
+
+Reply = TypeVar("Reply", bound=BaseModel)
 
 
 class RemoteEngineError(RuntimeError):
@@ -62,46 +71,38 @@ class RemoteEngine:
         self.url = url
         self._server = JsonEndpoint(url, api_key, timeout_s)
 
-    async def _call(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        data: dict[str, Any] = await self._server.call(path, body)
-        return data
+    async def _call(self, path: str, body: BaseModel, reply: type[Reply]) -> Reply:
+        data = await self._server.call(path, body.model_dump(mode="json"))
+        try:
+            return reply.model_validate(data)
+        except ValidationError as e:
+            wrong = "; ".join(
+                f"{'.'.join(map(str, err['loc'])) or 'the reply'}: {err['msg']}"
+                for err in e.errors()
+            )
+            raise RemoteEngineError(f"{path}: malformed reply: {wrong}") from None
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, meta: TurnMeta | None = None
     ) -> GenerationOutput:
-        sampling = dataclasses.asdict(params)
-        sampling["stop"] = list(params.stop)
-        sampling["stop_token_ids"] = list(params.stop_token_ids)
-        body = {"input_ids": prompt_ids, "sampling_params": sampling}
-        body |= dataclasses.asdict(meta or TurnMeta())
-        d = await self._call("/generate", body)
-        try:
-            return GenerationOutput(
-                str(d["request_id"]),
-                list(prompt_ids),
-                [int(t) for t in d["token_ids"]],
-                [float(x) for x in d["logprobs"]],
-                [int(v) for v in d["weight_versions"]],
-                str(d["finish_reason"]),
-                int(d.get("cached_tokens", 0)),
-                [[(int(t), float(lp)) for t, lp in top] for top in d.get("top_logprobs", [])],
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise RemoteEngineError(f"/generate: malformed reply: {e!r}") from None
+        body = GenerateBody.of(prompt_ids, params, meta or TurnMeta(), None)
+        return (await self._call("/generate", body, GenerateReply)).output(prompt_ids)
 
     async def end_trajectory(self, trajectory_id: str) -> None:
         """No request of this trajectory follows: the server may let its KV go."""
-        await self._call("/end_trajectory", {"trajectory_id": trajectory_id})
+        await self._server.call(
+            "/end_trajectory", EndTrajectoryBody(trajectory_id=trajectory_id).model_dump()
+        )
 
     async def counters(self) -> dict[str, float]:
         """The server engine's totals since it started (`Engine.counters`)."""
-        return {str(k): v for k, v in (await self._call("/stats")).items()}
+        counts: dict[str, Any] = await self._server.call("/stats")
+        return {str(k): v for k, v in counts.items()}
 
     async def update_weights(self, path: Path, version: int) -> int:
         """The server loads the safetensors directory `path` (it must see the same filesystem)."""
-        body = {"path": str(Path(path).resolve()), "version": version}
-        d = await self._call("/update_weights", body)
-        return int(d["weight_version"])
+        body = UpdateWeightsBody(path=str(Path(path).resolve()), version=version)
+        return (await self._call("/update_weights", body, UpdateWeightsReply)).weight_version
 
     async def close(self) -> None:
         await self._server.close()

@@ -5,18 +5,14 @@ answer; the native ones forbid unknown keys."""
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from venusrl.engine.native_wire import Bool, Float, Int
 from venusrl.server.errors import ApiError
-from venusrl.types import MAX_TOP_LOGPROBS, SamplingParams, TurnMeta
-
-# JSON types as they are: "5" is not a number, true is not 1.
-Int = Annotated[int, Strict()]
-Float = Annotated[float, Strict()]
-Bool = Annotated[bool, Strict()]
+from venusrl.types import MAX_TOP_LOGPROBS
 
 # Fields of OpenAI's API that change what is generated, with the value that changes nothing:
 # ignoring one silently would answer something else than what was asked.
@@ -199,53 +195,3 @@ class ChatBody(SamplingBody):
                     "answers",
                     f"messages[{i}].tool_call_id",
                 )
-
-
-class NativeBody(BaseModel):
-    # The native API has no clients to tolerate: a misspelt key is an error, not a default.
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-
-class GenerateSampling(NativeBody):
-    max_tokens: Int = Field(16, ge=1)
-    temperature: Float = Field(1.0, ge=0, le=100)
-    top_p: Float = Field(1.0, gt=0, le=1)
-    top_k: Int = Field(0, ge=0)
-    seed: Int | None = Field(None, ge=0, lt=2**63)
-    stop: str | list[str] = Field(default_factory=list)
-    stop_token_ids: list[Int] = Field(default_factory=list)
-    ignore_eos: Bool = False
-    top_logprobs: Int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
-
-    def params(self) -> SamplingParams:
-        stop = [self.stop] if isinstance(self.stop, str) else self.stop
-        return SamplingParams(
-            **{
-                **self.model_dump(),
-                "stop": tuple(stop),
-                "stop_token_ids": tuple(self.stop_token_ids),
-            }
-        )
-
-
-class GenerateBody(NativeBody):
-    input_ids: list[Int] = Field(min_length=1)
-    sampling_params: GenerateSampling = Field(default_factory=GenerateSampling)
-    request_id: str | None = None
-    trajectory_id: str | None = None
-    group_id: str | None = None
-    priority: Int = 0
-    expected_wait_s: Float | None = Field(None, ge=0)  # the tool wait after this turn
-
-    def meta(self) -> TurnMeta:
-        return TurnMeta(self.priority, self.trajectory_id, self.group_id, self.expected_wait_s)
-
-
-class EndTrajectoryBody(NativeBody):
-    trajectory_id: str
-
-
-class UpdateWeightsBody(NativeBody):
-    path: str = Field(min_length=1)
-    version: Int | None = Field(None, ge=0)
-    flush_cache: Bool = False

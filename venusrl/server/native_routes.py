@@ -11,12 +11,20 @@ POST /update_weights  load a safetensors directory into the running engine
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
 
+from venusrl.engine.native_wire import (
+    EndTrajectoryBody,
+    EndTrajectoryReply,
+    GenerateBody,
+    GenerateReply,
+    Health,
+    UpdateWeightsBody,
+    UpdateWeightsReply,
+)
 from venusrl.model.architecture import ModelConfigError
-from venusrl.server.bodies import EndTrajectoryBody, GenerateBody, UpdateWeightsBody
 from venusrl.server.errors import ApiError
 from venusrl.server.served import Served, served, unless_disconnected
 
@@ -25,17 +33,17 @@ Model = Annotated[Served, Depends(served)]
 
 
 @router.get("/health")
-async def health(model: Model) -> dict[str, Any]:
+async def health(model: Model) -> Health:
     """Also the engine's load, read between its steps' bookkeeping (plain counts)."""
     engine = model.engine
-    return {
-        "status": "ok",
-        "weight_version": engine.weight_version,
-        "running": len(engine.running),
-        "waiting": len(engine.waiting),
-        "free_device_kv_pages": engine.cache.kv.device_pages.num_free,
-        "free_host_kv_pages": engine.cache.kv.host_pages.num_free,
-    }
+    return Health(
+        status="ok",
+        weight_version=engine.weight_version,
+        running=len(engine.running),
+        waiting=len(engine.waiting),
+        free_device_kv_pages=engine.cache.kv.device_pages.num_free,
+        free_host_kv_pages=engine.cache.kv.host_pages.num_free,
+    )
 
 
 @router.get("/stats")
@@ -44,33 +52,23 @@ async def stats(model: Model) -> dict[str, int | float]:
 
 
 @router.post("/generate")
-async def generate(body: GenerateBody, request: Request, model: Model) -> dict[str, Any]:
+async def generate(body: GenerateBody, request: Request, model: Model) -> GenerateReply:
     try:
         params = body.sampling_params.params()
     except ValueError as e:
         raise ApiError(400, f"sampling_params: {e}", "sampling_params") from None
     work = model.run(body.input_ids, params, body.meta(), body.request_id)
-    out = await unless_disconnected(request, work)
-    return {
-        "request_id": out.request_id,
-        "token_ids": out.token_ids,
-        "logprobs": out.logprobs,
-        "weight_versions": out.weight_versions,
-        "top_logprobs": out.top_logprobs,
-        "finish_reason": out.finish_reason,
-        "prompt_tokens": len(out.prompt_ids),
-        "cached_tokens": out.cached_prompt_tokens,
-    }
+    return GenerateReply.of(await unless_disconnected(request, work))
 
 
 @router.post("/end_trajectory")
-async def end_trajectory(body: EndTrajectoryBody, model: Model) -> dict[str, Any]:
+async def end_trajectory(body: EndTrajectoryBody, model: Model) -> EndTrajectoryReply:
     await model.runner.call(lambda e: e.end_trajectory(body.trajectory_id))
-    return {"trajectory_id": body.trajectory_id}
+    return EndTrajectoryReply(trajectory_id=body.trajectory_id)
 
 
 @router.post("/update_weights")
-async def update_weights(body: UpdateWeightsBody, model: Model) -> dict[str, Any]:
+async def update_weights(body: UpdateWeightsBody, model: Model) -> UpdateWeightsReply:
     path = Path(body.path)
     if not path.is_absolute():
         raise ApiError(
@@ -89,4 +87,4 @@ async def update_weights(body: UpdateWeightsBody, model: Model) -> dict[str, Any
         raise ApiError(400, str(e), "path") from None
     except Exception as e:  # unreadable or corrupt files: nothing was loaded
         raise ApiError(400, f"cannot load weights from {body.path!r}: {e}", "path") from None
-    return {"weight_version": version}
+    return UpdateWeightsReply(weight_version=version)
