@@ -43,6 +43,7 @@ from venusrl.policy.kv_retention import IdleKV, RetentionPolicy
 from venusrl.policy.kv_window import CriticalWindow
 from venusrl.sim.cost_model import CostModel, GpuSpec, ModelSpec
 from venusrl.sim.executor import POLICIES, SimConfig, Simulation, Submission
+from venusrl.sim.types import Counters
 from venusrl.types import SamplingParams, TurnMeta
 from venusrl.workloads import LogNormal, ToolLatency, Turns, Workload
 
@@ -305,3 +306,14 @@ def test_the_simulator_decides_what_the_engine_decides_on_the_same_events(
                 "reprefill_evicted_tokens", "reprefill_preempted_tokens"):  # fmt: skip
         assert counted[key] == getattr(c, key), key
     assert c.tool_returns > 0
+
+
+SIMULATOR_ONLY = {"reprefill_tokens", "evictions", "iterations", "decisions", "moves_dropped"}
+
+
+def test_the_simulator_names_its_counters_as_the_engine_does(tiny_qwen3: Path) -> None:
+    """A simulated run's counters read as a real run's: each shared total under the engine's
+    name (`Engine.counters`), so a figure can be compared key by key."""
+    engine = Engine.from_model_dir(tiny_qwen3, EngineConfig(page_size=PAGE, device_kv_pages=1024))
+    shared = {f.name for f in dataclasses.fields(Counters)} - SIMULATOR_ONLY
+    assert shared <= set(engine.counters()), shared - set(engine.counters())
