@@ -28,8 +28,8 @@ from pathlib import Path
 
 from venusrl.envs.environment import Environment, Task, Tool
 from venusrl.envs.task_file import looped_tasks, read_task_file
-from venusrl.envs.tool_calls import RESPONSE_CLOSE, RESPONSE_OPEN, format_tool_call
 from venusrl.envs.types import MiB, TemplateSpec
+from venusrl.model.tool_calls import RESPONSE_CLOSE, RESPONSE_OPEN, format_tool_call
 
 TASKS = Path(__file__).with_name("tasks.jsonl")
 
