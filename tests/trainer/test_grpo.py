@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -119,3 +121,59 @@ def test_far_off_logprobs_at_tokens_without_weight_leave_the_loss_finite() -> No
     assert torch.isfinite(loss) and stats.kl == pytest.approx(0.0, abs=1e-6)
     assert logits.grad is not None and torch.all(torch.isfinite(logits.grad))
     assert torch.all(logits.grad[[0, 3]] == 0) and torch.any(logits.grad[1:3] != 0)
+
+
+def _loss_and_grad(
+    off_policy: str, behaviour_shift: torch.Tensor, cap: float = 2.0
+) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """The loss and its gradient on fixed logits, with the sampler's logprobs the trainer's
+    shifted by `behaviour_shift` (0: they agree)."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 10, requires_grad=True)
+    tokens = torch.randint(0, 10, (6,))
+    logp, entropy = logprobs_and_entropy(logits, tokens)
+    proximal = logp.detach()
+    weights = torch.tensor([0, 1, 1, 0, 1, 1]) / 4
+    adv = torch.tensor([0.0, 1.0, -1.0, 0.0, 2.0, -0.5])
+    loss, stats = policy_loss(
+        logp, entropy, proximal - behaviour_shift, adv, weights,
+        proximal_logprobs=proximal, off_policy=off_policy, is_cap=cap,  # type: ignore[arg-type]
+    )  # fmt: skip
+    loss.backward()
+    assert logits.grad is not None
+    return loss.detach(), logits.grad, stats
+
+
+@pytest.mark.parametrize("off_policy", ["tis", "mis", "decoupled"])
+def test_each_off_policy_correction_is_the_plain_loss_when_sampler_and_trainer_agree(
+    off_policy: str,
+) -> None:
+    agree = torch.zeros(6)
+    plain_loss, plain_grad, _ = _loss_and_grad("ppo", agree)
+    loss, grad, stats = _loss_and_grad(off_policy, agree)
+    assert torch.equal(loss, plain_loss) and torch.equal(grad, plain_grad)
+    assert stats.is_weight == 1 and stats.is_capped == 0 and stats.sampler_kl == 0  # type: ignore[attr-defined]
+
+
+def test_tis_truncates_mis_masks_and_decoupled_keeps_the_importance_weight() -> None:
+    # The trainer finds token 1 e^2 (7.4x) likelier than the sampler did, token 2 as likely.
+    shift = torch.tensor([0.0, 2.0, 0.0, 0.0, 0.0, 0.0])
+    on_policy_grad = _loss_and_grad("ppo", torch.zeros(6))[1]
+    for off_policy, token_1_weight in [("tis", 2.0), ("mis", 0.0), ("decoupled", math.exp(2))]:
+        _, grad, stats = _loss_and_grad(off_policy, shift, cap=2.0)
+        # The ratio to the trainer's own policy is 1: each token's gradient is the on-policy
+        # one times its importance weight.
+        assert torch.allclose(grad[1], token_1_weight * on_policy_grad[1], atol=1e-6)
+        assert torch.allclose(grad[[0, 2, 3, 4, 5]], on_policy_grad[[0, 2, 3, 4, 5]], atol=1e-7)
+        assert stats.is_capped == pytest.approx(1 / 4)  # type: ignore[attr-defined]
+        assert stats.is_weight == pytest.approx((3 + token_1_weight) / 4)  # type: ignore[attr-defined]
+        assert stats.sampler_kl == pytest.approx((math.exp(-2) + 2 - 1) / 4)  # type: ignore[attr-defined]
+    # PPO takes the ratio to the sampler: e^2 is far past the clip, so token 1 has no gradient.
+    _, grad, stats = _loss_and_grad("ppo", shift)
+    assert torch.all(grad[1] == 0) and stats.is_weight == 1  # type: ignore[attr-defined]
+
+
+def test_a_correction_without_the_trainer_logprobs_is_refused() -> None:
+    logp = torch.zeros(2)
+    with pytest.raises(ValueError, match="off_policy=tis needs"):
+        policy_loss(logp, logp, logp, logp, torch.ones(2), off_policy="tis")

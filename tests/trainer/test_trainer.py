@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -195,3 +196,38 @@ def test_one_process_bf16_compute_steps_near_the_fp32_step_and_keeps_fp32_weight
     assert half.grad_norm == pytest.approx(full.grad_norm, rel=5e-2)
     assert half.mean_ratio != full.mean_ratio  # bf16 matmuls ran: not the fp32 arithmetic
     assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
+
+
+def test_a_stale_sampler_shows_in_the_step_and_tis_bounds_what_its_tokens_weigh(
+    model_dir: Path,
+) -> None:
+    """The sampler found `good`'s tokens far less likely than the trainer does (older weights):
+    the step reports how far apart they are; TIS weighs those tokens at most `is_cap`, and over
+    several passes takes the ratio to the weights before the step, so its later passes see the
+    policy move as PPO's do."""
+
+    def step(off_policy: str, updates: int) -> tuple[object, float]:
+        model = load_model(model_dir)
+        config = TrainerConfig(
+            lr=1e-3, kl_coef=0.0, off_policy=off_policy, is_cap=2.0, updates_per_batch=updates
+        )
+        good = record([5, 6, 7], [20, 21, 22], [0.0] * 3)
+        good.logprobs[3:] = [lp - 3.0 for lp in dense_logprobs(model, good)]  # stale sampler
+        before = sum(dense_logprobs(model, good))
+        stats = GRPOTrainer(model, config).step([good, good], [1.0, 1.0])
+        return stats, sum(dense_logprobs(model, good)) - before
+
+    ppo, ppo_moved = step("ppo", 1)
+    tis, tis_moved = step("tis", 1)
+    for stats in (ppo, tis):
+        assert stats.sampler_kl == pytest.approx(math.exp(-3) + 3 - 1, rel=1e-3)  # type: ignore[attr-defined]
+        assert stats.is_capped == 1.0  # type: ignore[attr-defined]
+    # PPO's ratio to the sampler, e^3, is past the clip: those tokens do not move. TIS moves
+    # them, each weighed 2 (the cap), not e^3.
+    assert ppo.clip_fraction == 1.0 and ppo_moved == pytest.approx(0.0, abs=1e-6)  # type: ignore[attr-defined]
+    assert tis.is_weight == pytest.approx(2.0) and tis.clip_fraction == 0.0  # type: ignore[attr-defined]
+    assert tis_moved > 0
+    # More passes move further, and each later pass clips against the pre-step weights.
+    assert step("tis", 4)[1] > tis_moved
+    with pytest.raises(ValueError, match="off_policy"):
+        TrainerConfig(off_policy="importance")  # type: ignore[arg-type]

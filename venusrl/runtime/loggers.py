@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 SECTIONS = {
     "trainer": (
         "loss", "entropy", "kl", "clip_fraction", "ratio_mean", "grad_norm", "tokens",
-        "weight_version",
+        "weight_version", "is_weight_mean", "is_capped_fraction", "sampler_kl",
     ),
     "rollout": (
         "reward_mean", "wins", "tool_calls_mean", "tool_calls_per_win", "staleness_mean",

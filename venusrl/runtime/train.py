@@ -214,6 +214,11 @@ class _Run:
             # Trainer over engine probability of the sampled tokens: far from 1 when the engine
             # samples from other weights than it says.
             "ratio_mean": stats.mean_ratio,
+            # The off-policy correction (`trainer.off_policy`): its mean importance weight, the
+            # share of tokens past `trainer.is_cap`, and how far the sampler is from the trainer.
+            "is_weight_mean": stats.is_weight,
+            "is_capped_fraction": stats.is_capped,
+            "sampler_kl": stats.sampler_kl,
             "grad_norm": stats.grad_norm,
             "tokens": stats.tokens,
             "sandboxes_running": self.sandboxes.source.sandboxes_running(),

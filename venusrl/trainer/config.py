@@ -11,6 +11,18 @@ from venusrl.sections import Section, torch_device
 LoRATarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LORA_TARGETS: tuple[LoRATarget, ...] = get_args(LoRATarget)
 
+OffPolicy = Literal["ppo", "tis", "mis", "decoupled"]
+"""How the loss corrects for tokens the sampler drew from another policy than the trainer's (older
+weights within the staleness bound, or the same weights through other kernels and precision).
+
+`ppo`: PPO-clip with the ratio taken against the sampler's logprobs. The others take it against
+the trainer's own logprobs before the step (the proximal policy) and weigh each token by the
+importance weight w = pi_trainer / pi_sampler, detached: `tis` truncates it at `is_cap`
+(truncated IS, Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
+training"), `mis` masks the tokens whose w passes it (masked IS), `decoupled` keeps it whole
+(decoupled PPO, Hilton et al. 2022; AReaL). When sampler and trainer agree (w = 1) every one is
+the `ppo` loss."""
+
 LossAggregation = Literal["token_mean", "seq_mean"]
 """How the per-token objective is averaged over a batch.
 
@@ -67,6 +79,15 @@ class TrainerConfig(Section):
         description="the projections of each layer that get adapters",
     )
     updates_per_batch: int = Field(1, ge=1, description="PPO epochs: gradient steps per batch")
+    off_policy: OffPolicy = Field(
+        "ppo",
+        description="the off-policy correction: ppo (ratio to the sampler's logprobs), tis, mis"
+        " or decoupled (ratio to the trainer's own, times the importance weight to the sampler:"
+        " truncated at is_cap, masked past it, or whole)",
+    )
+    is_cap: float = Field(
+        2.0, ge=1, description="tis truncates, mis masks, importance weights above this"
+    )
     loss_aggregation: LossAggregation = Field(
         "token_mean", description="weigh every model token alike, or every trajectory alike"
     )

@@ -16,6 +16,11 @@ penalty to a frozen reference policy (the k3 estimator of DeepSeekMath's GRPO on
 tokens, exp(ref - logp) - (ref - logp) - 1, unbiased and never negative): it keeps the tokens the
 reward says nothing about (the format every episode writes) where the reference had them while
 the advantages move the decisions.
+
+Off-policy corrections (`OffPolicy`, `trainer.off_policy`): with the trainer's own logprobs
+before the step (the proximal policy, p) beside the sampler's (b), the ratio is taken to p and
+each token's objective is weighed by w = exp(p - b), truncated, masked or whole; the statistics
+report w and the sampler's k3 distance to the trainer, exp(b - p) - (b - p) - 1, in every mode.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from venusrl.trainer.config import LossAggregation
+from venusrl.trainer.config import LossAggregation, OffPolicy
 
 
 def group_advantages(rewards: Sequence[float | None], eps: float = 1e-6) -> list[float | None]:
@@ -57,6 +62,9 @@ class LossStats:
     entropy: float
     kl: float  # mean k3 estimate to the reference; 0 without one
     tokens: int
+    is_weight: float  # mean importance weight trainer / sampler, as applied (1 under ppo)
+    is_capped: float  # fraction of tokens whose weight passed `is_cap`
+    sampler_kl: float  # mean k3 estimate of the sampler's distance to the trainer's policy
 
 
 def policy_loss(
@@ -69,16 +77,27 @@ def policy_loss(
     entropy_coef: float = 0.0,
     reference_logprobs: torch.Tensor | None = None,  # [T] under the reference policy
     kl_coef: float = 0.0,
+    proximal_logprobs: torch.Tensor | None = None,  # [T] the trainer's, before this step
+    off_policy: OffPolicy = "ppo",
+    is_cap: float = 2.0,
 ) -> tuple[torch.Tensor, LossStats]:
     """The weighted sum of the negated per-token objective (the caller normalises it); the
-    statistics are plain means over the tokens with a weight."""
+    statistics are plain means over the tokens with a weight. Every correction but `ppo` needs
+    `proximal_logprobs`; given, they also measure the sampler's distance in every mode."""
     # Log ratios are taken as 0 where a token has no weight (prompt, observation, padding):
     # exp() of a large one there would be inf, and inf x 0 a NaN loss and NaN gradients.
     trained = weights > 0
-    ratio = torch.exp(torch.where(trained, logp - behaviour_logprobs, 0.0))
+    if off_policy != "ppo" and proximal_logprobs is None:
+        raise ValueError(f"off_policy={off_policy} needs the trainer's proximal logprobs")
+    anchor = behaviour_logprobs if off_policy == "ppo" else proximal_logprobs
+    assert anchor is not None
+    ratio = torch.exp(torch.where(trained, logp - anchor, 0.0))
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
     objective = torch.minimum(ratio * advantages, clipped * advantages)
-    per_token = objective + entropy_coef * entropy
+    is_weight, capped, sampler_kl = _importance(
+        proximal_logprobs, behaviour_logprobs, trained, off_policy, is_cap
+    )
+    per_token = is_weight * objective + entropy_coef * entropy
     kl = torch.zeros_like(logp)
     if reference_logprobs is not None:
         log_ratio = torch.where(trained, reference_logprobs - logp, 0.0)
@@ -95,5 +114,31 @@ def policy_loss(
             entropy=float((entropy * m).sum() / n),
             kl=float((kl * m).sum() / n),
             tokens=int(m.sum()),
+            is_weight=float((is_weight * m).sum() / n),
+            is_capped=float((capped.float() * m).sum() / n),
+            sampler_kl=float((sampler_kl * m).sum() / n),
         )
     return loss, stats
+
+
+def _importance(
+    proximal: torch.Tensor | None, behaviour: torch.Tensor, trained: torch.Tensor,
+    off_policy: OffPolicy, cap: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Each token's importance weight as the correction applies it (no gradient), whether its
+    raw weight passed `cap`, and the sampler's k3 distance to the trainer (0 without `proximal`)."""
+    if proximal is None:
+        ones = torch.ones_like(behaviour)
+        return ones, torch.zeros_like(trained), torch.zeros_like(behaviour)
+    with torch.no_grad():
+        log_w = torch.where(trained, proximal - behaviour, 0.0)
+        w = torch.exp(log_w)
+        capped = w > cap
+        sampler_kl = torch.exp(-log_w) + log_w - 1
+        if off_policy == "tis":
+            w = w.clamp(max=cap)
+        elif off_policy == "mis":
+            w = torch.where(capped, 0.0, w)
+        elif off_policy == "ppo":
+            w = torch.ones_like(w)
+    return w, capped, sampler_kl

@@ -204,8 +204,10 @@ class ShardedTrainer(GRPOTrainer):
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         return batches + [[_padding_row()]] * (int(count) - len(batches))
 
-    def _update(self, rows: list[_Row], total: int) -> tuple[dict[str, float], float]:
-        sums, grad_norm = super()._update(rows, total)
+    def _update(
+        self, rows: list[_Row], total: int, proximal: list[torch.Tensor]
+    ) -> tuple[dict[str, float], float]:
+        sums, grad_norm = super()._update(rows, total, proximal)
         values = torch.tensor(list(sums.values()), dtype=torch.float64, device=self.device)
         dist.all_reduce(values)
         return dict(zip(sums, values.tolist(), strict=True)), grad_norm

@@ -49,6 +49,9 @@ class StepStats:
     tokens: int
     trajectories: int
     grad_norm: float
+    is_weight: float  # mean importance weight trainer / sampler as applied (`trainer.off_policy`)
+    is_capped: float  # fraction of tokens whose importance weight passed `trainer.is_cap`
+    sampler_kl: float  # the sampler's k3 distance to the trainer's policy, per token
 
 
 class GRPOTrainer:
@@ -127,11 +130,14 @@ class GRPOTrainer:
         rank (`total` model tokens and `trajectories` rows in the whole batch)."""
         self.model.train()
         # PPO's several passes over one batch: each pass recomputes the ratio against the
-        # behaviour logprobs, and the clip stops a token once it has moved far enough. Reported
-        # figures are those of the first pass (the policy that the batch measured).
+        # behaviour (or proximal) logprobs, and the clip stops a token once it has moved far
+        # enough. Reported figures are those of the first pass (the policy that the batch
+        # measured). Its logprobs, per micro-batch, are the proximal policy's: the weights
+        # before this step.
         first: dict[str, float] = {}
+        proximal: list[torch.Tensor] = []
         for _ in range(self.config.updates_per_batch):
-            sums, grad_norm = self._update(rows, total)
+            sums, grad_norm = self._update(rows, total, proximal)
             first = first or {**sums, "grad_norm": grad_norm}
         self.version += 1
         self.model.eval()
@@ -145,20 +151,31 @@ class GRPOTrainer:
             total,
             trajectories,
             first["grad_norm"],
+            first["is_weight"],
+            first["is_capped"],
+            first["sampler_kl"],
         )
 
-    def _update(self, rows: list[_Row], total: int) -> tuple[dict[str, float], float]:
-        """One gradient step over all rows; their token weights sum to 1 (`row_weights`)."""
+    def _update(
+        self, rows: list[_Row], total: int, proximal: list[torch.Tensor]
+    ) -> tuple[dict[str, float], float]:
+        """One gradient step over all rows; their token weights sum to 1 (`row_weights`). The
+        first pass fills `proximal` with each micro-batch's logprobs; later passes read them."""
         self.optimizer.zero_grad(set_to_none=True)
-        sums = {"loss": 0.0, "clip": 0.0, "ratio": 0.0, "entropy": 0.0, "kl": 0.0}
+        sums = dict.fromkeys(
+            ("loss", "clip", "ratio", "entropy", "kl", "is_weight", "is_capped", "sampler_kl"),
+            0.0,
+        )
         reference = self.reference if self.config.kl_coef > 0 else None
-        for rows_in_batch in self._micro_batches(rows):
+        for i, rows_in_batch in enumerate(self._micro_batches(rows)):
             batch = _pack(rows_in_batch, self.device)
             reference_logprobs = None
             if reference is not None:
                 with torch.no_grad():
                     reference_logprobs = self._logprobs(reference, batch, self.temperature)[0]
             logp, entropy = self._logprobs(self.model, batch, self.temperature)
+            if i == len(proximal):
+                proximal.append(logp.detach())
             loss, stats = policy_loss(
                 logp,
                 entropy,
@@ -169,6 +186,9 @@ class GRPOTrainer:
                 self.config.entropy_coef,
                 reference_logprobs,
                 self.config.kl_coef,
+                proximal[i],
+                self.config.off_policy,
+                self.config.is_cap,
             )
             loss.backward()
             sums["loss"] += stats.loss
@@ -177,6 +197,9 @@ class GRPOTrainer:
             sums["ratio"] += stats.mean_ratio * weight
             sums["entropy"] += stats.entropy * weight
             sums["kl"] += stats.kl * weight
+            sums["is_weight"] += stats.is_weight * weight
+            sums["is_capped"] += stats.is_capped * weight
+            sums["sampler_kl"] += stats.sampler_kl * weight
         grad_norm = self._clip_grads()
         if total:
             self.optimizer.step()
