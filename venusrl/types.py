@@ -168,6 +168,8 @@ class Finish(StrEnum):
     DONE = "done"  # the episode ended (the model answered or the task is solved)
     TURN_CAP = "turn_cap"  # the environment's turn limit
     CONTEXT_CAP = "context_cap"  # no room left in the context window
+    TIME_CAP = "time_cap"  # the episode's wall-clock limit (`rollout.episode_timeout_s`)
+    TOKEN_CAP = "token_cap"  # the model's tokens for the episode (`rollout.max_episode_tokens`)
     INFRA = (
         "infra"  # the platform failed (sandbox, engine, service timeout): not the policy's fault
     )

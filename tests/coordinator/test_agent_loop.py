@@ -206,6 +206,48 @@ def test_context_cap_and_infrastructure_failure_end_the_episode_with_named_outco
     assert broken.finish is Finish.INFRA and broken.reward is None and broken.failure
 
 
+class SlowPolicy(ScriptedPolicy):
+    """The expert, from its second turn on slower than any episode limit here."""
+
+    async def __call__(
+        self, prompt_ids: list[int], params: SamplingParams, meta: TurnMeta
+    ) -> GenerationOutput:
+        if self.prompts:
+            await asyncio.sleep(60)
+        return await super().__call__(prompt_ids, params, meta)
+
+
+def test_an_episode_past_its_time_or_token_budget_ends_scored_by_the_environment(
+    tokenizer: Tokenizer,
+) -> None:
+    task = next(GuessNumber.tasks(seed=1))
+
+    async def main() -> tuple[Trajectory, Trajectory, float]:
+        async with SandboxPool(memory_budget_bytes=2 << 30) as pool:
+            await pool.prepare_template(GuessNumber.template)
+
+            async def episode(policy: ScriptedPolicy, rollout: RolloutConfig) -> Trajectory:
+                sb = await pool.create(GuessNumber.template.name, setup=task.setup)
+                env, fmt = GuessNumber(task, sb), ChatFormat(tokenizer)
+                return await run_episode(env, policy, fmt, SamplingParams(), rollout, "t", "g", "p")
+
+            budget = RolloutConfig(max_tokens_per_turn=256, max_episode_tokens=30)
+            spent = await episode(ScriptedPolicy(tokenizer), budget)
+            t0 = time.monotonic()
+            timed = RolloutConfig(max_tokens_per_turn=256, episode_timeout_s=2.0)
+            late = await episode(SlowPolicy(tokenizer), timed)
+            return spent, late, time.monotonic() - t0
+
+    spent, late, took_s = asyncio.run(main())
+    assert spent.finish is Finish.TOKEN_CAP and spent.reward is not None
+    assert sum(spent.mask) == 30  # the last turn was cut to what the budget had left
+    # The second generation was cut at the limit (not waited for): the record ends with the
+    # first turn's observation, and the environment scored the episode as it stood.
+    assert late.finish is Finish.TIME_CAP and late.reward is not None and late.failure is None
+    assert len(late.turn_starts) == 1 and late.mask[-1] == 0
+    assert took_s < 30
+
+
 def test_an_episode_whose_sandbox_died_goes_on_from_its_record_in_a_new_sandbox(
     tokenizer: Tokenizer,
 ) -> None:

@@ -37,6 +37,8 @@ LOGGED = {
     "trainer/ratio_mean": "ratio_mean",
     "trainer/grad_norm": "grad_norm",
     "trainer/tokens": "tokens",
+    "trainer/sampler_kl": "sampler_kl",
+    "rollout/versions_per_trajectory_max": "versions_per_trajectory_max",
     "rollout/staleness_mean": "staleness_mean",
     "rollout/staleness_max": "staleness_max",
     "failures/infra_failures": "infra_failures",

@@ -38,6 +38,7 @@ from venusrl.runtime.run_dir import prepare_run_dir
 from venusrl.runtime.train import train
 from venusrl.runtime.warm_start import play_demonstrations
 from venusrl.trainer.checkpoint import RunState, load_run_state
+from venusrl.types import Finish
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
 
@@ -60,6 +61,11 @@ def test_train_writes_one_metrics_line_per_step_within_the_staleness_bound(
         for key in ("reward_mean", "staleness_mean", "groups", "infra_failures", "masked"):
             assert key in m
         assert m["groups"] == 2 and 0 <= m["staleness_mean"] <= m["staleness_max"] <= staleness
+        # Every episode of the batch counted by how it ended, and a trajectory spans at most
+        # the versions its staleness allowed.
+        assert sum(m["finishes"].values()) == 4 and set(m["finishes"]) <= {str(f) for f in Finish}
+        assert 1 <= m["versions_per_trajectory_max"] <= staleness + 1
+        assert 0 <= m["is_capped_fraction"] <= 1 and m["sampler_kl"] >= 0
         assert m["groups_started"] >= 2 * (m["step"] + 1) + m["groups_running"]
     assert (tmp_path / "config.yaml").exists()
     # Every trajectory trained on is on disk, with its tokens, versions and turn times.

@@ -187,6 +187,8 @@ async def run_episode(
     again on each of its model turns, in this episode's fresh sandbox, and the episode goes on
     from there: the turns already generated are kept, not sampled again. The observations must
     come out as recorded (`ReplayDiverged` otherwise: a tool that is not deterministic)."""
+    limit_s = rollout.episode_timeout_s
+    deadline = None if limit_s is None else time.monotonic() + limit_s
     env.tool_parser = fmt.tool_parser  # the model's own format, read from its turns
     messages = await _environment(env, "reset", env.reset())
     prompt = fmt.prompt_ids(messages, env.tool_schemas())
@@ -194,7 +196,7 @@ async def run_episode(
     try:
         finish = await _replay(env, fmt, rollout, replay, traj) if replay else None
         traj.finish = finish or await _turns(
-            env, generate, fmt, sampling, rollout, traj, priority, on_turn
+            env, generate, fmt, sampling, rollout, traj, priority, on_turn, deadline
         )
         reward = _environment(env, "reward", env.reward())
         limit = rollout.reward_timeout_s
@@ -220,6 +222,13 @@ def failure_kind(error: Exception) -> FailureKind:
     if isinstance(error, EnvironmentFailed):
         return FailureKind.ENVIRONMENT
     return FailureKind.ENGINE
+
+
+def _loop_time(deadline: float | None) -> float | None:
+    """A `time.monotonic()` deadline on the event loop's clock (`asyncio.timeout_at`)."""
+    if deadline is None:
+        return None
+    return asyncio.get_running_loop().time() + deadline - time.monotonic()
 
 
 async def _within(call: Awaitable[T], limit_s: float, what: str, key: str) -> T:
@@ -296,18 +305,29 @@ async def _turns(
     traj: Trajectory,
     priority: Callable[[], int],
     on_turn: Callable[[Trajectory], None],
+    deadline: float | None,
 ) -> Finish:
+    budget = rollout.max_episode_tokens
     while True:
         room = rollout.max_context - len(traj.token_ids)
         if room < 1:
             return Finish.CONTEXT_CAP
-        params = dataclasses.replace(sampling, max_tokens=min(rollout.max_tokens_per_turn, room))
+        left = room if budget is None else budget - sum(traj.mask)
+        if left < 1:
+            return Finish.TOKEN_CAP
         requested = time.monotonic()
-        out = await generate(
-            list(traj.token_ids),
-            params,
-            TurnMeta(priority(), traj.trajectory_id, traj.group_id, rollout.tool_wait_pin_s),
-        )
+        if deadline is not None and requested >= deadline:
+            return Finish.TIME_CAP
+        max_tokens = min(rollout.max_tokens_per_turn, room, left)
+        params = dataclasses.replace(sampling, max_tokens=max_tokens)
+        meta = TurnMeta(priority(), traj.trajectory_id, traj.group_id, rollout.tool_wait_pin_s)
+        try:
+            async with asyncio.timeout_at(_loop_time(deadline)) as cut:
+                out = await generate(list(traj.token_ids), params, meta)
+        except TimeoutError:
+            if cut.expired():  # the episode's time ran out mid-turn: the turn is not kept
+                return Finish.TIME_CAP
+            raise
         traj.add_model_turn(out.token_ids, out.logprobs, out.weight_versions)
         on_turn(traj)
         generated = time.monotonic()

@@ -117,6 +117,19 @@ class RolloutConfig(Section):
     max_context: int = Field(
         1024, ge=16, description="tokens of a trajectory's record; past it the episode ends"
     )
+    episode_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="wall-clock limit of one episode: no turn starts past it, a generation"
+        " running at it is cut, and the episode ends (finish time_cap), scored by the environment"
+        " as it stands; a tool call under way finishes first (within step_timeout_s)",
+    )
+    max_episode_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="the most tokens the model may write in one episode, all turns together:"
+        " there the episode ends (finish token_cap), scored by the environment",
+    )
     group_timeout_s: float = Field(
         900.0, gt=0, description="a group not complete this long after it opened is dropped"
     )

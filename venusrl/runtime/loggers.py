@@ -31,7 +31,7 @@ SECTIONS = {
         "reward_mean", "wins", "tool_calls_mean", "tool_calls_per_win", "staleness_mean",
         "staleness_max", "groups", "groups_started", "groups_running", "episodes_resumed",
         "admission_window", "window_kv_tokens", "window_pauses", "window_waits", "episodes_active",
-        "episodes_held_back", "sandboxes_running",
+        "episodes_held_back", "sandboxes_running", "versions_per_trajectory_max",
     ),
     "failures": ("infra_failures", "env_failures", "masked", "groups_dropped"),
 }  # fmt: skip

@@ -3,6 +3,7 @@ trainer's figures, and what the engine and the sandbox pool did meanwhile."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from venusrl.coordinator.admission import AdmissionWindow, TurnWindow
@@ -60,18 +61,27 @@ def step_metrics(
             else 0.0
         ),
         "staleness_max": max((version - 1 - v for v in model_versions), default=0),
+        # Weight versions that sampled one trajectory's tokens: more than 1 when it ran across
+        # a publish (every token keeps the version that sampled it).
+        "versions_per_trajectory_max": max((_versions(t) for t in trajectories), default=0),
         "groups": len(batch),
         "group_s": [round(d, 3) for d in durations],  # open to last member's end, sorted
         "infra_failures": sum(g.infra_failures for g in batch),
         "env_failures": sum(g.env_failures for g in batch),  # of them, the environment's bugs
         "masked": sum(g.masked for g in batch),
         "tool_calls_mean": sum(t.tool_calls for t in trajectories) / max(len(trajectories), 1),
+        # How the batch's episodes ended: done, turn_cap, context_cap, time_cap, token_cap, infra.
+        "finishes": dict(Counter(str(t.finish) for t in trajectories)),
         "wins": len(wins),
         "tool_calls_per_win": sum(t.tool_calls for t in wins) / len(wins) if wins else None,
         "wall_s": wall_s,
         **extra,
         **({"by_env": _by_env(batch)} if by_env else {}),
     }
+
+
+def _versions(traj: Trajectory) -> int:
+    return len({v for v, m in zip(traj.versions, traj.mask, strict=True) if m})
 
 
 def since(before: dict[str, float], now: dict[str, float]) -> dict[str, float]:
