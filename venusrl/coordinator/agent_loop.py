@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import itertools
 import math
 import numbers
@@ -224,6 +225,16 @@ def failure_kind(error: Exception) -> FailureKind:
     return FailureKind.ENGINE
 
 
+def turn_seed(seed: int | None, trajectory_id: str, turn: int) -> int | None:
+    """The sampling seed of one turn: from the run's seed, the trajectory and the turn, so a
+    turn samples the same tokens however the engine batches it and whenever it runs (the
+    engine's own seeds follow arrival order). None: the engine's."""
+    if seed is None:
+        return None
+    digest = hashlib.blake2b(f"{seed}/{trajectory_id}/{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1  # below 2**63: the seeds a request may give
+
+
 def _loop_time(deadline: float | None) -> float | None:
     """A `time.monotonic()` deadline on the event loop's clock (`asyncio.timeout_at`)."""
     if deadline is None:
@@ -319,7 +330,8 @@ async def _turns(
         if deadline is not None and requested >= deadline:
             return Finish.TIME_CAP
         max_tokens = min(rollout.max_tokens_per_turn, room, left)
-        params = dataclasses.replace(sampling, max_tokens=max_tokens)
+        seed = turn_seed(sampling.seed, traj.trajectory_id, len(traj.turn_starts))
+        params = dataclasses.replace(sampling, max_tokens=max_tokens, seed=seed)
         meta = TurnMeta(priority(), traj.trajectory_id, traj.group_id, rollout.tool_wait_pin_s)
         try:
             async with asyncio.timeout_at(_loop_time(deadline)) as cut:

@@ -123,7 +123,6 @@ class Coordinator:
         )
         self._infra_failures = self._env_failures = self._masked = 0
         self._changed = asyncio.Event()  # a group completed or was dropped
-        self._ids = itertools.count()
         self._tasks: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         self._launcher: asyncio.Task[None] | None = None
@@ -205,7 +204,10 @@ class Coordinator:
     def _open(self, work: GroupTask, version: int) -> Group[_GroupRun]:
         k = work.group_size
         run = _GroupRun(work.env, work.task, [None] * k, time.monotonic())
-        return self.book.start_group(f"g{next(self._ids)}", work.task.id, k, version, run)
+        # Named by the order groups start in, which the task stream fixes (not by when their
+        # members happen to start): a trajectory's id seeds its sampling (`agent_loop`).
+        gid = f"g{self.book.groups_started}"
+        return self.book.start_group(gid, work.task.id, k, version, run)
 
     def _spawn(self, coro: object) -> None:
         task = asyncio.ensure_future(coro)  # type: ignore[call-overload]
@@ -259,8 +261,8 @@ class Coordinator:
         self, group: Group[_GroupRun], episodes: GroupEpisodes, index: int
     ) -> None:
         gid, run = group.group_id, group.data
-        while True:
-            tid = f"{gid}-m{index}-{next(self._ids)}"
+        for attempt in itertools.count():  # a member replaced after a failure plays again
+            tid = f"{gid}-m{index}-a{attempt}"
             traj = await episodes.play(
                 tid,
                 lambda tokens, turns: self.book.progress(

@@ -76,7 +76,8 @@ async def train(
             "rollout.temperature=0 samples greedily: the members of a group act alike wherever"
             " their environment does, and GRPO learns only from groups whose rewards differ"
         )
-    sampling = SamplingParams(temperature=cfg.rollout.temperature, seed=None)
+    # Each turn samples with a seed of its own made from this one (`agent_loop.turn_seed`).
+    sampling = SamplingParams(temperature=cfg.rollout.temperature, seed=cfg.run.seed)
     with _trainer_thread() as on_trainer:
         async with contextlib.AsyncExitStack() as stack:
             loggers = stack.enter_context(open_loggers(cfg, run_dir, start.state.step + 1, say))
