@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 from venusrl.policy.agent_admission import AimdAdmission, CacheSignal
-from venusrl.policy.critical_groups import BEST_EFFORT, HIGH
+from venusrl.policy.critical_groups import BEST_EFFORT, critical
 from venusrl.policy.kv_window import Agent, CriticalWindow, EngineLoad, admission_key
 from venusrl.types import Generate, GenerationOutput, SamplingParams, TurnMeta
 
@@ -187,12 +187,12 @@ class TurnWindow:
         return self.priority.get(a.group_id, BEST_EFFORT)
 
     def _engine(self) -> EngineLoad:
-        load = critical = members = 0
+        load = critical_load = members = 0
         for a in self.agents.values():  # one pass: asked at every turn
             load += a.counted
-            critical += a.counted if self._priority(a) >= HIGH else 0
+            critical_load += a.counted if critical(self._priority(a)) else 0
             members += a.member
-        return EngineLoad(self.capacity, load, critical, members)
+        return EngineLoad(self.capacity, load, critical_load, members)
 
     def _as_agent(self, a: _Agent) -> Agent:
         return Agent(a.context, self._priority(a), 0 if a.started else None, a.counted)

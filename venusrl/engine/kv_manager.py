@@ -33,7 +33,7 @@ from venusrl.engine.radix_lending import LendingRadixTree
 from venusrl.engine.radix_tree import Cached, PrefixMatch, RadixNode
 from venusrl.engine.request import Request, Status
 from venusrl.model.architecture import ModelConfig
-from venusrl.policy.critical_groups import HIGH
+from venusrl.policy.critical_groups import critical
 from venusrl.policy.engine_schedule import RequestView, pages_for, pages_needed
 from venusrl.policy.kv_retention import (
     IdleKV,
@@ -208,7 +208,7 @@ class KVManager:
         now (computing that again would waste what was kept)."""
         if not self.prefix_cache:
             return 0
-        if self.layer_bands is not None and r.priority >= HIGH:
+        if self.layer_bands is not None and critical(r.priority):
             banded = self.layer_bands.admit(r, lambda o: self.sibling_waiting(o, waiting))
             if banded is not None:
                 return banded
@@ -389,7 +389,7 @@ class KVManager:
     def reserved_pages(self, *views: Sequence[RequestView]) -> int:
         """Idle device pages the retention policy keeps from best-effort work (counted only
         when some best-effort request is there to be held back and free pages would not do)."""
-        if all(v.priority >= HIGH for vs in views for v in vs):
+        if all(critical(v.priority) for vs in views for v in vs):
             return 0
         ps = self.page_size
         demand = sum(pages_needed(v, v.tokens_to_compute, ps) for vs in views for v in vs)
@@ -414,7 +414,7 @@ class KVManager:
         device (`policy.layer_residency`)."""
         if self.layer_bands is None:
             return
-        high = [r for r in running if r.priority >= HIGH]
+        high = [r for r in running if critical(r.priority)]
         pressure = self._pressure(high, waiting[: 2 * max_running])
         self.layer_bands.apply(pressure, high, lambda r: self.sibling_waiting(r, waiting))
 
@@ -431,7 +431,7 @@ class KVManager:
             need += pages_for(r.num_tokens, ps) - r.num_shared_pages
         groups: set[str] = set()
         for r in waiting:
-            if r.priority < HIGH:
+            if not critical(r.priority):
                 break  # the queue is in priority order
             cached = self.cached_prefix(r)
             counted = r.group_id is not None and r.group_id in groups

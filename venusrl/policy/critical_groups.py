@@ -40,6 +40,12 @@ HIGH = 1  # priority sent with the requests of critical groups
 BEST_EFFORT = 0
 
 
+def critical(priority: int) -> bool:
+    """Whether a request, agent or KV of this priority is a critical group's: the one rule the
+    engine, the KV window, retention and the simulator read priorities by."""
+    return priority >= HIGH
+
+
 @dataclass(frozen=True)
 class MemberView:
     done: bool

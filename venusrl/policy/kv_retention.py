@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
-from venusrl.policy.critical_groups import HIGH
+from venusrl.policy.critical_groups import critical
 
 
 class IdleKV(NamedTuple):  # built for eviction candidates at every eviction: a cheap record
@@ -73,7 +73,7 @@ class TrajectoryRetention:
         if entry.finished:
             return (0, entry.last_use)
         pinned = entry.pin_deadline is not None and entry.pin_deadline > now
-        if entry.priority < HIGH:
+        if not critical(entry.priority):
             return (1 if not pinned else 2, entry.last_use)
         if not pinned:
             return (3, entry.last_use)

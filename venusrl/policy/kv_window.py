@@ -48,7 +48,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from venusrl.policy.critical_groups import HIGH
+from venusrl.policy.critical_groups import critical
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class Agent:
 
     @property
     def critical(self) -> bool:
-        return self.priority >= HIGH
+        return critical(self.priority)
 
 
 def admission_key(priority: int, started: bool, group_rank: int, member: int) -> tuple[int, ...]:

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from venusrl.policy.critical_groups import HIGH
+from venusrl.policy.critical_groups import critical
 from venusrl.policy.kv_retention import IdleKV, RetentionPolicy, eviction_key
 from venusrl.sim.cost_model import CostModel
 from venusrl.sim.types import Clock, Counters, SimRequest
@@ -246,7 +246,7 @@ class SimKV:
         retention pin, off limits to best-effort requests (trajectory retention only); and when
         the first of those pins expires. Nothing when no request the scheduler sees (`running`,
         or at the `head` of the queue) is best-effort."""
-        if all(r.priority >= HIGH for r in running) and all(r.priority >= HIGH for r in head):
+        if all(critical(r.priority) for r in [*running, *head]):
             return 0, None
         now, reserved = self.clock.now, self.retention.reserved
         tokens, release_at = 0, None

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Generic, Protocol, TypeVar
 
-from venusrl.policy.critical_groups import HIGH
+from venusrl.policy.critical_groups import critical
 from venusrl.policy.kv_window import Agent, CriticalWindow, EngineLoad, admission_key
 from venusrl.sim.engine import SimEngine
 
@@ -69,15 +69,15 @@ class KvWindows(Generic[M]):
         """The ranking changed: members' critical shares are counted again if the critical
         groups changed."""
         self.group_rank = {gid: i for i, gid in enumerate(self.ranking.order)}
-        critical = {gid for gid, p in self.ranking.priorities.items() if p >= HIGH}
-        if critical == self.critical_groups:
+        groups = {gid for gid, p in self.ranking.priorities.items() if critical(p)}
+        if groups == self.critical_groups:
             return
-        self.critical_groups = critical
+        self.critical_groups = groups
         for i, members in enumerate(self.members):
-            self.critical_load[i] = sum(m.counted for m in members if m.group_id in critical)
+            self.critical_load[i] = sum(m.counted for m in members if m.group_id in groups)
 
     def _critical(self, t: M) -> bool:
-        return self.ranking.priority(t.group_id) >= HIGH
+        return critical(self.ranking.priority(t.group_id))
 
     def key(self, t: M) -> tuple[int, ...]:
         gid = t.group_id

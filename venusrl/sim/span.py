@@ -12,7 +12,7 @@ import bisect
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from venusrl.policy.critical_groups import HIGH
+from venusrl.policy.critical_groups import critical
 from venusrl.sim.cost_model import CostModel
 from venusrl.sim.kv import SimKV
 from venusrl.sim.types import SimRequest
@@ -176,8 +176,8 @@ class SpanPlanner:
         `opened`: pages running requests opened in the iterations already planned (not yet in
         their `computed`)."""
         ps, req = self.kv.page_size, span.prefill
-        if any(r.priority < HIGH for r, _ in span.sampling) or (
-            req is not None and req.priority < HIGH
+        if any(not critical(r.priority) for r, _ in span.sampling) or (
+            req is not None and not critical(req.priority)
         ):
             span.hold = hold
         span.running_pages = sum(-(-r.computed // ps) for r in running) + opened
