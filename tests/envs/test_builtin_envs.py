@@ -136,10 +136,10 @@ def test_treasure_hunt_is_won_by_following_every_clue_and_lost_by_ignoring_them(
 
     (won, won_steps), (lost, lost_steps) = with_pool(TreasureHunt, body)
     assert won == 1.0 and len(won_steps) == len(trail) >= 3
-    assert sum(s.info["tool_calls"] for s in won_steps) == len(trail)
+    assert sum(s.tool_calls for s in won_steps) == len(trail)
     assert lost == 0.0
     # Out of opens (the trail's length and the slack) ends the game, not the turn cap.
-    assert len(lost_steps) == len(trail) + SLACK and not lost_steps[-1].info["truncated"]
+    assert len(lost_steps) == len(trail) + SLACK and not lost_steps[-1].truncated
 
 
 def test_treasure_hunt_tasks_read_from_its_shipped_file_are_those_of_its_stream():
@@ -231,13 +231,13 @@ def test_guess_number_expert_wins_with_several_calls_and_random_sibling_loses_on
 
     (expert_reward, expert_steps), (random_reward, random_steps) = with_pool(GuessNumber, body)
     assert expert_reward == 1.0
-    assert sum(s.info["tool_calls"] for s in expert_steps) >= 3
-    assert not expert_steps[-1].info["truncated"]
+    assert sum(s.tool_calls for s in expert_steps) >= 3
+    assert not expert_steps[-1].truncated
     assert random_reward == 0.0
-    assert sum(s.info["tool_calls"] for s in random_steps) == MAX_GUESSES
+    assert sum(s.tool_calls for s in random_steps) == MAX_GUESSES
     # The game is lost with the last guess: the episode ends there, not at the turn cap.
     assert len(random_steps) == MAX_GUESSES
-    assert random_steps[-1].done and not random_steps[-1].info["truncated"]
+    assert random_steps[-1].done and not random_steps[-1].truncated
 
 
 class NappingGuessNumber(GuessNumber):
@@ -409,7 +409,7 @@ def test_agent_workload_runs_its_drawn_turns_and_tool_latencies_whatever_the_mod
     expected = sorted((d["reward"], len(d["tool_s"])) for d in draws[:2])
     assert sorted((reward, len(steps)) for reward, steps in episodes) == expected
     for _, steps in episodes:
-        assert all(s.info["tool_calls"] == 1 and s.info["tool_errors"] == 0 for s in steps)
+        assert all(s.tool_calls == 1 and s.tool_errors == 0 for s in steps)
         assert all("<tool_response>" in (s.observation or "") for s in steps[:-1])
 
 

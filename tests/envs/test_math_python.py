@@ -66,7 +66,7 @@ def test_the_demonstrator_computes_each_kind_of_problem_in_the_sandbox_and_wins(
                 reward, steps = await play(MathPython(task, sandbox), policy)
             finally:
                 await sandbox.close()
-            played.append((reward, sum(s.info["tool_calls"] for s in steps)))
+            played.append((reward, sum(s.tool_calls for s in steps)))
         return played
 
     assert with_pool(MathPython, body) == [(1.0, 1)] * len(one_per_kind)

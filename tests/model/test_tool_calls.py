@@ -154,7 +154,7 @@ def test_python_tool_results_come_back_as_text_or_json_in_call_order():
     )
     assert result.tool_responses == ("abab", '{"n": 2, "sum": 3}')
     assert not result.done
-    assert result.info == {"tool_calls": 2, "tool_errors": 0, "truncated": False}
+    assert (result.tool_calls, result.tool_errors, result.truncated) == (2, 0, False)
 
 
 @pytest.mark.parametrize(
@@ -181,7 +181,7 @@ def test_each_kind_of_bad_call_is_an_error_observation_and_the_episode_goes_on(
     assert result.observation is not None and result.observation.startswith(
         f"<tool_response>\n{says}"
     )
-    assert not result.done and result.info["tool_errors"] == 1
+    assert not result.done and result.tool_errors == 1
     after = asyncio.run(env.step(call("echo", text="still here")))
     assert after.observation == "<tool_response>\nstill here\n</tool_response>"
 
@@ -196,7 +196,7 @@ def test_calls_past_the_per_turn_cap_are_skipped_with_a_message():
     assert result.observation is not None
     assert result.observation.count("<tool_response>\nx\n") == 3
     assert "error: only 3 tool calls run per turn; call #4 was skipped" in result.observation
-    assert result.info == {"tool_calls": 4, "tool_errors": 1, "truncated": False}
+    assert (result.tool_calls, result.tool_errors, result.truncated) == (4, 1, False)
 
 
 def test_long_tool_output_is_capped():
@@ -209,7 +209,7 @@ def test_long_tool_output_is_capped():
 def test_a_turn_without_tool_calls_ends_the_episode():
     env = toolbox()
     result = asyncio.run(env.step("I am done."))
-    assert result.done and result.observation is None and not result.info["truncated"]
+    assert result.done and result.observation is None and not result.truncated
     with pytest.raises(RuntimeError, match="after the episode ended"):
         asyncio.run(env.step(call("echo", text="x")))
 
@@ -220,7 +220,7 @@ def test_the_turn_cap_runs_the_last_turn_then_ends_truncated():
         assert not asyncio.run(env.step(call("echo", text="x"))).done
     last = asyncio.run(env.step(call("echo", text="x")))
     assert last.done and last.observation is None
-    assert last.info == {"tool_calls": 1, "tool_errors": 0, "truncated": True}
+    assert (last.tool_calls, last.tool_errors, last.truncated) == (1, 0, True)
 
 
 def test_python_tool_calls_leave_no_names_in_the_sandbox_globals():

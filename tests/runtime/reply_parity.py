@@ -14,7 +14,7 @@ class ReplyParity(GuessNumber):
 
     async def step(self, action_text: str) -> StepResult:
         self.reply, self.done = action_text, True
-        return StepResult(None, True, {"tool_calls": 0, "tool_errors": 0, "truncated": False})
+        return StepResult(None, True)
 
     async def reward(self) -> float:
         return float(len(self.reply) % 2 == 0)

@@ -297,9 +297,9 @@ async def _act(
     step = _environment(env, "step", env.step(fmt.text(model_ids)))
     with acting_for(traj.trajectory_id):  # an overrunning tool's warning names the trajectory
         result = await _within(step, rollout.step_timeout_s, f"{env.name}.step", "step_timeout_s")
-    traj.tool_calls += int(result.info.get("tool_calls", 0))
+    traj.tool_calls += result.tool_calls
     if result.done:
-        return Finish.TURN_CAP if result.info.get("truncated") else Finish.DONE
+        return Finish.TURN_CAP if result.truncated else Finish.DONE
     obs = fmt.observation_ids(result.observation or "", model_ids, result.tool_responses)
     if len(traj.token_ids) + len(obs) >= rollout.max_context:
         return Finish.CONTEXT_CAP

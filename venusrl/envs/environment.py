@@ -26,7 +26,7 @@ What happens to each kind of trouble, so that one bad turn never kills a rollout
   its timeout): a warning at once, naming the tool and the trajectory (`acting_for`); the agent
   loop ends the step at `rollout.step_timeout_s`, as an infrastructure failure.
 - a turn without any tool call is the model's answer: the episode ends.
-- the `max_turns`-th turn runs its tools, then ends the episode with info["truncated"] True.
+- the `max_turns`-th turn runs its tools, then ends the episode with `truncated` True.
 """
 
 from __future__ import annotations
@@ -174,14 +174,18 @@ class StepResult:
     the same as one user turn of `<tool_response>` blocks for a template that does not. An
     environment that gives only `observation` has it sent as a user turn either way.
 
-    `info` always has "tool_calls" (calls in the turn), "tool_errors" (of them, answered with an
-    error) and "truncated" (the turn cap ended the episode).
+    `tool_calls`: calls in the turn (the run counts them); `tool_errors`: of them, answered with
+    an error; `truncated`: the turn cap ended the episode (finish `turn_cap`, not `done`).
+    `info`: anything else the environment wants to keep, read by nothing of the run.
     """
 
     observation: str | None
     done: bool
-    info: dict[str, Any]
+    tool_calls: int = 0
+    tool_errors: int = 0
+    truncated: bool = False
     tool_responses: tuple[str, ...] = ()
+    info: dict[str, Any] = field(default_factory=dict)
 
 
 Message = dict[str, str]  # {"role": ..., "content": ...}, what a chat template takes
@@ -288,7 +292,7 @@ class Environment(ABC):
         calls = self.tool_parser.parse(action_text, self.tool_schemas())
         if not calls:
             self.done = True
-            return StepResult(None, True, {"tool_calls": 0, "tool_errors": 0, "truncated": False})
+            return StepResult(None, True)
         answers: list[str] = []
         errors = 0
         for number, call in enumerate(calls, 1):
@@ -305,12 +309,11 @@ class Environment(ABC):
         ended = self.ended(answers)
         truncated = not ended and self.turns >= self.max_turns
         self.done = ended or truncated
-        info = {"tool_calls": len(calls), "tool_errors": errors, "truncated": truncated}
         if self.done:
-            return StepResult(None, True, info)
+            return StepResult(None, True, len(calls), errors, truncated)
         clipped = tuple(clip_response(a, self.max_observation_chars) for a in answers)
         responses = (format_tool_response(a, self.max_observation_chars) for a in answers)
-        return StepResult("\n".join(responses), False, info, clipped)
+        return StepResult("\n".join(responses), False, len(calls), errors, truncated, clipped)
 
     def ended(self, answers: list[str]) -> bool:
         """Whether the task's rules end the episode after a turn whose tool calls were answered

@@ -104,13 +104,12 @@ class AgentWorkload(Environment):
         r = await self.sandbox.run_python(source, timeout_s=self.tool_timeout_s)
         text = r.text().removesuffix("\n") if r.ok else f"error: {r.text()}"
         self.done = self.turns >= len(self.draw.tool_s)
-        info = {"tool_calls": 1, "tool_errors": int(not r.ok), "truncated": False}
+        errors = int(not r.ok)
         if self.done:
-            return StepResult(None, True, info)
+            return StepResult(None, True, tool_calls=1, tool_errors=errors)
         clipped = clip_response(text, self.max_observation_chars)
-        return StepResult(
-            format_tool_response(text, self.max_observation_chars), False, info, (clipped,)
-        )
+        observation = format_tool_response(text, self.max_observation_chars)
+        return StepResult(observation, False, 1, errors, tool_responses=(clipped,))
 
     async def reward(self) -> float:
         return self.draw.reward

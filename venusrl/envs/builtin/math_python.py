@@ -74,7 +74,7 @@ class MathPython(Environment):
 
     async def step(self, action_text: str) -> StepResult:
         result = await super().step(action_text)
-        if result.done and result.info["tool_calls"] == 0:
+        if result.done and result.tool_calls == 0:
             self.final_text = action_text  # the answer turn; a truncated episode has none
         return result
 
