@@ -43,7 +43,10 @@ class RayCluster:
         if self._owned:
             check_reachable(cfg.address)
             ray.init(
-                address=cfg.address,
+                # Ray reads None as "the cluster started last, if its address file says one":
+                # a session killed without `ray stop` leaves that file, and the run would wait
+                # on a dead cluster forever. "local" starts one here, as None is documented to.
+                address=cfg.address or "local",
                 namespace=cfg.namespace,
                 include_dashboard=False,
                 logging_level=logging.WARNING,
