@@ -47,6 +47,12 @@ class Config(Section):
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
 
+    def __reduce__(self) -> tuple[Any, tuple[dict[str, Any]]]:
+        """Pickled as its data and validated again where it lands (a Ray worker): validating
+        loads each environment named by a file path, under the module name the driver gave it,
+        so that the environment classes the driver sends later unpickle there."""
+        return (Config.model_validate, (self.model_dump(),))
+
     @field_validator("model")
     @classmethod
     def _local_model(cls, model: str | None) -> str | None:
