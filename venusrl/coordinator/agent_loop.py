@@ -323,7 +323,7 @@ async def _turns(
         room = rollout.max_context - len(traj.token_ids)
         if room < 1:
             return Finish.CONTEXT_CAP
-        left = room if budget is None else budget - sum(traj.mask)
+        left = room if budget is None else budget - traj.model_tokens
         if left < 1:
             return Finish.TOKEN_CAP
         requested = time.monotonic()
