@@ -28,6 +28,9 @@ RUN_BY: dict[str, tuple[str, ...]] = {
         "tests/runtime/test_train.py::test_the_cpu_example_raises_its_reward_by_0_4_within_ten_minutes",
     ),
     "scripts/test.sh": (".ci/run",),
+    "sudo .venv/bin/venusrl train --config examples/harness-agent.yaml": (
+        "tests/gateway/test_harness.py::test_venusrl_train_trains_on_the_episodes_of_an_openai_client_harness",
+    ),
     "sudo .venv/bin/venusrl eval RUN_DIR --k 4": (
         "tests/runtime/test_cpu_example.py::test_the_cpu_example_trains_from_a_task_file_into_tensorboard_and_wandb_and_evaluates",
     ),

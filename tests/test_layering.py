@@ -21,6 +21,7 @@ FLOORS: list[set[str]] = [
     {"envs", "trainer"},
     {"coordinator"},
     {"sim", "server"},
+    {"gateway"},  # an agent harness's model endpoint, recorded as episodes
     {"runtime"},  # with the composed config (`venusrl/config.py`), which is the run's input
     {"cli"},
 ]

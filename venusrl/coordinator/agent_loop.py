@@ -191,22 +191,25 @@ async def run_episode(
     limit_s = rollout.episode_timeout_s
     deadline = None if limit_s is None else time.monotonic() + limit_s
     env.tool_parser = fmt.tool_parser  # the model's own format, read from its turns
-    messages = await _environment(env, "reset", env.reset())
-    prompt = fmt.prompt_ids(messages, env.tool_schemas())
-    traj = Trajectory.start(trajectory_id, group_id, prompt_id, prompt)
     try:
-        finish = await _replay(env, fmt, rollout, replay, traj) if replay else None
-        traj.finish = finish or await _turns(
-            env, generate, fmt, sampling, rollout, traj, priority, on_turn, deadline
-        )
-        reward = _environment(env, "reward", env.reward())
-        limit = rollout.reward_timeout_s
-        traj.reward = _checked_reward(
-            env, await _within(reward, limit, f"{env.name}.reward", "reward_timeout_s")
-        )
-    except (InfraFailure, TimeoutError) as e:
-        traj.fail(failure_kind(e), f"{type(e).__name__}: {e}")
-    return traj
+        messages = await _environment(env, "reset", env.reset())
+        prompt = fmt.prompt_ids(messages, env.tool_schemas())
+        traj = Trajectory.start(trajectory_id, group_id, prompt_id, prompt)
+        try:
+            finish = await _replay(env, fmt, rollout, replay, traj) if replay else None
+            traj.finish = finish or await _turns(
+                env, generate, fmt, sampling, rollout, traj, priority, on_turn, deadline
+            )
+            reward = _environment(env, "reward", env.reward())
+            limit = rollout.reward_timeout_s
+            traj.reward = _checked_reward(
+                env, await _within(reward, limit, f"{env.name}.reward", "reward_timeout_s")
+            )
+        except (InfraFailure, TimeoutError) as e:
+            traj.fail(failure_kind(e), f"{type(e).__name__}: {e}")
+        return traj
+    finally:
+        await _environment(env, "close", env.close())
 
 
 def failure_kind(error: Exception) -> FailureKind:

@@ -315,6 +315,10 @@ class Environment(ABC):
         responses = (format_tool_response(a, self.max_observation_chars) for a in answers)
         return StepResult("\n".join(responses), False, len(calls), errors, truncated, clipped)
 
+    async def close(self) -> None:  # noqa: B027 (a hook: most environments hold nothing more)
+        """Let go of what the episode holds beyond its sandbox (a harness's process): called
+        once the episode is over, however it ended."""
+
     def ended(self, answers: list[str]) -> bool:
         """Whether the task's rules end the episode after a turn whose tool calls were answered
         `answers` (a game lost with no moves left): no turn follows, since none could change the

@@ -32,11 +32,11 @@ def template_input(
     as the parser's text, as Qwen's template writes them."""
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     if template_renders_tools:
-        return [_hf_message(m) for m in body.messages], tools
+        return [hf_message(m) for m in body.messages], tools
     return _as_text(body.messages, tools, parser), None
 
 
-def _hf_message(m: ChatMessage) -> dict[str, Any]:
+def hf_message(m: ChatMessage) -> dict[str, Any]:
     # "" rather than None for a call turn's missing content: templates concatenate it.
     message: dict[str, Any] = {"role": m.role, "content": m.text()}
     if m.tool_calls:

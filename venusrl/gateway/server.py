@@ -1,0 +1,118 @@
+"""The gateway's HTTP side: one server per process, on its own thread and event loop, started on
+first use. A session is a URL prefix, `/s/{session}`: OpenAI's clients append `/v1/chat/completions`
+to `{prefix}/v1`, Anthropic's `/v1/messages` to the prefix."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, ClassVar
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+
+from venusrl.gateway.anthropic import MessagesBody, messages_reply
+from venusrl.gateway.session import Answer, Session
+from venusrl.server.bodies import ChatBody
+from venusrl.server.errors import ApiError, install_error_handlers
+from venusrl.server.streaming import sse
+from venusrl.server.tool_calling import call_deltas
+
+router = APIRouter(prefix="/s/{session_id}")
+
+
+def session(request: Request, session_id: str) -> Session:
+    found = request.app.state.sessions.get(session_id)
+    if found is None:
+        raise ApiError(404, f"no session {session_id!r} (it has ended, or never began)")
+    return found
+
+
+Held = Annotated[Session, Depends(session)]
+
+
+@router.get("/v1/models")
+async def models() -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": "venusrl", "object": "model", "owned_by": "venusrl"}]}
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat(body: ChatBody, held: Held) -> Any:
+    body.refuse_unsupported()
+    body.cross_check()
+    if body.n != 1:
+        raise ApiError(400, "an episode samples one answer per turn: n must be 1", "n")
+    if body.logprobs:
+        raise ApiError(400, "the gateway returns no logprobs (the run records them)", "logprobs")
+    answer = await held.ask(body)
+    rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.model or "venusrl"
+    if body.stream:
+        return sse(_chunks(answer, rid, created, model))
+    choice = {"index": 0, "finish_reason": answer.finish_reason, "message": answer.message()}
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [choice]}  # fmt: skip
+
+
+async def _chunks(
+    answer: Answer, rid: str, created: int, model: str
+) -> AsyncIterator[dict[str, Any]]:
+    """The whole turn as a stream: the episode answers a turn at once, so there is nothing to
+    send piece by piece."""
+    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+    delta: dict[str, Any] = {"role": "assistant", "content": answer.content or ""}
+    if answer.tool_calls:
+        delta["tool_calls"] = call_deltas(answer.tool_calls)
+    yield {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+    yield {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": answer.finish_reason}]}
+
+
+@router.post("/v1/messages")
+async def messages(body: MessagesBody, held: Held) -> dict[str, Any]:
+    chat = ChatBody.model_validate(body.as_chat())
+    chat.cross_check()
+    return messages_reply(await held.ask(chat), body.model)
+
+
+class Gateway:
+    """The process's gateway: `open` a session, hand its URL to a harness, `close` it."""
+
+    _shared: ClassVar[Gateway | None] = None
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+
+    @classmethod
+    def shared(cls) -> Gateway:
+        with cls._lock:
+            if cls._shared is None:
+                cls._shared = cls()
+            return cls._shared
+
+    def __init__(self) -> None:
+        self.sessions: dict[str, Session] = {}
+        app = FastAPI(title="venusrl gateway")
+        app.state.sessions = self.sessions
+        install_error_handlers(app)
+        app.include_router(router)
+        self.socket = socket.create_server(("127.0.0.1", 0))
+        self.base = f"http://127.0.0.1:{self.socket.getsockname()[1]}"
+        config = uvicorn.Config(app, log_level="warning", lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(
+            target=lambda: asyncio.run(self.server.serve([self.socket])),
+            name="venusrl-gateway",
+            daemon=True,  # it serves as long as the process runs episodes
+        )
+        self.thread.start()
+
+    def open(self, session: Session) -> str:
+        """A new session's URL prefix; unguessable, so one harness cannot write in another's."""
+        session_id = secrets.token_urlsafe(16)
+        self.sessions[session_id] = session
+        return f"{self.base}/s/{session_id}"
+
+    def close(self, url: str) -> None:
+        self.sessions.pop(url.rsplit("/", 1)[-1], None)

@@ -1,0 +1,122 @@
+"""One harness conversation as both sides hold it. The HTTP side (the gateway's thread) hands
+each request to the episode (on the rollout's event loop) and waits for the answer; the episode
+checks that the conversation only grows, and turns what is new in it into the observation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from venusrl.server.bodies import ChatBody, ChatMessage
+from venusrl.server.errors import ApiError
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The model's turn as the harness gets it: content and calls in OpenAI's shape."""
+
+    content: str | None
+    tool_calls: list[dict[str, Any]]
+
+    @property
+    def finish_reason(self) -> str:
+        return "tool_calls" if self.tool_calls else "stop"
+
+    def message(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+        return message
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A request the episode has not answered yet; `answer` resolves on the episode's loop."""
+
+    body: ChatBody
+    answer: asyncio.Future[Answer]
+
+
+class Session:
+    """Created by the episode, on its loop; `ask` is called from any other loop."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.requests: asyncio.Queue[Pending] = asyncio.Queue()
+        self.in_flight = False
+        self.ended: str | None = None  # why, once the episode is over
+
+    async def ask(self, body: ChatBody) -> Answer:
+        try:
+            handed = asyncio.run_coroutine_threadsafe(self._submit(body), self.loop)
+        except RuntimeError:  # the episode's loop has closed
+            raise self.gone("the run that held it has stopped") from None
+        return await asyncio.wrap_future(handed)
+
+    async def _submit(self, body: ChatBody) -> Answer:
+        if self.ended is not None:
+            raise self.gone(self.ended)
+        if self.in_flight:
+            raise ApiError(
+                409,
+                "this session already has a request in flight: an episode is one conversation, "
+                "one model turn at a time (n > 1 or parallel requests need sessions of their own)",
+            )
+        self.in_flight = True
+        try:
+            answer = self.loop.create_future()
+            await self.requests.put(Pending(body, answer))
+            return await answer
+        finally:
+            self.in_flight = False
+
+    def end(self, reason: str) -> None:
+        """No request is taken from now on; one waiting for its answer gets `reason`."""
+        self.ended = reason
+        while not self.requests.empty():
+            self.requests.get_nowait().answer.set_exception(self.gone(reason))
+
+    @staticmethod
+    def gone(reason: str) -> ApiError:
+        return ApiError(410, f"this session's episode has ended: {reason}", code="session_ended")
+
+
+def comparable(message: ChatMessage) -> tuple[str, str, tuple[tuple[str, str], ...]]:
+    """What of a message must come back unchanged: its role, text and calls. Ids and fields a
+    client adds (`refusal`, `annotations`) may differ; the model's tokens cannot."""
+    calls = tuple(
+        (c.function.name, json.dumps(c.function.parsed_arguments(), sort_keys=True))
+        for c in message.tool_calls or ()
+    )
+    return message.role, message.text(), calls
+
+
+def new_messages(held: Sequence[ChatMessage], sent: Sequence[ChatMessage]) -> list[ChatMessage]:
+    """What `sent` adds to the conversation `held`, which it must begin with: 409 naming the
+    first message that differs otherwise (a harness that summarises or drops turns rewrites what
+    the model saw, and a record of one token sequence cannot follow it)."""
+    for i, (was, now) in enumerate(zip(held, sent, strict=False)):
+        if comparable(was) != comparable(now):
+            raise ApiError(
+                409,
+                f"messages[{i}] is not the {was.role} message this session sent or answered "
+                "there: venusrl trains on the conversation the model saw, so a session's "
+                "history can only grow (start a new session for a rewritten one)",
+                f"messages[{i}]",
+                "history_rewritten",
+            )
+    if len(sent) <= len(held):
+        raise ApiError(400, "no new message after the model's last answer", "messages")
+    added = list(sent[len(held) :])
+    roles = {m.role for m in added}
+    if not (roles == {"tool"} or (roles == {"user"} and len(added) == 1)):
+        raise ApiError(
+            400,
+            "after the model's answer the gateway takes its tool results (tool messages) or one "
+            f"user message, got {[m.role for m in added]}",
+            f"messages[{len(held)}]",
+        )
+    return added
