@@ -222,6 +222,16 @@ def _add_sim(sub: Subcommands) -> None:
         help="policies simulated at once, one process each (default: all of them)",
     )
     sim.add_argument(
+        "--weight-update",
+        choices=("keep", "drain"),
+        default="keep",
+        help=(
+            "how engines take new weights: keep (between two iterations, requests in flight"
+            " keeping their KV) or drain (their requests in flight run to the end of their turn"
+            " first, none admitted)"
+        ),
+    )
+    sim.add_argument(
         "--decide-every-iteration",
         action="store_true",
         help=(
@@ -576,7 +586,11 @@ def _sim(args: argparse.Namespace) -> int:
     if args.jobs is not None and args.jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     started = time.monotonic()
-    config = SimConfig(args.steps, decide_every_iteration=args.decide_every_iteration)
+    config = SimConfig(
+        args.steps,
+        decide_every_iteration=args.decide_every_iteration,
+        weight_update=args.weight_update,
+    )
     runs = {seed: simulate(workload, policies, seed, config, args.jobs) for seed in seeds}
     summary = over_seeds(runs)
     out: dict[str, Any] = {

@@ -173,6 +173,28 @@ def test_weight_update_mid_flight_keeps_requests_running_and_tags_versions(
     assert engine.generate([prompt], GREEDY)[0].token_ids == fresh.token_ids
 
 
+def test_an_engine_holding_admission_runs_its_turns_to_their_end_and_admits_after_new_weights(
+    tiny_qwen3: Path, tmp_path: Path
+) -> None:
+    """`engine.weight_update=drain`'s engine side: the request running finishes under the old
+    weights, the one waiting starts only once the new ones have loaded."""
+    other = write_hf_model(tmp_path / "other", "qwen3", seed=5, head_dim=16)
+    engine = engine_for(tiny_qwen3)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    running = engine.add_request(list(range(10, 30)), params)
+    engine.step()
+    engine.hold_admission()
+    waiting = engine.add_request(list(range(40, 60)), params)
+    while engine.running:
+        engine.step()
+        engine.check()
+    assert engine.waiting == [waiting] and not waiting.output_ids
+    assert engine.pop_finished(running.request_id).weight_versions == [0] * 8
+    engine.update_weights(iter_safetensors(other))
+    drain(engine)
+    assert engine.pop_finished(waiting.request_id).weight_versions == [1] * 8
+
+
 def test_weights_of_another_model_are_refused_before_anything_loads(
     tiny_qwen3: Path, tmp_path: Path
 ) -> None:

@@ -325,3 +325,29 @@ def test_iterations_run_as_one_event_give_the_figures_of_deciding_every_one(poli
             assert merged[key] == pytest.approx(value, rel=1e-9), key
         else:
             assert merged[key] == value, key
+
+
+@pytest.mark.parametrize("policy", ["async", "venus"])
+def test_draining_engines_for_new_weights_waits_on_the_turns_in_flight(policy: str) -> None:
+    """`weight_update=drain`: each engine runs its turns in flight to their end, admitting none,
+    before the weights load; `keep` loads between two iterations. Same work, same weights."""
+    # Long enough episodes that turns are in flight when a step's weights are published.
+    workload = SMALL.scaled_for(
+        name="swe-small-long", turns=Turns("lognormal", LogNormal(30, 0.35))
+    )
+    runs = {
+        mode: Simulation(
+            workload, sim_policy(policy), 0, SimConfig(steps=4, weight_update=mode)
+        ).run()
+        for mode in ("keep", "drain")
+    }
+    keep, drain = runs["keep"], runs["drain"]
+    assert keep["drain_s_per_step"] == 0 < drain["drain_s_per_step"]
+    assert drain["steps"] == keep["steps"] == 4 and drain["groups_dropped"] == 0
+    assert drain["weight_sync_s_per_step"] == keep["weight_sync_s_per_step"]
+    assert drain["mean_step_s"] != keep["mean_step_s"]
+
+
+def test_an_unknown_weight_update_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match="weight_update must be keep or drain, got 'pause'"):
+        SimConfig(weight_update="pause")

@@ -127,6 +127,7 @@ class Engine:
         self.eos_token_ids = frozenset(eos)
         self.weight_version = weight_version
         self.weights_loaded = 0  # loads since start: the cache's salt (`update_weights`)
+        self.admitting = True  # False while it drains for new weights (`hold_admission`)
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by the scheduler's queue order
         self.running: list[Request] = []
@@ -301,7 +302,8 @@ class Engine:
         """Run one forward pass; returns the requests that finished in it."""
         began = time.perf_counter()
         self.cache.apply_residency(self.running, self.waiting, self.cfg.max_running)
-        plan = self.scheduler.schedule(snapshot(self.running, self.waiting, self.cache, self.cfg))
+        waiting = self.waiting if self.admitting else []
+        plan = self.scheduler.schedule(snapshot(self.running, waiting, self.cache, self.cfg))
         for rid in plan.preempt:
             self._preempt(self.requests[rid])
         self.cache.make_room_for_running([(self.requests[rid], n) for rid, n in plan.run])
@@ -443,11 +445,17 @@ class Engine:
             check_same_model(Path(weights), self.model.config)
             weights = iter_safetensors(weights)
         self.model.load_weights(weights)
+        self.admitting = True
         self.weights_loaded += 1
         self.weight_version = self.weight_version + 1 if version is None else version
         if flush_cache:
             self.flush_cache()
         return self.weight_version
+
+    def hold_admission(self) -> None:
+        """Admit no waiting request until the next `update_weights`; those running go on (to
+        drain the engine before new weights: `engine.weight_update=drain`)."""
+        self.admitting = False
 
     def flush_cache(self) -> int:
         """Drop every cached prefix no request holds, on both tiers; returns the number of device

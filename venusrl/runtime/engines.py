@@ -26,6 +26,7 @@ from venusrl.trainer.api import Trainer
 from venusrl.types import GenerationOutput, SamplingParams, TurnMeta
 
 log = logging.getLogger(__name__)
+DRAIN_POLL_S = 0.005  # how often a draining engine is asked whether its turns have ended
 
 
 class LocalEngine:
@@ -35,6 +36,7 @@ class LocalEngine:
         core = Engine.from_model_dir(model_dir, cfg.engine, weight_version=version)
         self.engine = AsyncEngine(core).start()
         self.generate = self.engine.generate
+        self.drain = cfg.engine.weight_update == "drain"
         self._lost = 0  # re-prefill tokens after eviction, at the last cache signal
 
     async def end_trajectory(self, trajectory_id: str) -> None:
@@ -67,6 +69,11 @@ class LocalEngine:
         # Runs on the engine's thread between two of its steps, copying each tensor as the
         # stream delivers it (`CausalLM.load_weights`; generation waits meanwhile): requests in
         # flight keep their KV and record the new version on the tokens they produce from now on.
+        # Drained first, they end their turns under the old weights, and none starts meanwhile.
+        if self.drain:
+            await self.engine.call(lambda e: e.hold_admission())
+            while await self.engine.call(lambda e: bool(e.running)):
+                await asyncio.sleep(DRAIN_POLL_S)
         await self.engine.call(lambda e: e.update_weights(weights, version=version))
 
     async def publish(self, trainer: Trainer, run_dir: Path, model_dir: Path) -> None:

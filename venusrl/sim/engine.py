@@ -158,6 +158,8 @@ class SimEngine:
         self.busy_s = 0.0
         self.spent: dict[str, float] = dict.fromkeys(SPENT_ON, 0.0)  # busy seconds by use
         self.paused_until = 0.0
+        self.admitting = True  # False while it drains for new weights
+        self._drained: Callable[[], None] | None = None
         self._epoch = 0
         self._span: Span | None = None  # the iterations in flight
 
@@ -199,8 +201,20 @@ class SimEngine:
 
     def pause(self, until: float) -> None:
         """New weights load until then: the iteration in flight is the last before."""
-        self.paused_until = until
+        self.paused_until, self.admitting = until, True
         self._disturb(everything=True)
+        self.clock.at(until, self._kick)  # an engine idle while it drained has work waiting
+
+    def drain(self, then: Callable[[], None]) -> None:
+        """Admit nothing until `pause`; `then` once no request runs."""
+        self.admitting, self._drained = False, then
+        self._disturb(everything=True)
+        self._check_drained()
+
+    def _check_drained(self) -> None:
+        if self._drained is not None and not self.running:
+            then, self._drained = self._drained, None
+            then()
 
     def live_pages(self) -> int:
         """Device pages of live trajectories: running, or idle between turns (the KV of finished
@@ -248,6 +262,7 @@ class SimEngine:
         ran, split, pages = self._run(decision.plan, decision.head)
         if not ran:
             self.busy = False
+            self._check_drained()
             if decision.plan.run:  # what was planned lost its pages: the engine loop plans again
                 self.clock.at(now + RETRY_AFTER_S, self._kick)
             elif decision.release_at is not None:
@@ -277,7 +292,7 @@ class SimEngine:
         whom the plan says."""
         cfg, counters = self.config, self.counters
         counters.decisions += 1
-        head = self.waiting[: cfg.waiting_head]
+        head = self.waiting[: cfg.waiting_head] if self.admitting else []
         running, waiting = _views(self.running.values(), head, self.kv.idle, self.page_size)
         # As the engine counts it: free pages plus every idle page (evictable, a waiting request's
         # own cached context included; its `pages_held` keeps it from being asked for twice).
@@ -483,6 +498,7 @@ class SimEngine:
             del self.running[req.rid]
             self.kv.release(req)
             req.done()
+        self._check_drained()
         if span.repeats and sampled and self._decodes_go_on(span):
             return
         if self.running or self.waiting:

@@ -20,6 +20,7 @@ sandboxes are charged their whole RSS, unshared.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import multiprocessing
 import os
@@ -258,6 +259,7 @@ class Simulation:
         self.train_s = 0.0  # trainer compute, all steps
         self._training: tuple[float, list[int]] = (0.0, [])  # the step in flight: time, staleness
         self.weight_sync_s = 0.0  # engines paused for new weights, all steps
+        self.drain_s = 0.0  # of which: waiting for turns in flight (weight_update=drain)
         self.step_ends: list[float] = []
         self.group_completion_s: list[float] = []
         self.staleness: list[int] = []
@@ -561,7 +563,24 @@ class Simulation:
         self.clock.at(self.clock.now + seconds, self._sync_weights)
 
     def _sync_weights(self) -> None:
-        """The new weights go to every engine; they pause while they load them."""
+        """The new weights go to every engine; they pause while they load them, after running
+        their requests in flight to the end of their turns when they drain
+        (`SimConfig.weight_update`)."""
+        if self.config.weight_update == "keep":
+            self._load_weights()
+            return
+        draining, began = set(range(len(self.engines))), self.clock.now
+
+        def drained(i: int) -> None:
+            draining.discard(i)
+            if not draining:
+                self.drain_s += self.clock.now - began
+                self._load_weights()
+
+        for i, e in enumerate(self.engines):
+            e.drain(functools.partial(drained, i))
+
+    def _load_weights(self) -> None:
         self.weight_sync_s += self.cost.weight_sync_s()
         done = self.clock.now + self.cost.weight_sync_s()
         for e in self.engines:
@@ -606,6 +625,7 @@ class Simulation:
             "rollout_gpu_time": breakdown,
             "train_s_per_step": self.train_s / steps,
             "weight_sync_s_per_step": self.weight_sync_s / steps,
+            "drain_s_per_step": self.drain_s / steps,
             "group_completion_p50_s": quantile(completion, 0.5),
             "group_completion_p99_s": quantile(completion, 0.99),
             "staleness_mean": statistics.fmean(self.staleness) if self.staleness else 0.0,

@@ -30,6 +30,14 @@ class SimConfig:
     # Device-to-host copies run on a side stream beside the compute, as the engine's CUDA path
     # does (`engine/tier_copies.py`): an iteration waits only for copies longer than itself.
     overlap_copies: bool = True
+    # How engines take new weights (`engine.weight_update`): "keep" loads them between two
+    # iterations, requests in flight keeping their KV; "drain" first runs the requests in flight
+    # to the end of their turn, admitting none, as engines that cannot update mid-request do.
+    weight_update: str = "keep"
+
+    def __post_init__(self) -> None:
+        if self.weight_update not in ("keep", "drain"):
+            raise ValueError(f"weight_update must be keep or drain, got {self.weight_update!r}")
 
 
 class Clock:
