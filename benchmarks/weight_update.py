@@ -1,15 +1,17 @@
 """What in-flight weight updates save: step time with `engine.weight_update=keep` (new weights
-load between two engine steps, the requests in flight keep their KV and go on) against `drain`
-(the turns in flight first run to their end, none admitted meanwhile, as engines that cannot
-update mid-request do). Printed as JSON, both modes on the same seeds side by side:
+load between two engine steps; the requests in flight keep their KV and go on, and so does the
+KV of trajectories waiting on a tool) against two baselines: `flush` (the same, then every KV no
+running request holds is dropped, as vLLM's `reset_prefix_cache` and SGLang's `flush_cache` after
+an update: a trajectory between turns computes its context again) and `drain` (the turns in
+flight first run to their end, none admitted meanwhile, as engines that cannot update
+mid-request do). Printed as JSON, the modes on the same seeds side by side:
 
 - `cpu`: `venusrl train` on the built-in CPU example (its default config, a short warm start),
-  once per mode per pair, A B A B; each run's mean step time over its steps after the first
-  (which fills the pipeline), the ratio drain / keep pair by pair, and the most weight versions
-  one trajectory spans (above 1 under both: a trajectory's later turns start after a publish);
-- `sim`: the simulator's `venus` policy on `--scenarios`, seeds `--seeds`, both modes; the ratio
-  of mean step times drain / keep per seed, its median and worst, and the seconds per step the
-  engines waited for turns in flight (`drain_s_per_step`).
+  once per mode per pair, in turn; each run's mean step time over its steps after the first
+  (which fills the pipeline), and per pair the ratios `flush_over_keep`, `drain_over_keep`;
+- `sim`: the simulator's `venus` policy on `--scenarios`, seeds `--seeds`, each mode; the same
+  ratios per seed with their median and worst, the tokens computed again after losing their
+  KV, and the seconds per step the engines waited for turns in flight (`drain_s_per_step`).
 
 A ratio above 1 is the gain of keeping. Absolute times are context: this machine is shared.
 
@@ -37,7 +39,7 @@ from venusrl.sim.executor import sim_policies, simulate  # noqa: E402
 from venusrl.sim.types import SimConfig  # noqa: E402
 from venusrl.workloads import SCENARIOS  # noqa: E402
 
-MODES = ("keep", "drain")
+MODES = ("keep", "flush", "drain")
 
 
 def train_run(mode: str, steps: int, run_dir: Path) -> dict[str, Any]:
@@ -64,41 +66,45 @@ def train_run(mode: str, steps: int, run_dir: Path) -> dict[str, Any]:
     }
 
 
+BASELINES = ("flush", "drain")
+
+
+def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each baseline's step time over keep's, per row; the median and the worst of them."""
+    out: dict[str, Any] = {}
+    for b in BASELINES:
+        for row in rows:
+            row[f"{b}_over_keep"] = row[b]["mean_step_s"] / row["keep"]["mean_step_s"]
+        got = [row[f"{b}_over_keep"] for row in rows]
+        out[f"{b}_over_keep"] = {"median": statistics.median(got), "worst": min(got)}
+    return out
+
+
 def cpu(pairs: int, steps: int) -> dict[str, Any]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for pair in range(pairs):
-            runs = {mode: train_run(mode, steps, Path(tmp) / f"{mode}-{pair}") for mode in MODES}
-            runs["drain_over_keep"] = runs["drain"]["mean_step_s"] / runs["keep"]["mean_step_s"]
-            rows.append(runs)
-    ratios = [r["drain_over_keep"] for r in rows]
-    return {"pairs": rows, "median": statistics.median(ratios), "worst": min(ratios)}
+            rows.append({m: train_run(m, steps, Path(tmp) / f"{m}-{pair}") for m in MODES})
+    return {**ratios(rows), "pairs": rows}
 
 
 def sim(scenarios: list[str], seeds: list[int], steps: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     policy = sim_policies("venus")
     for name in scenarios:
-        per_seed = {}
+        rows = []
         for seed in seeds:
-            runs = {
-                mode: simulate(SCENARIOS[name], policy, seed, SimConfig(steps, weight_update=mode))[
-                    0
-                ]
-                for mode in MODES
-            }
-            per_seed[seed] = {
-                "keep_step_s": runs["keep"]["mean_step_s"],
-                "drain_step_s": runs["drain"]["mean_step_s"],
-                "drain_s_per_step": runs["drain"]["drain_s_per_step"],
-                "drain_over_keep": runs["drain"]["mean_step_s"] / runs["keep"]["mean_step_s"],
-            }
-        ratios = [r["drain_over_keep"] for r in per_seed.values()]
-        out[name] = {
-            "seeds": per_seed,
-            "median": statistics.median(ratios),
-            "worst": min(ratios),
-        }
+            row: dict[str, Any] = {"seed": seed}
+            for mode in MODES:
+                config = SimConfig(steps, weight_update=mode)
+                r = simulate(SCENARIOS[name], policy, seed, config)[0]
+                row[mode] = {
+                    "mean_step_s": r["mean_step_s"],
+                    "reprefill_evicted_tokens": r["reprefill_evicted_tokens"],
+                    "drain_s_per_step": r["drain_s_per_step"],
+                }
+            rows.append(row)
+        out[name] = {**ratios(rows), "seeds": rows}
     return out
 
 

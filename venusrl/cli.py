@@ -223,12 +223,13 @@ def _add_sim(sub: Subcommands) -> None:
     )
     sim.add_argument(
         "--weight-update",
-        choices=("keep", "drain"),
+        choices=("keep", "flush", "drain"),
         default="keep",
         help=(
             "how engines take new weights: keep (between two iterations, requests in flight"
-            " keeping their KV) or drain (their requests in flight run to the end of their turn"
-            " first, none admitted)"
+            " and trajectories between turns keeping their KV), flush (keep, then drop every KV"
+            " no running request holds) or drain (their requests in flight run to the end of"
+            " their turn first, none admitted)"
         ),
     )
     sim.add_argument(

@@ -21,6 +21,7 @@ from venusrl.config import load_config
 from venusrl.coordinator.agent_loop import ChatFormat, run_episode
 from venusrl.coordinator.config import RolloutConfig
 from venusrl.gateway.harness import HarnessRun
+from venusrl.gateway.server import Gateway
 from venusrl.runtime.record import read_records
 from venusrl.runtime.train import train
 from venusrl.types import (
@@ -144,14 +145,23 @@ tools = [{"name": "add", "description": "a + b", "input_schema": {"type": "objec
           "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}]
 messages = [{"role": "user", "content": os.environ["VENUSRL_TASK_PROMPT"]}]
 while True:
-    body = {"model": "policy", "max_tokens": 64, "system": "Add.", "messages": messages,
+    body = {"model": "policy", "max_tokens": 64, "system": "Add.", "messages": list(messages),
             "tools": tools}
     reply = httpx.post(url, json=body, headers={"x-api-key": os.environ["ANTHROPIC_API_KEY"]},
                        timeout=60).json()
     messages.append({"role": "assistant", "content": reply["content"]})
     uses = [b for b in reply["content"] if b["type"] == "tool_use"]
     if reply["stop_reason"] != "tool_use":
-        print(reply["content"][0]["text"])
+        # The answer again, streamed: a resend of a conversation gets the answer it got.
+        streamed = httpx.post(url, json={**body, "stream": True}, timeout=60).text
+        events = [json.loads(line[6:]) for line in streamed.splitlines()
+                  if line.startswith("data: ")]
+        kinds = [e["type"] for e in events]
+        assert kinds[0] == "message_start" and kinds[-1] == "message_stop", kinds
+        text = "".join(e["delta"].get("text", "") for e in events
+                       if e["type"] == "content_block_delta")
+        assert text == reply["content"][0]["text"], (text, reply)
+        print(text)
         break
     results = [{"type": "tool_result", "tool_use_id": u["id"],
                 "content": str(u["input"]["a"] + u["input"]["b"])} for u in uses]
@@ -252,3 +262,52 @@ def test_venusrl_train_trains_on_the_episodes_of_an_openai_client_harness(tmp_pa
     assert all(r["finish"] == "done" for r in records)
     # A random policy never calls the tool: the harness nudged it, three turns each.
     assert all(len(r["turn_starts"]) == 3 for r in records)
+
+
+RESENDING_HARNESS = """
+import os, threading, httpx
+url = os.environ["OPENAI_BASE_URL"] + "/chat/completions"
+body = {"messages": [{"role": "user", "content": "Add 1 and 1."}]}
+# The same request twice at once (a client that timed out and retried): one turn, one answer.
+answers = [None, None]
+def ask(i):
+    answers[i] = httpx.post(url, json=body, timeout=60).json()["choices"][0]["message"]
+threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+for t in threads: t.start()
+for t in threads: t.join()
+assert answers[0] == answers[1], answers
+# And again after it was answered: the same answer, no new turn.
+again = httpx.post(url, json=body, timeout=60).json()["choices"][0]["message"]
+assert again == answers[0], (again, answers)
+big = httpx.post(url, content=b"x" * (33 << 20), timeout=60)
+print(big.status_code, big.json()["error"]["message"][:27])
+# A child that outlives the harness, holding nothing of the gateway's: killed with its group.
+import subprocess, sys
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(601)"])
+print(again["content"])
+"""
+
+
+def test_a_resent_request_gets_one_turn_and_a_harness_that_exits_leaving_a_child_is_done(
+    tmp_path: Path,
+) -> None:
+    tok = chat_templates.tokenizer("qwen3")
+    Agent.runs.clear()
+    traj = episode(harness_env(tmp_path, RESENDING_HARNESS), Scripted(tok, ["2"]), ChatFormat(tok))
+    assert traj.finish is Finish.DONE and len(traj.turn_starts) == 1
+    run = Agent.runs[0]
+    assert run.returncode == 0, run.stderr
+    refused, answer = run.stdout.splitlines()
+    assert refused.startswith("413 the body may be at most") and answer == "2"
+    left = subprocess.run(["pgrep", "-f", "time.sleep\\(601\\)"], capture_output=True)
+    assert left.stdout == b""
+
+
+def test_a_harness_that_never_asks_is_stopped_at_its_start_timeout(tmp_path: Path) -> None:
+    tok = chat_templates.tokenizer("qwen3")
+    env = harness_env(tmp_path, "import time; time.sleep(602)", start_timeout_s=1.0)
+    with pytest.raises(TimeoutError):
+        episode(env, Scripted(tok, []), ChatFormat(tok))
+    left = subprocess.run(["pgrep", "-f", "time.sleep\\(602\\)"], capture_output=True)
+    assert left.stdout == b""
+    assert not Gateway.shared().sessions  # every episode's session closed with it

@@ -708,12 +708,13 @@ def test_the_same_seed_and_config_train_the_same_trajectories_and_losses(
     assert run("c")[0] != first[0]
 
 
-def test_a_run_whose_engine_drains_for_new_weights_trains_every_step(
-    tmp_path: Path, warm_started_small: list[str]
+@pytest.mark.parametrize("mode", ["flush", "drain"])
+def test_a_run_whose_engine_flushes_or_drains_for_new_weights_trains_every_step(
+    tmp_path: Path, warm_started_small: list[str], mode: str
 ) -> None:
-    """`engine.weight_update=drain` (BENCHMARKS' baseline for in-flight updates): each publish
-    waits for the turns in flight, and the run goes on."""
-    overrides = [*warm_started_small, "run.steps=3", "engine.weight_update=drain"]
+    """`engine.weight_update=flush|drain` (the baselines of in-flight updates in BENCHMARKS):
+    each publish drops the cached KV, or waits for the turns in flight, and the run goes on."""
+    overrides = [*warm_started_small, "run.steps=3", f"engine.weight_update={mode}"]
     metrics = asyncio.run(train(load_config(None, overrides), tmp_path))
     assert [m["step"] for m in metrics] == [0, 1, 2]
     assert sum(m["infra_failures"] for m in metrics) == 0

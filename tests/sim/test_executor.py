@@ -348,6 +348,27 @@ def test_draining_engines_for_new_weights_waits_on_the_turns_in_flight(policy: s
     assert drain["mean_step_s"] != keep["mean_step_s"]
 
 
+def test_flushing_the_cache_for_new_weights_makes_agents_between_turns_compute_it_again() -> None:
+    """`weight_update=flush` (vLLM's and SGLang's cache reset after an update): the KV of
+    trajectories waiting on a tool is gone, and their next turns compute it again; `keep`
+    keeps it. Both load at the same moments."""
+    workload = SMALL.scaled_for(
+        name="swe-small-long", turns=Turns("lognormal", LogNormal(30, 0.35))
+    )
+    runs = {
+        mode: Simulation(
+            workload, sim_policy("venus"), 0, SimConfig(steps=4, weight_update=mode)
+        ).run()
+        for mode in ("keep", "flush")
+    }
+    keep, flush = runs["keep"], runs["flush"]
+    assert flush["reprefill_evicted_tokens"] > keep["reprefill_evicted_tokens"]
+    assert flush["drain_s_per_step"] == keep["drain_s_per_step"] == 0
+    assert flush["steps"] == keep["steps"] == 4 and flush["groups_dropped"] == 0
+
+
 def test_an_unknown_weight_update_mode_is_refused() -> None:
-    with pytest.raises(ValueError, match="weight_update must be keep or drain, got 'pause'"):
+    with pytest.raises(
+        ValueError, match="weight_update must be one of keep, flush, drain, got 'pause'"
+    ):
         SimConfig(weight_update="pause")

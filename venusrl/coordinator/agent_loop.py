@@ -19,6 +19,7 @@ import asyncio
 import dataclasses
 import hashlib
 import itertools
+import logging
 import math
 import numbers
 import re
@@ -42,6 +43,7 @@ from venusrl.types import (
 )
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 _MARK = "\ue000"  # a private-use character: where the assistant's text goes in a rendering
 _OBSERVATION = 0xE001  # and where the observations go, one character each from here
@@ -209,7 +211,10 @@ async def run_episode(
             traj.fail(failure_kind(e), f"{type(e).__name__}: {e}")
         return traj
     finally:
-        await _environment(env, "close", env.close())
+        try:
+            await env.close()
+        except Exception:  # the episode's record stands; what it held is its author's to mend
+            log.warning("%s.close raised (episode %s)", env.name, trajectory_id, exc_info=True)
 
 
 def failure_kind(error: Exception) -> FailureKind:

@@ -65,12 +65,14 @@ class EngineConfig(Section):
         description="key cached KV by the weight version its trajectory started under: a new"
         " trajectory never reads KV that older weights computed, one in flight keeps its own",
     )
-    weight_update: Literal["keep", "drain"] = Field(
+    weight_update: Literal["keep", "flush", "drain"] = Field(
         "keep",
         description="how new weights load: keep (between two steps; requests in flight keep"
-        " their KV and go on, their later tokens recording the new version) or drain (the"
-        " requests in flight first run to the end of their turn, none admitted: what engines"
-        " that cannot update mid-request do, the baseline of BENCHMARKS' figure)",
+        " their KV and go on, their later tokens recording the new version, and trajectories"
+        " between turns keep theirs), flush (keep, then drop every cached KV no running request"
+        " holds, as vLLM's reset_prefix_cache and SGLang's flush_cache after an update) or drain"
+        " (the requests in flight first run to the end of their turn, none admitted); flush and"
+        " drain are the baselines of benchmarks/weight_update.py",
     )
     threads: int | None = Field(None, ge=1, description="torch CPU threads; None leaves torch's")
     seed: int = Field(0, ge=0, description="seed of requests that give none")

@@ -1,10 +1,12 @@
 """Anthropic's Messages API as the gateway speaks it: a request becomes the chat request it
-means (`ChatBody`), and an answer goes back as content blocks. Streaming is refused, not faked."""
+means (`ChatBody`), and an answer goes back as content blocks, whole or as the events of a
+stream (the whole turn at once: the episode answers a turn when it is done)."""
 
 from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from pydantic import Field
@@ -12,7 +14,6 @@ from pydantic import Field
 from venusrl.engine.native_wire import Bool, Int
 from venusrl.gateway.session import Answer
 from venusrl.server.bodies import OpenAIBody
-from venusrl.server.errors import ApiError
 
 
 class TextBlock(OpenAIBody):
@@ -68,8 +69,6 @@ class MessagesBody(OpenAIBody):
 
     def as_chat(self) -> dict[str, Any]:
         """The same request in OpenAI's chat shape (validated as a `ChatBody` by the caller)."""
-        if self.stream:
-            raise ApiError(400, "the gateway does not stream Anthropic messages", "stream")
         messages: list[dict[str, Any]] = []
         if self.system:
             system = self.system
@@ -143,3 +142,29 @@ def messages_reply(answer: Answer, model: str | None) -> dict[str, Any]:
         # The record counts tokens (the run's metrics); the harness is not told them.
         "usage": {"input_tokens": 0, "output_tokens": 0},
     }
+
+
+async def message_events(reply: dict[str, Any]) -> AsyncIterator[str]:
+    """A whole message as Anthropic streams one: its start, each block's start, delta and stop,
+    then the stop reason."""
+
+    def event(kind: str, **data: Any) -> str:
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
+
+    yield event("message_start", message={**reply, "content": [], "stop_reason": None})
+    for index, block in enumerate(reply["content"]):
+        start: dict[str, Any]
+        if block["type"] == "text":
+            start, delta = (
+                {"type": "text", "text": ""},
+                {"type": "text_delta", "text": block["text"]},
+            )
+        else:
+            start = {**block, "input": {}}
+            delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+        yield event("content_block_start", index=index, content_block=start)
+        yield event("content_block_delta", index=index, delta=delta)
+        yield event("content_block_stop", index=index)
+    stop = {"stop_reason": reply["stop_reason"], "stop_sequence": None}
+    yield event("message_delta", delta=stop, usage={"output_tokens": 0})
+    yield event("message_stop")

@@ -1,16 +1,8 @@
 """Training on an unmodified agent harness: its own loop, prompts and tools, pointed at the
-gateway (`OPENAI_BASE_URL`, `ANTHROPIC_BASE_URL`), while the episode records every token.
-
-The harness is a command started per episode. Each request it sends is one model turn: the
-first request's messages and tools are the episode's opening, rendered once; each later
-request must repeat the conversation so far and add the tool results (or one user message),
-which join the record as an observation rendered after the model's turn, exactly as the agent
-loop renders our own environments' (`agent_loop.ChatFormat`). Earlier turns are never rendered
-again, so a chat template that rewrites them (Qwen3 drops earlier `<think>` blocks) changes
-nothing: the model is prompted with, and trained on, the tokens it sampled. The run's sampling
-applies (a harness's temperature would make the record off-policy); the episode's limits are
-the run's (`rollout.*`), and its turn cap `max_turns`. When the harness exits the episode ends
-and `score` reads what it did."""
+gateway (`OPENAI_BASE_URL`, `ANTHROPIC_BASE_URL`), one episode per run of its command. Each of
+its requests is one model turn; only what a request adds to the conversation is rendered, after
+the model's turn, as the agent loop renders our own environments' observations, so the record is
+what the model saw and sampled (docs/environments.md, "An agent harness of your own")."""
 
 from __future__ import annotations
 
@@ -18,12 +10,20 @@ import asyncio
 import contextlib
 import os
 import signal
+import tempfile
 from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from venusrl.envs.environment import Environment, Message, StepResult, Tool
+from venusrl.envs.environment import (
+    Environment,
+    Message,
+    SandboxVerbs,
+    StepResult,
+    Task,
+    Tool,
+)
 from venusrl.gateway.server import Gateway
 from venusrl.gateway.session import Answer, Pending, Session, new_messages
 from venusrl.model.tool_calls import format_tool_response
@@ -72,6 +72,19 @@ class HarnessEnvironment(Environment):
     async def score(self, run: HarnessRun) -> float:
         """The episode's reward from what the harness did (and the sandbox's state)."""
 
+    def __init__(self, task: Task, sandbox: SandboxVerbs) -> None:
+        super().__init__(task, sandbox)
+        self.session: Session | None = None
+        self.url = ""
+        self.process: asyncio.subprocess.Process | None = None
+        # Its output goes to files, not pipes: a child it leaves running would hold a pipe open,
+        # and asyncio sees a process exit only once its pipes close.
+        self.outputs = (tempfile.TemporaryFile(), tempfile.TemporaryFile())  # noqa: SIM115 (`close`)
+        self.pending: Pending | None = None
+        self.held: list[ChatMessage] = []  # the conversation so far, as the harness sent it
+        self.opening_tools: list[dict[str, Any]] = []
+        self.stopped = False
+
     async def reset(self) -> list[Message]:
         self.session = Session()
         self.url = Gateway.shared().open(self.session)
@@ -88,19 +101,14 @@ class HarnessEnvironment(Environment):
             *self.command(),
             env=env,
             stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
+            stdout=self.outputs[0],
+            stderr=self.outputs[1],
             start_new_session=True,  # its own process group: stopped whole with its children
         )
-        assert self.process.stdout is not None and self.process.stderr is not None
-        self.outputs = [
-            asyncio.ensure_future(_read(s)) for s in (self.process.stdout, self.process.stderr)
-        ]
-        self.held: list[ChatMessage] = []
         async with asyncio.timeout(self.start_timeout_s):
             self.pending = await self._next()
         if self.pending is None:
-            err = (await self.outputs[1]).strip()[-2000:]
+            err = self._output(1).strip()[-2000:]
             raise RuntimeError(
                 f"the harness {list(self.command())} exited with status "
                 f"{self.process.returncode} before its first request; stderr: {err or '(empty)'}"
@@ -121,7 +129,7 @@ class HarnessEnvironment(Environment):
         rules = CallRules.of(self.pending.body, self.tool_parser)
         content, calls = rules.split(action_text) if rules else (action_text, [])
         answer = Answer(content, calls)
-        self.pending.answer.set_result(answer)
+        self.pending.settle(answer)
         self.held.append(ChatMessage.model_validate(answer.message()))
         if self.turns >= self.max_turns:
             return StepResult(None, True, len(calls), truncated=True)
@@ -131,7 +139,7 @@ class HarnessEnvironment(Environment):
         try:
             added = new_messages(self.held, self.pending.body.messages)
         except ApiError as e:
-            self.pending.answer.set_exception(e)
+            self.pending.settle(e)
             self.pending = None
             raise
         self.held = list(self.pending.body.messages)
@@ -143,17 +151,23 @@ class HarnessEnvironment(Environment):
 
     async def reward(self) -> float:
         await self._stop("the episode is over")
-        stdout, stderr = [(await o) for o in self.outputs]
+        assert self.process is not None  # a reward follows a reset
         messages = [hf_message(m) for m in self.held]
-        return await self.score(HarnessRun(self.process.returncode, stdout, stderr, messages))
+        run = HarnessRun(self.process.returncode, self._output(0), self._output(1), messages)
+        return await self.score(run)
 
     async def close(self) -> None:
-        if hasattr(self, "session"):
+        try:
             await self._stop("the episode is over")
+        finally:
             Gateway.shared().close(self.url)
+            for file in self.outputs:
+                file.close()
 
     async def _next(self) -> Pending | None:
-        """The harness's next request, or None once it has exited."""
+        """The harness's next request, or None once it has exited (its group then killed: a
+        child it left running must not outlive the episode)."""
+        assert self.session is not None and self.process is not None
         asked = asyncio.ensure_future(self.session.requests.get())
         exited = asyncio.ensure_future(self.process.wait())
         try:
@@ -162,26 +176,36 @@ class HarnessEnvironment(Environment):
             exited.cancel()
             if not asked.done():
                 asked.cancel()
-        return asked.result() if asked.done() and not asked.cancelled() else None
+        # Taken from the queue but not returned (a timeout landed meanwhile): still the
+        # session's request in flight, answered when the session ends.
+        if asked.done() and not asked.cancelled():
+            return asked.result()
+        self._kill_group()
+        return None
 
     async def _stop(self, reason: str) -> None:
-        """End the session (a request still waiting is told why), give the harness
-        `exit_grace_s` to exit, then kill its process group."""
-        self.session.end(reason)
-        if self.pending is not None and not self.pending.answer.done():
-            self.pending.answer.set_exception(Session.gone(reason))
+        """End the session (a request in flight is told why), give the harness `exit_grace_s`
+        to exit, then kill its process group. Once."""
+        if self.stopped:
+            return
+        self.stopped = True
+        if self.session is not None:
+            self.session.end(reason)
         self.pending = None
+        if self.process is None:
+            return
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.process.wait(), self.exit_grace_s)
-        # Its children too, which could otherwise hold its output open (and the episode).
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
+        self._kill_group()
         await self.process.wait()
 
+    def _kill_group(self) -> None:
+        assert self.process is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
 
-async def _read(stream: asyncio.StreamReader) -> str:
-    """All of a stream, its first `OUTPUT_LIMIT_BYTES` kept."""
-    kept = bytearray()
-    while chunk := await stream.read(1 << 16):
-        kept += chunk[: OUTPUT_LIMIT_BYTES - len(kept)]
-    return kept.decode(errors="replace")
+    def _output(self, which: int) -> str:
+        """The start of the harness's stdout (0) or stderr (1)."""
+        file = self.outputs[which]
+        file.seek(0)
+        return file.read(OUTPUT_LIMIT_BYTES).decode(errors="replace")

@@ -15,15 +15,20 @@ from typing import Annotated, Any, ClassVar
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import StreamingResponse
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from venusrl.gateway.anthropic import MessagesBody, messages_reply
+from venusrl.gateway.anthropic import MessagesBody, message_events, messages_reply
 from venusrl.gateway.session import Answer, Session
 from venusrl.server.bodies import ChatBody
-from venusrl.server.errors import ApiError, install_error_handlers
+from venusrl.server.errors import ApiError, error_response, install_error_handlers
 from venusrl.server.streaming import sse
 from venusrl.server.tool_calling import call_deltas
 
 router = APIRouter(prefix="/s/{session_id}")
+# A request repeats the conversation so far: 128K tokens of context are ~0.5 MB of text.
+MAX_BODY_BYTES = 32 << 20
 
 
 def session(request: Request, session_id: str) -> Session:
@@ -71,11 +76,47 @@ async def _chunks(
     yield {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": answer.finish_reason}]}
 
 
-@router.post("/v1/messages")
-async def messages(body: MessagesBody, held: Held) -> dict[str, Any]:
+@router.post("/v1/messages", response_model=None)
+async def messages(body: MessagesBody, held: Held) -> Any:
     chat = ChatBody.model_validate(body.as_chat())
     chat.cross_check()
-    return messages_reply(await held.ask(chat), body.model)
+    reply = messages_reply(await held.ask(chat), body.model)
+    if body.stream:
+        return StreamingResponse(message_events(reply), media_type="text/event-stream")
+    return reply
+
+
+class BodyLimit:
+    """Refuses a request body over `MAX_BODY_BYTES` before it is read whole: any local process
+    can reach the gateway, and what it sends lands in the run's memory."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            length = Headers(scope=scope).get("content-length")
+            if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+                message = f"the body may be at most {MAX_BODY_BYTES} bytes, got {length}"
+                await error_response(413, message)(scope, receive, send)
+                return
+            receive = _counted(receive)
+        await self.app(scope, receive, send)
+
+
+def _counted(receive: Receive) -> Receive:
+    """`receive`, failing once a body sent without its length passes the limit."""
+    seen = 0
+
+    async def counted() -> Message:
+        nonlocal seen
+        message = await receive()
+        seen += len(message.get("body", b""))
+        if seen > MAX_BODY_BYTES:
+            raise ApiError(413, f"the body may be at most {MAX_BODY_BYTES} bytes")
+        return message
+
+    return counted
 
 
 class Gateway:
@@ -97,6 +138,7 @@ class Gateway:
         app.state.sessions = self.sessions
         install_error_handlers(app)
         app.include_router(router)
+        app.add_middleware(BodyLimit)
         self.socket = socket.create_server(("127.0.0.1", 0))
         self.base = f"http://127.0.0.1:{self.socket.getsockname()[1]}"
         config = uvicorn.Config(app, log_level="warning", lifespan="off")

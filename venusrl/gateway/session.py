@@ -32,52 +32,82 @@ class Answer:
         return message
 
 
+Key = tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...]  # a conversation, `comparable`
+
+
 @dataclass(frozen=True)
 class Pending:
     """A request the episode has not answered yet; `answer` resolves on the episode's loop."""
 
     body: ChatBody
+    key: Key
     answer: asyncio.Future[Answer]
+
+    def settle(self, answer: Answer | BaseException) -> None:
+        """Answer it, once: an answer that comes late (the session ended first) is dropped."""
+        if self.answer.done():
+            return
+        if isinstance(answer, BaseException):
+            self.answer.set_exception(answer)
+        else:
+            self.answer.set_result(answer)
 
 
 class Session:
-    """Created by the episode, on its loop; `ask` is called from any other loop."""
+    """Created by the episode, on its loop; `ask` is called from any other loop.
+
+    One request is in flight at a time. A client that gave up waiting and sends the same
+    request again (OpenAI's and Anthropic's clients retry on a timeout) gets the answer of the
+    first: the one in flight, or the last one given."""
 
     def __init__(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.requests: asyncio.Queue[Pending] = asyncio.Queue()
-        self.in_flight = False
+        self.in_flight: Pending | None = None
+        self.answered: tuple[Key, Answer] | None = None  # the last request and its answer
         self.ended: str | None = None  # why, once the episode is over
 
     async def ask(self, body: ChatBody) -> Answer:
+        submit = self._submit(body)
         try:
-            handed = asyncio.run_coroutine_threadsafe(self._submit(body), self.loop)
+            handed = asyncio.run_coroutine_threadsafe(submit, self.loop)
         except RuntimeError:  # the episode's loop has closed
+            submit.close()
             raise self.gone("the run that held it has stopped") from None
         return await asyncio.wrap_future(handed)
 
     async def _submit(self, body: ChatBody) -> Answer:
         if self.ended is not None:
             raise self.gone(self.ended)
-        if self.in_flight:
+        key: Key = tuple(comparable(m) for m in body.messages)
+        if self.answered is not None and self.answered[0] == key:
+            return self.answered[1]
+        pending = self.in_flight
+        if pending is None:
+            pending = Pending(body, key, self.loop.create_future())
+            pending.answer.add_done_callback(lambda _: self._done(pending))
+            self.in_flight = pending
+            self.requests.put_nowait(pending)
+        elif pending.key != key:
             raise ApiError(
                 409,
                 "this session already has a request in flight: an episode is one conversation, "
                 "one model turn at a time (n > 1 or parallel requests need sessions of their own)",
             )
-        self.in_flight = True
-        try:
-            answer = self.loop.create_future()
-            await self.requests.put(Pending(body, answer))
-            return await answer
-        finally:
-            self.in_flight = False
+        # Shielded: a client that goes away cancels its wait, not the turn.
+        return await asyncio.shield(pending.answer)
+
+    def _done(self, pending: Pending) -> None:
+        if self.in_flight is pending:
+            self.in_flight = None
+        if not pending.answer.cancelled() and pending.answer.exception() is None:
+            self.answered = pending.key, pending.answer.result()
 
     def end(self, reason: str) -> None:
-        """No request is taken from now on; one waiting for its answer gets `reason`."""
+        """No request is taken from now on; one in flight gets `reason`."""
         self.ended = reason
-        while not self.requests.empty():
-            self.requests.get_nowait().answer.set_exception(self.gone(reason))
+        if self.in_flight is not None:
+            self.in_flight.settle(self.gone(reason))
 
     @staticmethod
     def gone(reason: str) -> ApiError:

@@ -36,7 +36,7 @@ class LocalEngine:
         core = Engine.from_model_dir(model_dir, cfg.engine, weight_version=version)
         self.engine = AsyncEngine(core).start()
         self.generate = self.engine.generate
-        self.drain = cfg.engine.weight_update == "drain"
+        self.weight_update = cfg.engine.weight_update
         self._lost = 0  # re-prefill tokens after eviction, at the last cache signal
 
     async def end_trajectory(self, trajectory_id: str) -> None:
@@ -70,11 +70,14 @@ class LocalEngine:
         # stream delivers it (`CausalLM.load_weights`; generation waits meanwhile): requests in
         # flight keep their KV and record the new version on the tokens they produce from now on.
         # Drained first, they end their turns under the old weights, and none starts meanwhile.
-        if self.drain:
+        if self.weight_update == "drain":
             await self.engine.call(lambda e: e.hold_admission())
             while await self.engine.call(lambda e: bool(e.running)):
                 await asyncio.sleep(DRAIN_POLL_S)
-        await self.engine.call(lambda e: e.update_weights(weights, version=version))
+        flush = self.weight_update == "flush"
+        await self.engine.call(
+            lambda e: e.update_weights(weights, version=version, flush_cache=flush)
+        )
 
     async def publish(self, trainer: Trainer, run_dir: Path, model_dir: Path) -> None:
         await self.load_weights(trainer.hf_weights(), trainer.version)

@@ -566,7 +566,7 @@ class Simulation:
         """The new weights go to every engine; they pause while they load them, after running
         their requests in flight to the end of their turns when they drain
         (`SimConfig.weight_update`)."""
-        if self.config.weight_update == "keep":
+        if self.config.weight_update != "drain":
             self._load_weights()
             return
         draining, began = set(range(len(self.engines))), self.clock.now
@@ -581,6 +581,9 @@ class Simulation:
             e.drain(functools.partial(drained, i))
 
     def _load_weights(self) -> None:
+        if self.config.weight_update == "flush":
+            for e in self.engines:
+                e.kv.flush()
         self.weight_sync_s += self.cost.weight_sync_s()
         done = self.clock.now + self.cost.weight_sync_s()
         for e in self.engines:

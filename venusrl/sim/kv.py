@@ -208,6 +208,14 @@ class SimKV:
             self.idle_device += req.cached
         req.segments, req.computed, req.cached = [], 0, 0
 
+    def flush(self) -> None:
+        """Drops every KV no running request holds, on both tiers (the engine's `flush_cache`):
+        the next turn of a trajectory between turns computes its context again."""
+        self.counters.evictions += sum(len(e.segments) for e in self.idle.values())
+        self.idle.clear()
+        self.idle_device = self.host_used = 0
+        self.moved_in.clear()
+
     # --- migration ---------------------------------------------------------------------------
 
     def move(self, tid: str, to: SimKV) -> None:

@@ -31,13 +31,21 @@ class SimConfig:
     # does (`engine/tier_copies.py`): an iteration waits only for copies longer than itself.
     overlap_copies: bool = True
     # How engines take new weights (`engine.weight_update`): "keep" loads them between two
-    # iterations, requests in flight keeping their KV; "drain" first runs the requests in flight
+    # iterations, requests in flight keeping their KV, and so do trajectories between turns;
+    # "flush" then drops every KV no running request holds (vLLM's `reset_prefix_cache`,
+    # SGLang's `flush_cache` after a weight update); "drain" first runs the requests in flight
     # to the end of their turn, admitting none, as engines that cannot update mid-request do.
     weight_update: str = "keep"
 
     def __post_init__(self) -> None:
-        if self.weight_update not in ("keep", "drain"):
-            raise ValueError(f"weight_update must be keep or drain, got {self.weight_update!r}")
+        if self.weight_update not in WEIGHT_UPDATES:
+            raise ValueError(
+                f"weight_update must be one of {', '.join(WEIGHT_UPDATES)},"
+                f" got {self.weight_update!r}"
+            )
+
+
+WEIGHT_UPDATES = ("keep", "flush", "drain")
 
 
 class Clock:
