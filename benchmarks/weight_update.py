@@ -16,18 +16,20 @@ mid-request do). Printed as JSON, the modes on the same seeds side by side:
 A ratio above 1 is the gain of keeping. Absolute times are context: this machine is shared.
 
     python benchmarks/weight_update.py [--pairs 2] [--steps 8] [--scenarios search-short,swe-short]
-        [--seeds 0,1,2] [--sim-steps 4] [--skip-cpu] [--skip-sim]
+        [--seeds 0,1,2] [--sim-steps 4] [--jobs 2] [--skip-cpu] [--skip-sim]
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import multiprocessing
 import json
 import statistics
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -88,22 +90,26 @@ def cpu(pairs: int, steps: int) -> dict[str, Any]:
     return {**ratios(rows), "pairs": rows}
 
 
-def sim(scenarios: list[str], seeds: list[int], steps: int) -> dict[str, Any]:
+def _sim_run(name: str, seed: int, mode: str, steps: int) -> dict[str, Any]:
+    config = SimConfig(steps, weight_update=mode)
+    r = simulate(SCENARIOS[name], sim_policies("venus"), seed, config)[0]
+    keys = ("mean_step_s", "reprefill_evicted_tokens", "drain_s_per_step")
+    return {k: r[k] for k in keys}
+
+
+def sim(scenarios: list[str], seeds: list[int], steps: int, jobs: int) -> dict[str, Any]:
+    """Each (scenario, seed, mode) run in `jobs` processes: each run is deterministic, so the
+    figures do not depend on it."""
+    runs = [(name, seed, mode) for name in scenarios for seed in seeds for mode in MODES]
+    fork = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(jobs, mp_context=fork) as pool:
+        futures = {run: pool.submit(_sim_run, *run, steps) for run in runs}
+        results = {run: f.result() for run, f in futures.items()}
     out: dict[str, Any] = {}
-    policy = sim_policies("venus")
     for name in scenarios:
-        rows = []
-        for seed in seeds:
-            row: dict[str, Any] = {"seed": seed}
-            for mode in MODES:
-                config = SimConfig(steps, weight_update=mode)
-                r = simulate(SCENARIOS[name], policy, seed, config)[0]
-                row[mode] = {
-                    "mean_step_s": r["mean_step_s"],
-                    "reprefill_evicted_tokens": r["reprefill_evicted_tokens"],
-                    "drain_s_per_step": r["drain_s_per_step"],
-                }
-            rows.append(row)
+        rows = [
+            {"seed": seed, **{mode: results[name, seed, mode] for mode in MODES}} for seed in seeds
+        ]
         out[name] = {**ratios(rows), "seeds": rows}
     return out
 
@@ -115,13 +121,14 @@ def main() -> None:
     parser.add_argument("--scenarios", default="search-short,swe-short")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--sim-steps", type=int, default=4)
+    parser.add_argument("--jobs", type=int, default=2, help="processes for the simulations")
     parser.add_argument("--skip-cpu", action="store_true")
     parser.add_argument("--skip-sim", action="store_true")
     args = parser.parse_args()
     result: dict[str, Any] = {}
     if not args.skip_sim:
         seeds = [int(s) for s in args.seeds.split(",")]
-        result["sim"] = sim(args.scenarios.split(","), seeds, args.sim_steps)
+        result["sim"] = sim(args.scenarios.split(","), seeds, args.sim_steps, args.jobs)
     if not args.skip_cpu:
         result["cpu"] = cpu(args.pairs, args.steps)
     print(json.dumps(result))
