@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import multiprocessing
 import json
+import multiprocessing
 import statistics
 import subprocess
 import sys
