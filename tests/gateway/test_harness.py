@@ -165,7 +165,8 @@ while True:
         break
     results = [{"type": "tool_result", "tool_use_id": u["id"],
                 "content": str(u["input"]["a"] + u["input"]["b"])} for u in uses]
-    messages.append({"role": "user", "content": results})
+    reminder = {"type": "text", "text": "Now say the sum."}  # after the results, as harnesses do
+    messages.append({"role": "user", "content": [*results, reminder]})
 """
 
 
@@ -180,7 +181,8 @@ def test_an_anthropic_messages_harness_is_recorded_with_its_tool_results(tmp_pat
     assert traj.finish is Finish.DONE and traj.reward == 1.0 and traj.tool_calls == 1
     record = tok.decode(traj.token_ids, skip_special_tokens=False)
     assert record.startswith("<|im_start|>system\nAdd.\n\n# Tools")  # the opening, rendered once
-    assert f"<tool_response>\n{a + b}\n</tool_response>" in record
+    answered = f"<tool_response>\n{a + b}\n</tool_response><|im_end|>\n"
+    assert f"{answered}<|im_start|>user\nNow say the sum.<|im_end|>\n" in record
     for start, prompt in zip(traj.turn_starts, engine.prompts, strict=True):
         assert prompt == traj.token_ids[:start]
 

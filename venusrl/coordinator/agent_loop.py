@@ -89,15 +89,22 @@ class ChatFormat:
         return self.tokenizer.encode_chat(announced, add_generation_prompt=True)
 
     def observation_ids(
-        self, observation: str, model_ids: Sequence[int], tool_responses: Sequence[str] = ()
+        self,
+        observation: str,
+        model_ids: Sequence[int],
+        tool_responses: Sequence[str] = (),
+        then: str | None = None,
     ) -> list[int]:
         """Tokens that close the model's turn (unless it closed it itself), carry what the
         environment answered and open the model's next turn: `tool_responses` as tool messages
-        where the template renders them, else `observation` as a user message."""
+        where the template renders them, else `observation` as a user message; `then`, a user
+        message after them."""
         if tool_responses and self.tokenizer.renders_tools:
             messages = [{"role": "tool", "content": r} for r in tool_responses]
         else:
             messages = [{"role": "user", "content": observation}]
+        if then is not None:
+            messages.append({"role": "user", "content": then})
         ids = self._encode_after_model_turn(messages)
         closing = self._closing
         if closing and list(model_ids[-len(closing) :]) == closing:
@@ -308,7 +315,9 @@ async def _act(
     traj.tool_calls += result.tool_calls
     if result.done:
         return Finish.TURN_CAP if result.truncated else Finish.DONE
-    obs = fmt.observation_ids(result.observation or "", model_ids, result.tool_responses)
+    obs = fmt.observation_ids(
+        result.observation or "", model_ids, result.tool_responses, result.then
+    )
     if len(traj.token_ids) + len(obs) >= rollout.max_context:
         return Finish.CONTEXT_CAP
     traj.add_observation(obs)

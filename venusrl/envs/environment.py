@@ -174,6 +174,7 @@ class StepResult:
     the same as one user turn of `<tool_response>` blocks for a template that does not. An
     environment that gives only `observation` has it sent as a user turn either way.
 
+    `then`: a user message after them (an agent harness's reminder after its tool results).
     `tool_calls`: calls in the turn (the run counts them); `tool_errors`: of them, answered with
     an error; `truncated`: the turn cap ended the episode (finish `turn_cap`, not `done`).
     `info`: anything else the environment wants to keep, read by nothing of the run.
@@ -186,6 +187,7 @@ class StepResult:
     truncated: bool = False
     tool_responses: tuple[str, ...] = ()
     info: dict[str, Any] = field(default_factory=dict)
+    then: str | None = None
 
 
 Message = dict[str, str]  # {"role": ..., "content": ...}, what a chat template takes

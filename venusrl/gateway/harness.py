@@ -143,11 +143,12 @@ class HarnessEnvironment(Environment):
             self.pending = None
             raise
         self.held = list(self.pending.body.messages)
+        then = added.pop().text() if added[-1].role == "user" else None
+        if not added:
+            return StepResult(then, False, len(calls))
         texts = tuple(m.text() for m in added)
-        if added[0].role == "user":
-            return StepResult(texts[0], False, len(calls))
         blocks = "\n".join(format_tool_response(t, len(t)) for t in texts)  # not ours to cut
-        return StepResult(blocks, False, len(calls), tool_responses=texts)
+        return StepResult(blocks, False, len(calls), tool_responses=texts, then=then)
 
     async def reward(self) -> float:
         await self._stop("the episode is over")

@@ -141,12 +141,13 @@ def new_messages(held: Sequence[ChatMessage], sent: Sequence[ChatMessage]) -> li
     if len(sent) <= len(held):
         raise ApiError(400, "no new message after the model's last answer", "messages")
     added = list(sent[len(held) :])
-    roles = {m.role for m in added}
-    if not (roles == {"tool"} or (roles == {"user"} and len(added) == 1)):
+    roles = [m.role for m in added]
+    tools = len(roles) - (roles[-1] == "user")
+    if set(roles[:tools]) - {"tool"} or (tools == 0 and len(roles) > 1):
         raise ApiError(
             400,
-            "after the model's answer the gateway takes its tool results (tool messages) or one "
-            f"user message, got {[m.role for m in added]}",
+            "after the model's answer the gateway takes its tool results (tool messages), then "
+            f"at most one user message, got {roles}",
             f"messages[{len(held)}]",
         )
     return added
