@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from venusrl.engine.engine import Engine, RequestError
 from venusrl.engine.kv_cache import KVCache
 from venusrl.model.architecture import ModelConfigError
 from venusrl.model.directory import iter_safetensors
-from venusrl.types import SamplingParams, TurnMeta
+from venusrl.types import GenerationOutput, SamplingParams, TurnMeta
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 PIN_S = 0.5  # `play_turns`' tool waits
@@ -317,11 +318,41 @@ def test_kv_offload_and_load_round_trip_preserves_pages() -> None:
     kv.check()
 
 
+# Top-two logits closer than this are a tie: two paths that sum the same terms in another order
+# (a banded layer, a chunked prefill) may break it either way.
+TIE = 1e-4
+
+
+def margins_of(out: GenerationOutput) -> list[float]:
+    """Per generated token, how far its logit is above the runner-up's (`top_logprobs` >= 2)."""
+    return [tops[0][1] - tops[1][1] for tops in out.top_logprobs]
+
+
+def assert_greedy_agrees(
+    expected: list[list[int]], margins: list[list[float]], got: list[list[int]]
+) -> None:
+    """`got` is `expected`, each sequence to its end or to where the reference's two most likely
+    tokens were tied (from there on it is another sequence, as legitimately)."""
+    for i, (want, have, margin) in enumerate(zip(expected, got, margins, strict=True)):
+        assert len(have) == len(want), f"sequence {i}: {len(have)} tokens, expected {len(want)}"
+        differs = next((k for k, (a, b) in enumerate(zip(want, have, strict=True)) if a != b), None)
+        if differs is not None:
+            assert margin[differs] < TIE, (
+                f"sequence {i} departs at token {differs} ({have[differs]} for {want[differs]}),"
+                f" where the reference's margin was {margin[differs]:.3g}: not a tie"
+            )
+
+
 def play_turns(
-    engine: Engine, prompts: list[list[int]], turns: int, wait_on_tools: bool
+    engine: Engine,
+    prompts: list[list[int]],
+    turns: int,
+    wait_on_tools: bool,
+    margins: list[list[float]] | None = None,
 ) -> list[list[int]]:
     """Multi-turn trajectories, all in flight together: each turn generates, then a fixed
-    observation is appended; between turns the trajectory waits on a (pretend) tool.
+    observation is appended; between turns the trajectory waits on a (pretend) tool. With
+    `margins`, each trajectory's list gets its tokens' `margins_of`.
 
     The pin is short: best-effort requests wait for the pins of high-priority trajectories to
     expire when they need that room, and here the tools answer only once every request of the
@@ -332,7 +363,7 @@ def play_turns(
         ids = [
             engine.add_request(
                 ctx,
-                GREEDY,
+                GREEDY if margins is None else dataclasses.replace(GREEDY, top_logprobs=2),
                 TurnMeta(
                     priority=i % 2,
                     trajectory_id=f"t{i}",
@@ -343,8 +374,11 @@ def play_turns(
         ]
         drain(engine)
         for i, rid in enumerate(ids):
-            out = engine.pop_finished(rid).token_ids
+            finished = engine.pop_finished(rid)
+            out = finished.token_ids
             outputs[i] += out
+            if margins is not None:
+                margins[i] += margins_of(finished)
             contexts[i] += [*out, 400 + turn, 401 + i, 402]  # the observation
     for i in range(len(prompts)):
         engine.end_trajectory(f"t{i}")

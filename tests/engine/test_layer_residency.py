@@ -3,6 +3,7 @@ device and read the rest from host; outputs never change and no page is lost."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import write_hf_model
-from tests.engine.test_engine import drain, engine_for, play_turns
+from tests.engine.test_engine import (
+    assert_greedy_agrees,
+    drain,
+    engine_for,
+    margins_of,
+    play_turns,
+)
 from venusrl.engine import batch as batch_module
 from venusrl.engine.config import EngineConfig
 from venusrl.engine.engine import Engine
@@ -200,7 +207,8 @@ def test_banding_keeps_outputs_and_page_ownership_under_random_load(
         SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, _, m, _ in workload
     ]
     reference = engine_for(four_layer_qwen3, prefix_cache=False, device_kv_pages=256)
-    expected = [o.token_ids for o in reference.generate(prompts, params)]
+    outs = reference.generate(prompts, [dataclasses.replace(p, top_logprobs=2) for p in params])
+    expected, margins = [o.token_ids for o in outs], [margins_of(o) for o in outs]
     engine = engine_for(
         four_layer_qwen3,
         page_size=page_size,
@@ -216,7 +224,7 @@ def test_banding_keeps_outputs_and_page_ownership_under_random_load(
         for i, (p, sp, (g, _, _, prio)) in enumerate(zip(prompts, params, workload, strict=True))
     ]
     drain(engine)  # check() after every step
-    assert [engine.pop_finished(i).token_ids for i in ids] == expected
+    assert_greedy_agrees(expected, margins, [engine.pop_finished(i).token_ids for i in ids])
     for i in range(len(ids)):
         engine.end_trajectory(f"t{i}")
     engine.flush_cache()
@@ -238,8 +246,9 @@ def test_banded_multi_turn_trajectories_keep_outputs_and_page_ownership(
     tiny_qwen3: Path, suffixes: list, pool_pages: int, host_pages: int, threshold: float
 ) -> None:
     prompts = [list(range(100, 117)) + suffix for suffix in suffixes]
+    margins: list[list[float]] = [[] for _ in prompts]
     reference = play_turns(
-        engine_for(tiny_qwen3, prefix_cache=False, device_kv_pages=256), prompts, 3, False
+        engine_for(tiny_qwen3, prefix_cache=False, device_kv_pages=256), prompts, 3, False, margins
     )
     engine = engine_for(
         tiny_qwen3,
@@ -248,7 +257,8 @@ def test_banded_multi_turn_trajectories_keep_outputs_and_page_ownership(
         layer_residency=threshold,
         max_context=96,
     )
-    assert play_turns(engine, prompts, 3, wait_on_tools=True) == reference  # check() each step
+    got = play_turns(engine, prompts, 3, wait_on_tools=True)  # check() each step
+    assert_greedy_agrees(reference, margins, got)
     engine.flush_cache()
     engine.check()
     assert engine.cache.kv.device_pages.num_free == engine.cache.kv.device_pages.capacity
