@@ -7,8 +7,9 @@ flight first run to their end, none admitted meanwhile, as engines that cannot u
 mid-request do). Printed as JSON, the modes on the same seeds side by side:
 
 - `cpu`: `venusrl train` on the built-in CPU example (its default config, a short warm start),
-  once per mode per pair, in turn; each run's mean step time over its steps after the first
-  (which fills the pipeline), and per pair the ratios `flush_over_keep`, `drain_over_keep`;
+  once per mode per pair, in turn (each pair starts with another mode); each run's mean step
+  time over its steps after the first (which fills the pipeline), and per pair the ratios
+  `flush_over_keep`, `drain_over_keep`;
 - `sim`: the simulator's `venus` policy on `--scenarios`, seeds `--seeds`, each mode; the same
   ratios per seed with their median and worst, the tokens computed again after losing their
   KV, and the seconds per step the engines waited for turns in flight (`drain_s_per_step`).
@@ -86,14 +87,15 @@ def cpu(pairs: int, steps: int) -> dict[str, Any]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for pair in range(pairs):
-            rows.append({m: train_run(m, steps, Path(tmp) / f"{m}-{pair}") for m in MODES})
+            order = MODES[pair % len(MODES) :] + MODES[: pair % len(MODES)]  # each mode first once
+            rows.append({m: train_run(m, steps, Path(tmp) / f"{m}-{pair}") for m in order})
     return {**ratios(rows), "pairs": rows}
 
 
 def _sim_run(name: str, seed: int, mode: str, steps: int) -> dict[str, Any]:
     config = SimConfig(steps, weight_update=mode)
     r = simulate(SCENARIOS[name], sim_policies("venus"), seed, config)[0]
-    keys = ("mean_step_s", "reprefill_evicted_tokens", "drain_s_per_step")
+    keys = ("mean_step_s", "reprefill_evicted_tokens", "drain_s_per_step", "weight_sync_s_per_step")
     return {k: r[k] for k in keys}
 
 

@@ -151,6 +151,13 @@ def test_an_unknown_tool_parser_is_refused_naming_the_known_ones() -> None:
     assert load_config(None, ["server.tool_parser=hermes"]).server.tool_parser == "hermes"
 
 
+def test_a_weight_update_mode_for_a_served_engine_is_refused_since_it_loads_its_own_way() -> None:
+    with pytest.raises(ConfigError, match=r"engine\.weight_update applies to the run's own"):
+        load_config(None, ["run.engine_url=http://127.0.0.1:8000", "engine.weight_update=drain"])
+    with pytest.raises(ConfigError, match=r"engine\.weight_update"):
+        load_config(None, ["engine.weight_update=pause"])
+
+
 def test_reading_a_config_loads_no_torch() -> None:
     """`venusrl sim`, `plot`, `--help` and every config error answer without torch's seconds of
     importing."""

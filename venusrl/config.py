@@ -75,6 +75,11 @@ class Config(Section):
                 f"rollout.backend={backend} generates with a running {backend} server: give its"
                 " URL as run.engine_url (e.g. run.engine_url=http://127.0.0.1:8000)"
             )
+        if self.run.engine_url and self.engine.weight_update != "keep":
+            raise ValueError(
+                "engine.weight_update applies to the run's own engines: a served engine"
+                " (run.engine_url) loads new weights its own way; leave it at keep"
+            )
         remote = rt.kind == "ray" or bool(self.run.engine_url)
         if remote and "admission" not in self.rollout.model_fields_set:
             self.rollout.admission = "none"  # the default reads an in-process engine

@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol
+from typing import Literal, Protocol
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,9 @@ class SamplingParams:
         # Below ~1e-5, logits / temperature overflows fp32; such temperatures mean greedy.
         return self.temperature < GREEDY_BELOW_TEMPERATURE
 
+
+# How an engine takes new weights (`engine.weight_update`): keep, flush or drain.
+WeightUpdate = Literal["keep", "flush", "drain"]
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit; clients ask within it

@@ -174,11 +174,11 @@ def test_weight_update_mid_flight_keeps_requests_running_and_tags_versions(
     assert engine.generate([prompt], GREEDY)[0].token_ids == fresh.token_ids
 
 
-def test_an_engine_holding_admission_runs_its_turns_to_their_end_and_admits_after_new_weights(
+def test_an_engine_holding_admission_runs_its_turns_to_their_end_then_admits_under_new_weights(
     tiny_qwen3: Path, tmp_path: Path
 ) -> None:
     """`engine.weight_update=drain`'s engine side: the request running finishes under the old
-    weights, the one waiting starts only once the new ones have loaded."""
+    weights, the one waiting starts only once the new ones have loaded and admission resumes."""
     other = write_hf_model(tmp_path / "other", "qwen3", seed=5, head_dim=16)
     engine = engine_for(tiny_qwen3)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -192,6 +192,7 @@ def test_an_engine_holding_admission_runs_its_turns_to_their_end_and_admits_afte
     assert engine.waiting == [waiting] and not waiting.output_ids
     assert engine.pop_finished(running.request_id).weight_versions == [0] * 8
     engine.update_weights(iter_safetensors(other))
+    engine.resume_admission()
     drain(engine)
     assert engine.pop_finished(waiting.request_id).weight_versions == [1] * 8
 
@@ -323,23 +324,30 @@ def test_kv_offload_and_load_round_trip_preserves_pages() -> None:
 TIE = 1e-4
 
 
-def margins_of(out: GenerationOutput) -> list[float]:
-    """Per generated token, how far its logit is above the runner-up's (`top_logprobs` >= 2)."""
-    return [tops[0][1] - tops[1][1] for tops in out.top_logprobs]
+# Per generated token: how far the best logit is above the runner-up's, and those two tokens
+# (in a tie, the sampled one may be either: argmax and top-k order ties apart).
+RunnersUp = list[tuple[float, tuple[int, int]]]
+
+
+def margins_of(out: GenerationOutput) -> RunnersUp:
+    """The output's `RunnersUp` (it was sampled with `top_logprobs` >= 2)."""
+    return [(tops[0][1] - tops[1][1], (tops[0][0], tops[1][0])) for tops in out.top_logprobs]
 
 
 def assert_greedy_agrees(
-    expected: list[list[int]], margins: list[list[float]], got: list[list[int]]
+    expected: list[list[int]], margins: list[RunnersUp], got: list[list[int]]
 ) -> None:
     """`got` is `expected`, each sequence to its end or to where the reference's two most likely
-    tokens were tied (from there on it is another sequence, as legitimately)."""
-    for i, (want, have, margin) in enumerate(zip(expected, got, margins, strict=True)):
+    tokens were tied and `got` took the other one (from there on it is another sequence, as
+    legitimately)."""
+    for i, (want, have, runners_up) in enumerate(zip(expected, got, margins, strict=True)):
         assert len(have) == len(want), f"sequence {i}: {len(have)} tokens, expected {len(want)}"
         differs = next((k for k, (a, b) in enumerate(zip(want, have, strict=True)) if a != b), None)
         if differs is not None:
-            assert margin[differs] < TIE, (
+            margin, tied = runners_up[differs]
+            assert margin < TIE and {want[differs], have[differs]} == set(tied), (
                 f"sequence {i} departs at token {differs} ({have[differs]} for {want[differs]}),"
-                f" where the reference's margin was {margin[differs]:.3g}: not a tie"
+                f" where the reference's two best were {tied}, {margin:.3g} apart: not a tie"
             )
 
 
@@ -348,7 +356,7 @@ def play_turns(
     prompts: list[list[int]],
     turns: int,
     wait_on_tools: bool,
-    margins: list[list[float]] | None = None,
+    margins: list[RunnersUp] | None = None,
 ) -> list[list[int]]:
     """Multi-turn trajectories, all in flight together: each turn generates, then a fixed
     observation is appended; between turns the trajectory waits on a (pretend) tool. With

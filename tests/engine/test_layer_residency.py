@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import write_hf_model
 from tests.engine.test_engine import (
+    RunnersUp,
     assert_greedy_agrees,
     drain,
     engine_for,
@@ -246,7 +247,7 @@ def test_banded_multi_turn_trajectories_keep_outputs_and_page_ownership(
     tiny_qwen3: Path, suffixes: list, pool_pages: int, host_pages: int, threshold: float
 ) -> None:
     prompts = [list(range(100, 117)) + suffix for suffix in suffixes]
-    margins: list[list[float]] = [[] for _ in prompts]
+    margins: list[RunnersUp] = [[] for _ in prompts]
     reference = play_turns(
         engine_for(tiny_qwen3, prefix_cache=False, device_kv_pages=256), prompts, 3, False, margins
     )

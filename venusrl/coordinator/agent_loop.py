@@ -44,6 +44,7 @@ from venusrl.types import (
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+CLOSE_TIMEOUT_S = 30.0  # for `Environment.close`: past it the episode goes on without it
 
 _MARK = "\ue000"  # a private-use character: where the assistant's text goes in a rendering
 _OBSERVATION = 0xE001  # and where the observations go, one character each from here
@@ -219,7 +220,7 @@ async def run_episode(
         return traj
     finally:
         try:
-            await env.close()
+            await asyncio.wait_for(env.close(), CLOSE_TIMEOUT_S)
         except Exception:  # the episode's record stands; what it held is its author's to mend
             log.warning("%s.close raised (episode %s)", env.name, trajectory_id, exc_info=True)
 

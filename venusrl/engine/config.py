@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from venusrl.sections import Section, torch_device
+from venusrl.types import WeightUpdate
 
 
 class EngineConfig(Section):
@@ -65,7 +66,7 @@ class EngineConfig(Section):
         description="key cached KV by the weight version its trajectory started under: a new"
         " trajectory never reads KV that older weights computed, one in flight keeps its own",
     )
-    weight_update: Literal["keep", "flush", "drain"] = Field(
+    weight_update: WeightUpdate = Field(
         "keep",
         description="how new weights load: keep (between two steps; requests in flight keep"
         " their KV and go on, their later tokens recording the new version, and trajectories"

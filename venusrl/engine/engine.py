@@ -302,7 +302,7 @@ class Engine:
         """Run one forward pass; returns the requests that finished in it."""
         began = time.perf_counter()
         self.cache.apply_residency(self.running, self.waiting, self.cfg.max_running)
-        waiting = self.waiting if self.admitting else []
+        waiting = self.waiting if self.admitting else [r for r in self.waiting if r.admissions]
         plan = self.scheduler.schedule(snapshot(self.running, waiting, self.cache, self.cfg))
         for rid in plan.preempt:
             self._preempt(self.requests[rid])
@@ -445,7 +445,6 @@ class Engine:
             check_same_model(Path(weights), self.model.config)
             weights = iter_safetensors(weights)
         self.model.load_weights(weights)
-        self.admitting = True
         self.weights_loaded += 1
         self.weight_version = self.weight_version + 1 if version is None else version
         if flush_cache:
@@ -453,9 +452,17 @@ class Engine:
         return self.weight_version
 
     def hold_admission(self) -> None:
-        """Admit no waiting request until the next `update_weights`; those running go on (to
-        drain the engine before new weights: `engine.weight_update=drain`)."""
+        """Start no new turn until `resume_admission`: the turns in flight go on, a preempted
+        one included (to drain the engine before new weights: `engine.weight_update=drain`)."""
         self.admitting = False
+
+    def resume_admission(self) -> None:
+        self.admitting = True
+
+    @property
+    def turns_in_flight(self) -> bool:
+        """A turn runs, or waits again after a preemption (what a drain waits for)."""
+        return bool(self.running) or any(r.admissions for r in self.waiting)
 
     def flush_cache(self) -> int:
         """Drop every cached prefix no request holds, on both tiers; returns the number of device

@@ -70,14 +70,18 @@ class LocalEngine:
         # stream delivers it (`CausalLM.load_weights`; generation waits meanwhile): requests in
         # flight keep their KV and record the new version on the tokens they produce from now on.
         # Drained first, they end their turns under the old weights, and none starts meanwhile.
-        if self.weight_update == "drain":
+        drain, flush = self.weight_update == "drain", self.weight_update == "flush"
+        if drain:
             await self.engine.call(lambda e: e.hold_admission())
-            while await self.engine.call(lambda e: bool(e.running)):
+        try:
+            while drain and await self.engine.call(lambda e: e.turns_in_flight):
                 await asyncio.sleep(DRAIN_POLL_S)
-        flush = self.weight_update == "flush"
-        await self.engine.call(
-            lambda e: e.update_weights(weights, version=version, flush_cache=flush)
-        )
+            await self.engine.call(
+                lambda e: e.update_weights(weights, version=version, flush_cache=flush)
+            )
+        finally:  # a refused or broken load, too: the engine must not stay closed to new turns
+            if drain:
+                await self.engine.call(lambda e: e.resume_admission())
 
     async def publish(self, trainer: Trainer, run_dir: Path, model_dir: Path) -> None:
         await self.load_weights(trainer.hf_weights(), trainer.version)

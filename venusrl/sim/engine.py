@@ -160,6 +160,7 @@ class SimEngine:
         self.paused_until = 0.0
         self.admitting = True  # False while it drains for new weights
         self._drained: Callable[[], None] | None = None
+        self._flush_due = False
         self._epoch = 0
         self._span: Span | None = None  # the iterations in flight
 
@@ -199,22 +200,34 @@ class SimEngine:
         if self.kv.owner_finished(tid):
             self._disturb()
 
-    def pause(self, until: float) -> None:
-        """New weights load until then: the iteration in flight is the last before."""
-        self.paused_until, self.admitting = until, True
+    def pause(self, until: float, flush: bool = False) -> None:
+        """New weights load until then: the iteration in flight is the last before. `flush`:
+        then every KV no running request holds is dropped, once that iteration has ended (the
+        engine's `flush_cache` after a load)."""
+        self.paused_until, self.admitting, self._flush_due = until, True, flush
         self._disturb(everything=True)
+        if self._span is None:
+            self._flush_if_due()
         self.clock.at(until, self._kick)  # an engine idle while it drained has work waiting
 
     def drain(self, then: Callable[[], None]) -> None:
-        """Admit nothing until `pause`; `then` once no request runs."""
+        """Start no new turn until `pause` (a preempted one goes on); `then` once no turn is in
+        flight."""
         self.admitting, self._drained = False, then
         self._disturb(everything=True)
         self._check_drained()
 
     def _check_drained(self) -> None:
         if self._drained is not None and not self.running:
+            if any(r.resumed for r in self.waiting):
+                return
             then, self._drained = self._drained, None
             then()
+
+    def _flush_if_due(self) -> None:
+        if self._flush_due:
+            self._flush_due = False
+            self.kv.flush()
 
     def live_pages(self) -> int:
         """Device pages of live trajectories: running, or idle between turns (the KV of finished
@@ -292,7 +305,8 @@ class SimEngine:
         whom the plan says."""
         cfg, counters = self.config, self.counters
         counters.decisions += 1
-        head = self.waiting[: cfg.waiting_head] if self.admitting else []
+        queue = self.waiting if self.admitting else [r for r in self.waiting if r.resumed]
+        head = queue[: cfg.waiting_head]
         running, waiting = _views(self.running.values(), head, self.kv.idle, self.page_size)
         # As the engine counts it: free pages plus every idle page (evictable, a waiting request's
         # own cached context included; its `pages_held` keeps it from being asked for twice).
@@ -498,6 +512,7 @@ class SimEngine:
             del self.running[req.rid]
             self.kv.release(req)
             req.done()
+        self._flush_if_due()
         self._check_drained()
         if span.repeats and sampled and self._decodes_go_on(span):
             return

@@ -581,13 +581,11 @@ class Simulation:
             e.drain(functools.partial(drained, i))
 
     def _load_weights(self) -> None:
-        if self.config.weight_update == "flush":
-            for e in self.engines:
-                e.kv.flush()
         self.weight_sync_s += self.cost.weight_sync_s()
         done = self.clock.now + self.cost.weight_sync_s()
+        flush = self.config.weight_update == "flush"
         for e in self.engines:
-            e.pause(done)
+            e.pause(done, flush)
         self.clock.at(done, self._published)
 
     def _published(self) -> None:

@@ -10,9 +10,10 @@ import heapq
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, get_args
 
 from venusrl.policy.engine_schedule import RequestView
+from venusrl.types import WeightUpdate
 
 
 @dataclass(frozen=True)
@@ -35,17 +36,14 @@ class SimConfig:
     # "flush" then drops every KV no running request holds (vLLM's `reset_prefix_cache`,
     # SGLang's `flush_cache` after a weight update); "drain" first runs the requests in flight
     # to the end of their turn, admitting none, as engines that cannot update mid-request do.
-    weight_update: str = "keep"
+    weight_update: WeightUpdate = "keep"
 
     def __post_init__(self) -> None:
-        if self.weight_update not in WEIGHT_UPDATES:
+        modes = get_args(WeightUpdate)
+        if self.weight_update not in modes:
             raise ValueError(
-                f"weight_update must be one of {', '.join(WEIGHT_UPDATES)},"
-                f" got {self.weight_update!r}"
+                f"weight_update must be one of {', '.join(modes)}, got {self.weight_update!r}"
             )
-
-
-WEIGHT_UPDATES = ("keep", "flush", "drain")
 
 
 class Clock:
