@@ -307,7 +307,9 @@ def test_a_resent_request_gets_one_turn_and_a_harness_that_exits_leaving_a_child
 
 def test_a_harness_that_never_asks_is_stopped_at_its_start_timeout(tmp_path: Path) -> None:
     tok = chat_templates.tokenizer("qwen3")
-    env = harness_env(tmp_path, "import time; time.sleep(602)", start_timeout_s=1.0)
+    env = harness_env(
+        tmp_path, "import time; time.sleep(602)", start_timeout_s=1.0, exit_grace_s=0.5
+    )
     with pytest.raises(TimeoutError):
         episode(env, Scripted(tok, []), ChatFormat(tok))
     left = subprocess.run(["pgrep", "-f", "time.sleep\\(602\\)"], capture_output=True)

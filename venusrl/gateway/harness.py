@@ -13,7 +13,7 @@ import signal
 import tempfile
 from abc import abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from venusrl.envs.environment import (
@@ -43,13 +43,7 @@ class HarnessRun:
     returncode: int | None
     stdout: str
     stderr: str
-    messages: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def final_answer(self) -> str | None:
-        """The text of the model's last answer."""
-        said = [m for m in self.messages if m["role"] == "assistant"]
-        return said[-1]["content"] if said else None
+    messages: list[dict[str, Any]]
 
 
 class HarnessEnvironment(Environment):
