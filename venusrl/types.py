@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Literal, Protocol
+from typing import Literal, NamedTuple, Protocol
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,22 @@ class TurnTimes:
     acted: float
 
 
+class Progress(NamedTuple):
+    """A member's episode so far, as the coordinator ranks its group (`GroupBook.progress`):
+    reported after each model turn and after each tool call that another turn follows.
+    Absolute, not a change: a report relayed late or twice (from a rollout worker) is harmless."""
+
+    tokens: int  # the model's, so far
+    turns: int  # model turns taken
+    tool_calls: int  # of them, those whose tool call has returned
+    tool_s: float  # the seconds those calls took
+
+    @property
+    def in_tool(self) -> bool:
+        """Its latest turn's tool call is under way (or its reward, after the last turn)."""
+        return self.tool_calls < self.turns
+
+
 class FailureKind(StrEnum):
     """What failed an episode that ended `Finish.INFRA`: never the policy, so the episode is
     replaced or masked, not scored. What the coordinator does next depends on it (a preempted
@@ -235,6 +251,11 @@ class Trajectory:
     @property
     def model_tokens(self) -> int:
         return sum(self.mask)
+
+    def progress(self) -> Progress:
+        """How far the episode is: what the environment acted on counts as a returned call."""
+        tool_s = sum(t.acted - t.generated for t in self.turn_times)
+        return Progress(self.model_tokens, len(self.turn_starts), len(self.turn_times), tool_s)
 
     def staleness(self, trainer_version: int) -> int:
         """How many versions behind the oldest model token is, when trained at this version."""

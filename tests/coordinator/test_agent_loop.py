@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import math
 import os
@@ -34,6 +35,7 @@ from venusrl.types import (
     FailureKind,
     Finish,
     GenerationOutput,
+    Progress,
     SamplingParams,
     Trajectory,
     TurnMeta,
@@ -107,17 +109,24 @@ def test_expert_episode_is_one_token_record_that_was_never_retokenised(
             limits = RolloutConfig(max_context=8192, max_tokens_per_turn=256)
             return await run_episode(
                 env, policy, fmt, SamplingParams(), limits, "t0", "g0", "p0",
-                on_turn=lambda t: progress.append((len(t.turn_starts), t.model_tokens)),
+                on_progress=lambda t: progress.append(t.progress()),
             )  # fmt: skip
 
-    progress: list[tuple[int, int]] = []
+    progress: list[Progress] = []
     traj = asyncio.run(main())
     assert traj.finish is Finish.DONE and traj.reward == 1.0 and traj.tool_calls >= 3
-    # The coordinator's view of the member moves on after every model turn.
-    assert [turns for turns, _ in progress] == list(range(1, len(policy.outputs) + 1))
-    assert [tokens for _, tokens in progress] == [
-        sum(len(o) for o in policy.outputs[:i]) for i in range(1, len(policy.outputs) + 1)
+    # The coordinator's view of the member moves on after every model turn (its tool call
+    # starts) and after every tool call another turn follows (the call's seconds count).
+    turns = len(policy.outputs)
+    assert [(p.turns, p.tool_calls) for p in progress] == [
+        (i, i - 1 + returned) for i in range(1, turns + 1) for returned in (0, 1)
+    ][:-1]
+    assert [p.tokens for p in progress[::2]] == [
+        sum(len(o) for o in policy.outputs[:i]) for i in range(1, turns + 1)
     ]
+    assert [p.in_tool for p in progress] == [True, False] * (turns - 1) + [True]
+    returned = [p.tool_s for p in progress[1::2]]
+    assert all(b > a for a, b in itertools.pairwise([0.0, *returned]))
     # Each request carried the record so far, exactly: the previous request, what the model
     # produced, then the observation's tokens.
     for before, out, after in zip(policy.prompts, policy.outputs, policy.prompts[1:], strict=False):
@@ -263,11 +272,11 @@ def test_an_episode_whose_sandbox_died_goes_on_from_its_record_in_a_new_sandbox(
             ) -> Any:
                 sb = await pool.create(GuessNumber.template.name, setup=task.setup)
 
-                def on_turn(traj: Trajectory) -> None:
-                    if len(traj.turn_starts) == kill_at_turn:
+                def on_progress(traj: Trajectory) -> None:
+                    if traj.progress().in_tool and len(traj.turn_starts) == kill_at_turn:
                         sb.cgroup.kill()  # the sandbox dies before the tool call of this turn
 
-                kw["on_turn"] = on_turn
+                kw["on_progress"] = on_progress
                 try:
                     env = GuessNumber(task, sb)
                     return await run_episode(env, policy, fmt, SamplingParams(), limits, tid,
@@ -316,14 +325,15 @@ def test_an_episode_whose_sandbox_the_pool_preempts_goes_on_in_a_fresh_sandbox(
             async def play(rollouts: LocalRollouts, tid: str, preempt_at_turn: int = 0) -> Any:
                 group = await rollouts.open_group(f"g-{tid}", GuessNumber, task, priority=HIGH)
 
-                def on_turn(tokens: int, turns: int) -> None:
-                    if turns == preempt_at_turn:  # memory ran high before this turn's tool call
+                def on_progress(p: Progress) -> None:
+                    # memory ran high before this turn's tool call
+                    if p.in_tool and p.turns == preempt_at_turn:
                         episode_sandbox = pool.sandboxes()[-1]
                         why = "the pool's memory ran high"
                         preempting.append(asyncio.create_task(pool.preempt(episode_sandbox, why)))
 
                 try:
-                    return await group.play(tid, on_turn)
+                    return await group.play(tid, on_progress)
                 finally:
                     await group.close()
 

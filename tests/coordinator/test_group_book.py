@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from venusrl.coordinator.group_book import GroupBook
 from venusrl.policy.critical_groups import BEST_EFFORT, HIGH
 from venusrl.policy.staleness import StalenessBound
+from venusrl.types import Progress
 
 
 def book(batch: int, staleness: int, start_version: int = 0) -> GroupBook[None]:
@@ -94,8 +95,8 @@ def test_a_group_whose_tool_calls_ran_slow_ranks_behind_one_whose_ran_fast() -> 
     b = book(batch=1, staleness=1)
     slow, fast = open_groups(b, 2)
     for gid, seconds in ((slow, 30.0), (fast, 0.5)):
-        b.progress(gid, 0, tokens=100, turns=1, now=0.0)
-        b.tool_returned(gid, 0, seconds)
+        b.progress(gid, 0, Progress(100, 1, 0, 0.0), now=0.0)
+        b.progress(gid, 0, Progress(100, 1, 1, seconds), now=seconds)
     # The same prompt lengths and progress: only the tool calls each group has seen differ.
     assert b.rank(0, now=0.0) == {fast: HIGH, slow: BEST_EFFORT}
     assert b.snapshot(0).groups[0].members[0].tool_calls == 1
@@ -104,17 +105,34 @@ def test_a_group_whose_tool_calls_ran_slow_ranks_behind_one_whose_ran_fast() -> 
 def test_a_member_long_in_its_tool_call_makes_its_group_rank_as_slow() -> None:
     b = book(batch=1, staleness=1)
     stuck, moving = open_groups(b, 2)
-    b.progress(stuck, 0, tokens=100, turns=1, now=0.0)  # its call started at 0
-    b.progress(moving, 0, tokens=100, turns=1, now=99.0)
+    b.progress(stuck, 0, Progress(100, 1, 0, 0.0), now=0.0)  # its call started at 0
+    b.progress(moving, 0, Progress(100, 1, 0, 0.0), now=99.0)
     assert b.rank(0, now=100.0) == {moving: HIGH, stuck: BEST_EFFORT}
     assert b.order == (moving, stuck)
+
+
+def test_a_report_repeated_during_one_tool_call_keeps_when_the_call_started() -> None:
+    # A rollout worker relays a member's latest report with every episode that ends beside it:
+    # the same report may come several times, and late.
+    b = book(batch=1, staleness=1)
+    (g,) = open_groups(b, 1)
+    b.progress(g, 0, Progress(100, 1, 0, 0.0), now=10.0)
+    b.progress(g, 0, Progress(100, 1, 0, 0.0), now=50.0)  # relayed again
+    member = b.snapshot(0).groups[0].members[0]
+    assert member.waiting_on_tool and member.tool_since == 10.0
+    b.progress(g, 0, Progress(100, 1, 1, 42.0), now=52.0)  # the call returned
+    b.progress(g, 0, Progress(100, 1, 1, 42.0), now=60.0)
+    member = b.snapshot(0).groups[0].members[0]
+    assert not member.waiting_on_tool and member.tool_since is None
+    assert (member.tool_calls, member.tool_s) == (1, 42.0)
+    assert b.tool_calls_seen == 1  # counted once, however often it was told
 
 
 def test_a_turn_reported_after_its_group_was_dropped_changes_nothing() -> None:
     b = book(batch=1, staleness=0)
     (g0,) = open_groups(b, 1)
     b.drop(g0)
-    b.progress(g0, 0, tokens=10, turns=1)  # the member's last report, on its way when it ended
+    b.progress(g0, 0, Progress(10, 1, 0, 0.0))  # the member's last report, on its way when it ended
     assert g0 not in b.open and b.startable(0) == 1
     b.check()
 
@@ -133,7 +151,7 @@ def test_the_books_balance_whatever_happens(
         elif action == "member" and running:
             g = events.draw(st.sampled_from(running))
             index = next(i for i, m in enumerate(g.members) if not m.done)
-            b.progress(g.group_id, index, tokens=50, turns=1)
+            b.progress(g.group_id, index, Progress(50, 1, 0, 0.0))
             if b.member_finished(g.group_id, index, events.draw(st.booleans()), 100, 2):
                 b.close(g.group_id)
         elif action == "drop" and running:

@@ -77,6 +77,9 @@ def test_train_writes_one_metrics_line_per_step_within_the_staleness_bound(
         assert all(a[key] <= b[key] for a, b in itertools.pairwise(engine)), key
     actions = sum(t["action_tokens"] for r in records for t in r["turns"])
     assert engine[-1]["generated_tokens"] >= actions > 0 and engine[-1]["busy_s"] > 0
+    # The group ranking saw the tool calls of the trained episodes return (all but each one's
+    # last, after which the episode ends): it ranks on the run's own tool times.
+    assert lines[-1]["tool_calls_seen"] >= sum(len(r["turns"]) - 1 for r in records) > 0
     for r in records:
         actions = sum(t["action_tokens"] for t in r["turns"])
         assert sum(r["versions"].values()) == actions > 0

@@ -186,13 +186,14 @@ async def run_episode(
     group_id: str,
     prompt_id: str,
     priority: Callable[[], int] = lambda: 0,
-    on_turn: Callable[[Trajectory], None] = lambda traj: None,
+    on_progress: Callable[[Trajectory], None] = lambda traj: None,
     replay: Trajectory | None = None,
 ) -> Trajectory:
     """One episode. Infrastructure failures end it with `Finish.INFRA` and no reward (the
     coordinator replaces or masks it); the model's own failures end it normally and are scored.
-    `on_turn` sees the record after each model turn, before the environment acts on it (the
-    coordinator's progress view of its members).
+    `on_progress` sees the record after each model turn, before the environment acts on it, and
+    after each tool call that another turn follows (the coordinator's view of its members: how
+    far each is, and how long its tools take).
 
     `replay`: the record of this episode up to where its sandbox failed. The environment acts
     again on each of its model turns, in this episode's fresh sandbox, and the episode goes on
@@ -208,7 +209,7 @@ async def run_episode(
         try:
             finish = await _replay(env, fmt, rollout, replay, traj) if replay else None
             traj.finish = finish or await _turns(
-                env, generate, fmt, sampling, rollout, traj, priority, on_turn, deadline
+                env, generate, fmt, sampling, rollout, traj, priority, on_progress, deadline
             )
             reward = _environment(env, "reward", env.reward())
             limit = rollout.reward_timeout_s
@@ -333,7 +334,7 @@ async def _turns(
     rollout: RolloutConfig,
     traj: Trajectory,
     priority: Callable[[], int],
-    on_turn: Callable[[Trajectory], None],
+    on_progress: Callable[[Trajectory], None],
     deadline: float | None,
 ) -> Finish:
     budget = rollout.max_episode_tokens
@@ -359,9 +360,10 @@ async def _turns(
                 return Finish.TIME_CAP
             raise
         traj.add_model_turn(out.token_ids, out.logprobs, out.weight_versions)
-        on_turn(traj)
+        on_progress(traj)
         generated = time.monotonic()
         finish = await _act(env, fmt, rollout, traj, out.token_ids)
         traj.turn_times.append(TurnTimes(requested, generated, time.monotonic()))
         if finish is not None:
             return finish
+        on_progress(traj)

@@ -99,6 +99,7 @@ class CoordinatorStats:
     infra_failures: int = 0
     env_failures: int = 0  # of the infra failures, those the environment's own code raised
     masked: int = 0
+    tool_calls_seen: int = 0  # members' tool calls the ranking saw return while they ran
 
 
 class Coordinator:
@@ -175,6 +176,7 @@ class Coordinator:
             self._infra_failures,
             self._env_failures,
             self._masked,
+            book.tool_calls_seen,
         )
 
     def version_changed(self) -> None:
@@ -264,10 +266,7 @@ class Coordinator:
         for attempt in itertools.count():  # a member replaced after a failure plays again
             tid = f"{gid}-m{index}-a{attempt}"
             traj = await episodes.play(
-                tid,
-                lambda tokens, turns: self.book.progress(
-                    gid, index, tokens, turns, time.monotonic()
-                ),
+                tid, lambda p: self.book.progress(gid, index, p, time.monotonic())
             )
             for turn in turns_played(traj):
                 self.book.rates.observe(*turn)

@@ -24,6 +24,7 @@ from venusrl.policy.critical_groups import (
     TurnRates,
 )
 from venusrl.policy.staleness import StalenessBound
+from venusrl.types import Progress
 
 T = TypeVar("T")
 
@@ -71,6 +72,7 @@ class GroupBook(Generic[T]):
         self.priorities: dict[str, int] = {}  # open group id -> priority, from the last ranking
         self.order: tuple[str, ...] = ()  # open group ids, most critical first (the last ranking)
         self.groups_started = self.groups_completed = self.groups_dropped = 0
+        self.tool_calls_seen = 0  # members' tool calls reported returned while they ran
         # The bound numbers groups from version 0: a resumed run's trained batches count.
         self._groups_before = start_version * bound.batch_groups
 
@@ -97,24 +99,20 @@ class GroupBook(Generic[T]):
         self.open[group_id] = group
         return group
 
-    def progress(
-        self, group_id: str, index: int, tokens: int, turns: int, now: float | None = None
-    ) -> None:
-        """A member finished a model turn: `tokens` and `turns` so far, its tool call to come
-        (from `now`). Re-ranking waits for the next member to finish, so a turn costs no sort."""
+    def progress(self, group_id: str, index: int, p: Progress, now: float | None = None) -> None:
+        """A member's report (`Progress`, at time `now`): after a model turn, its tool call
+        starts; after the call returns, the seconds it took count toward its group's tool time.
+        Re-ranking waits for the next member to finish, so a report costs no sort."""
         group = self.open.get(group_id)
-        if group is not None:  # else dropped (it timed out) while the member's turn was coming
-            m = group.members[index]
-            self._set(group, index, MemberView(False, tokens, turns, True, m.tool_s,
-                                               m.tool_calls, now))  # fmt: skip
-
-    def tool_returned(self, group_id: str, index: int, seconds: float) -> None:
-        """A member's tool call returned after `seconds`."""
-        group = self.open.get(group_id)
-        if group is not None:
-            m = group.members[index]
-            self._set(group, index, MemberView(False, m.generated_tokens, m.turns, False,
-                                               m.tool_s + seconds, m.tool_calls + 1))  # fmt: skip
+        if group is None:  # dropped (it timed out) while the member's report was on its way
+            return
+        m = group.members[index]
+        since = None
+        if p.in_tool:  # a report repeated during one call keeps when the call started
+            since = m.tool_since if m.waiting_on_tool and m.turns == p.turns else now
+        self.tool_calls_seen += max(p.tool_calls - m.tool_calls, 0)
+        self._set(group, index, MemberView(False, p.tokens, p.turns, p.in_tool, p.tool_s,
+                                           p.tool_calls, since))  # fmt: skip
 
     def member_finished(
         self, group_id: str, index: int, scored: bool, tokens: int, turns: int

@@ -29,18 +29,18 @@ from venusrl.envs.environment import Environment, Task
 from venusrl.envs.service import GroupHandle, SandboxService
 from venusrl.envs.types import InfraFailure
 from venusrl.policy.critical_groups import BEST_EFFORT
-from venusrl.types import FailureKind, Generate, SamplingParams, Trajectory
+from venusrl.types import FailureKind, Generate, Progress, SamplingParams, Trajectory
 
 log = logging.getLogger(__name__)
 
-# A member's progress after each model turn: model tokens so far, turns so far.
-OnTurn = Callable[[int, int], None]
+# A member's progress, after each model turn and each tool call that another turn follows.
+OnProgress = Callable[[Progress], None]
 
 
 class GroupEpisodes(Protocol):
     """An open group: its members' sandboxes fork from one warm zygote, on one machine."""
 
-    async def play(self, trajectory_id: str, on_turn: OnTurn) -> Trajectory:
+    async def play(self, trajectory_id: str, on_progress: OnProgress) -> Trajectory:
         """One member's episode. Never raises for the platform's failures: they come back as a
         trajectory that finished `Finish.INFRA`, for the coordinator to replace or mask."""
         ...
@@ -144,7 +144,7 @@ class LocalGroup:
         self.group_id, self.env, self.task = group_id, env, task
 
     async def play(
-        self, trajectory_id: str, on_turn: OnTurn, replay: Trajectory | None = None
+        self, trajectory_id: str, on_progress: OnProgress, replay: Trajectory | None = None
     ) -> Trajectory:
         """`replay`: go on with this record of the episode, whose sandbox failed elsewhere
         (`agent_loop.run_episode`). An episode whose sandbox the pool preempts (memory ran
@@ -153,7 +153,7 @@ class LocalGroup:
         (`LocalRollouts.resume_preempted`)."""
         r = self.rollouts
         try:
-            traj = await self._episode(trajectory_id, on_turn, replay)
+            traj = await self._episode(trajectory_id, on_progress, replay)
             if (
                 r.resume_preempted
                 and replay is None
@@ -161,7 +161,7 @@ class LocalGroup:
                 and traj.turn_starts
             ):
                 r.resumed.append(trajectory_id)
-                traj = await self._episode(trajectory_id, on_turn, traj)
+                traj = await self._episode(trajectory_id, on_progress, traj)
             return traj
         finally:
             if r.turns is not None:
@@ -173,7 +173,7 @@ class LocalGroup:
                     await r.end_trajectory(trajectory_id)
 
     async def _episode(
-        self, trajectory_id: str, on_turn: OnTurn, replay: Trajectory | None
+        self, trajectory_id: str, on_progress: OnProgress, replay: Trajectory | None
     ) -> Trajectory:
         """The episode in a sandbox of its own, closed at its end."""
         r, gid = self.rollouts, self.group_id
@@ -197,7 +197,7 @@ class LocalGroup:
                     gid,
                     self.task.id,
                     priority=lambda: r.priority.get(gid, BEST_EFFORT),
-                    on_turn=lambda t: on_turn(t.model_tokens, len(t.turn_starts)),
+                    on_progress=lambda t: on_progress(t.progress()),
                     replay=replay,
                 )
         except Exception as e:  # an engine call that failed is the platform's fault too

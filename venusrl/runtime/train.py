@@ -226,6 +226,9 @@ class _Run:
             "groups_started": coordinator.stats.groups_started,
             "groups_dropped": coordinator.stats.groups_dropped,
             "groups_running": coordinator.running_groups,
+            # Tool calls the group ranking saw return while their members ran: zero means it
+            # ranks on the tool time it was given, not the run's own.
+            "tool_calls_seen": coordinator.stats.tool_calls_seen,
             "episodes_resumed": self.side.rollouts.resumed_episodes,
             **admission_metrics(self.side.window),
             "engine": engine,

@@ -54,6 +54,7 @@ from venusrl.sim.cost_model import CostModel
 from venusrl.sim.engine import SPENT_ON, SimEngine
 from venusrl.sim.kv_windows import KvWindows
 from venusrl.sim.types import Clock, Counters, SimConfig, SimRequest
+from venusrl.types import Progress
 from venusrl.workloads import PromptPlan, TrajectoryPlan, Workload, WorkloadSampler
 
 
@@ -203,6 +204,7 @@ class SimTrajectory:
     turn: int = 0
     context: int = 0  # tokens of the record so far (a running request's, when it lets go)
     generated: int = 0
+    tool_s: float = 0.0  # its tool calls' seconds so far
     engine: SimEngine | None = None
     expected_cached: int = 0  # tokens of its context the engine cached when it last let go of it
     member: bool = False  # holds a place in its engine's KV window (`kv_windows`)
@@ -421,7 +423,7 @@ class Simulation:
         if self.finishes is not None:
             self.finishes.append((now, f"{t.tid}-t{t.turn}"))
         g = t.group
-        self.book.progress(g.gid, t.index, t.generated, t.turn + 1, now)
+        self.book.progress(g.gid, t.index, Progress(t.generated, t.turn + 1, t.turn, t.tool_s), now)
         if t.plan.infra_failure_turn == t.turn:
             self._end_trajectory(t)
             self.infra_failures += 1
@@ -446,7 +448,9 @@ class Simulation:
 
     def _tool_returned(self, t: SimTrajectory) -> None:
         turn = t.plan.turns[t.turn]
-        self.book.tool_returned(t.group.gid, t.index, turn.tool_s)
+        t.tool_s += turn.tool_s
+        done = Progress(t.generated, t.turn + 1, t.turn + 1, t.tool_s)
+        self.book.progress(t.group.gid, t.index, done, self.clock.now)
         t.context += turn.observation_tokens + self.workload.template_tokens
         t.turn += 1
         self._request_turn(t)

@@ -12,8 +12,8 @@ method itself (`ray_cluster.call`), so the seam is type-checked as a local call 
   fork on that node from one zygote, and its K trajectories share that engine's prompt KV; a
   trajectory never leaves the engine that holds its KV.
 - **Priorities** reach the workers when the coordinator re-ranks the groups, each worker only
-  the ones it holds and only when they changed. Members' progress (tokens and turns so far)
-  comes back with each finished episode.
+  the ones it holds and only when they changed. Members' progress (tokens, turns and tool time so
+  far) comes back with each finished episode: the other episodes in flight on its worker.
 - **Weights** go through Ray's object store a bucket at a time (`RolloutFleet.publish`), each
   engine copying each bucket as it comes: neither the driver nor the store holds a whole copy.
 - **Failures.** An episode whose sandbox was preempted (a node's pool running out of memory
@@ -43,7 +43,7 @@ from typing import Any
 import ray
 
 from venusrl.config import Config
-from venusrl.coordinator.rollouts import OnTurn, failed
+from venusrl.coordinator.rollouts import OnProgress, failed
 from venusrl.envs.accounts import PoolStats
 from venusrl.envs.environment import Environment, Task
 from venusrl.envs.types import ExecResult, InfraFailure, SandboxCrashed, TemplateSpec
@@ -130,7 +130,7 @@ class RemoteGroup:
         self.worker, self.epoch = worker, epoch  # where new members play
         self.opened = {worker: epoch}  # every worker the group is open on, at its epoch
 
-    async def play(self, trajectory_id: str, on_turn: OnTurn) -> Trajectory:
+    async def play(self, trajectory_id: str, on_progress: OnProgress) -> Trajectory:
         fleet = self.fleet
         if not fleet.is_up(self.worker, self.epoch):
             try:  # the group's worker died: its replacement members play on another one
@@ -138,7 +138,7 @@ class RemoteGroup:
             except InfraFailure as e:
                 return failed(trajectory_id, self.group_id, self.task, FailureKind.SANDBOX, str(e))
             fleet.reopened_groups += 1
-        traj = await self._play(self.worker, self.epoch, trajectory_id, on_turn, None)
+        traj = await self._play(self.worker, self.epoch, trajectory_id, on_progress, None)
         if not (traj.failed_with(FailureKind.PREEMPTED) and traj.turn_starts):
             return traj
         try:
@@ -147,7 +147,7 @@ class RemoteGroup:
         except InfraFailure:
             return traj
         fleet.migrated.append(trajectory_id)
-        moved = await self._play(worker, epoch, trajectory_id, on_turn, traj)
+        moved = await self._play(worker, epoch, trajectory_id, on_progress, traj)
         fleet.migrated_completed += moved.finish is not Finish.INFRA
         return moved
 
@@ -160,10 +160,10 @@ class RemoteGroup:
         return worker, epoch
 
     async def _play(
-        self, worker: int, epoch: int, tid: str, on_turn: OnTurn, replay: Trajectory | None
+        self, worker: int, epoch: int, tid: str, on_progress: OnProgress, replay: Trajectory | None
     ) -> Trajectory:
         fleet = self.fleet
-        fleet.on_turn[tid] = on_turn
+        fleet.on_progress[tid] = on_progress
         fleet.active[worker] += 1
         sent = time.monotonic()
         try:
@@ -175,12 +175,12 @@ class RemoteGroup:
                 tid, self.group_id, self.task, FailureKind.WORKER, f"{type(e).__name__}: {e}"
             )
         finally:
-            fleet.on_turn.pop(tid, None)
+            fleet.on_progress.pop(tid, None)
             fleet.active[worker] -= 1
         fleet.played[worker] += 1
-        for other, (tokens, turns) in progress.items():
-            if other in fleet.on_turn:
-                fleet.on_turn[other](tokens, turns)
+        for other, p in progress.items():
+            if other in fleet.on_progress:
+                fleet.on_progress[other](p)
         # Turn times to this process's clock (off by the call's latency, a millisecond or so).
         shift = sent - started
         traj.turn_times = [
@@ -228,7 +228,7 @@ class RolloutFleet:
         self.migrated: list[str] = []  # episodes moved to another worker, their sandbox preempted
         self.migrated_completed = 0  # of those, the ones that went on to their end
         self.single_sandboxes = 0
-        self.on_turn: dict[str, OnTurn] = {}  # episodes in flight -> the coordinator's hook
+        self.on_progress: dict[str, OnProgress] = {}  # episodes in flight -> the coordinator's hook
         self._group_workers: dict[str, set[int]] = {}  # open groups -> the workers they are on
         self._priority: Mapping[str, int] = {}  # the coordinator's latest, every open group
         self._pushed: list[dict[str, int]] = [{} for _ in range(n)]

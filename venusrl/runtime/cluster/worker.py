@@ -33,7 +33,7 @@ from venusrl.runtime.cluster.ray_cluster import ActorLost, at_default_priority
 from venusrl.runtime.cluster.weight_feed import WeightFeed
 from venusrl.runtime.engines import LocalEngine
 from venusrl.runtime.faults import engine_faults, sandbox_faults
-from venusrl.types import GenerationOutput, SamplingParams, Trajectory, TurnMeta
+from venusrl.types import GenerationOutput, Progress, SamplingParams, Trajectory, TurnMeta
 
 NODE_MEMORY_FRACTION = 0.8  # of the node's available memory, at most, for its sandboxes
 
@@ -72,7 +72,7 @@ class RolloutWorker:
         self.rollouts: LocalRollouts | None = None
         self._groups: dict[str, LocalGroup] = {}
         self._sandboxes: dict[str, Sandbox] = {}
-        self._progress: dict[str, tuple[int, int]] = {}  # episodes in flight: tokens, turns
+        self._progress: dict[str, Progress] = {}  # episodes in flight: how far each is
         self.served: set[str] = set()  # trajectory ids this engine generated for
         self._faults: list[asyncio.Task[None]] = []  # `faults.*_sandboxes`
         self._feed: WeightFeed | None = None  # a publish under way
@@ -175,19 +175,17 @@ class RolloutWorker:
 
     async def play(
         self, key: str, trajectory_id: str, replay: Trajectory | None
-    ) -> tuple[Trajectory, float, dict[str, tuple[int, int]]]:
+    ) -> tuple[Trajectory, float, dict[str, Progress]]:
         """One member's episode of group `key` (going on from `replay`, when given); when it
         started on this worker's clock; the progress of the other episodes in flight here."""
         started = time.monotonic()
         group = self._groups.get(key)
         if group is None:  # this worker restarted since the group opened
             raise SandboxCrashed(f"group {key} is not on this worker (it restarted)")
-        self._progress[trajectory_id] = (0, 0)
+        self._progress[trajectory_id] = Progress(0, 0, 0, 0.0)
         try:
             traj = await group.play(
-                trajectory_id,
-                lambda tokens, turns: self._progress.__setitem__(trajectory_id, (tokens, turns)),
-                replay,
+                trajectory_id, lambda p: self._progress.__setitem__(trajectory_id, p), replay
             )
         finally:
             del self._progress[trajectory_id]
