@@ -84,9 +84,20 @@ def test_only_the_groups_that_fill_the_next_batch_are_high_priority() -> None:
     groups = [group(f"g{i}", done=i, arrival=i) for i in range(6)]
     decision = CriticalGroups().decide(snapshot(groups, batch=4, waiting=1))
     assert [decision.priority[g] for g in decision.order] == [HIGH] * 3 + [BEST_EFFORT] * 3
-    assert decision.order[:3] == ("g5", "g4", "g3")
+    assert set(decision.order[:3]) == {"g5", "g4", "g3"}  # the most complete
     full = CriticalGroups().decide(snapshot(groups, batch=4, waiting=4))
     assert set(full.priority.values()) == {BEST_EFFORT}
+
+
+def test_the_groups_the_batch_needs_run_longest_remaining_path_first() -> None:
+    # The batch needs two groups: the two soonest done of the three, whose last decides when
+    # it is complete; so of those two the longer goes first.
+    groups = [group(g, done=4, arrival=i) for i, g in enumerate(("long", "short", "longest"))]
+    preds = {"prompt-long": Prediction(2000, 4), "prompt-short": Prediction(300, 2),
+             "prompt-longest": Prediction(9000, 4)}  # fmt: skip
+    decision = CriticalGroups().decide(snapshot(groups, batch=2, **preds))
+    assert decision.order == ("long", "short", "longest")
+    assert decision.priority == {"long": HIGH, "short": HIGH, "longest": BEST_EFFORT}
 
 
 def test_fifo_baseline_keeps_arrival_order_and_no_priorities() -> None:

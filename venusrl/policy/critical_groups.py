@@ -11,6 +11,10 @@ the open groups
 
 and marks the first `B - complete_groups_waiting` of them high priority (they fill the next batch);
 the rest are best effort. The engine and the sandbox pool receive that priority with every request.
+Which groups fill the batch is decided soonest-done first; among them the batch waits for the last,
+so they run longest remaining path first (the longest-processing-time rule for a makespan): the
+KV window admits by this order. Under a start bound of one version the groups in flight are exactly
+the next batch, and its step waits for the slowest of them (BENCHMARKS.md, swe-long).
 
 A member's remaining time is its predicted remaining tokens at the decode rate plus the expected
 tool time of its remaining turns; the length prediction comes from `LengthPredictor`, which starts
@@ -124,12 +128,18 @@ class CriticalGroups:
     def decide(self, snap: CoordinatorSnapshot) -> GroupPriorities:
         predictions, default = snap.predictions, self.default
 
-        def key(g: GroupView) -> tuple[bool, float, float, int]:
-            pred = predictions.get(g.prompt_id, default)
-            return (not g.due, -g.completion, slowest_remaining_s(g, pred, snap), g.arrival)
-
-        ranked = sorted(snap.groups, key=key)
+        left = {
+            g.group_id: slowest_remaining_s(g, predictions.get(g.prompt_id, default), snap)
+            for g in snap.groups
+        }
+        ranked = sorted(
+            snap.groups, key=lambda g: (not g.due, -g.completion, left[g.group_id], g.arrival)
+        )
         needed = max(snap.batch_groups - snap.complete_groups_waiting, 0)
+        # The batch is complete when the last group it needs is: those run longest path first.
+        ranked[:needed] = sorted(
+            ranked[:needed], key=lambda g: (not g.due, -left[g.group_id], g.arrival)
+        )
         order = tuple(g.group_id for g in ranked)
         return GroupPriorities(
             order, {gid: HIGH if i < needed else BEST_EFFORT for i, gid in enumerate(order)}
