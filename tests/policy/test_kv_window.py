@@ -21,6 +21,18 @@ def test_an_agent_joins_only_within_the_budget() -> None:
     assert not WINDOW.fits(engine(800_001), Agent(50_000, BEST_EFFORT))
 
 
+def test_the_agents_of_the_head_groups_may_fill_an_engine_up_to_keep() -> None:
+    # The batch waits for its longest paths: their agents take the room between the budget and
+    # keep rather than wait for a member to leave (every member may be critical: none yields).
+    full = engine(900_000, critical=900_000)
+    assert WINDOW.fits(full, Agent(70_000, HIGH, rank=WINDOW.head - 1))
+    assert not WINDOW.fits(full, Agent(70_001, HIGH, rank=WINDOW.head - 1))  # past keep
+    assert not WINDOW.fits(full, Agent(10_000, HIGH, rank=WINDOW.head))
+    assert not WINDOW.fits(full, Agent(10_000, BEST_EFFORT, rank=0))  # best effort: no head
+    assert WINDOW.place([full, full], Agent(70_000, HIGH, rank=0)) == 0
+    assert WINDOW.place([full, full], Agent(70_000, HIGH, rank=WINDOW.head)) is None
+
+
 def test_best_effort_agents_hold_at_most_the_lane_beside_critical_members() -> None:
     busy = engine(load=200_000, critical=100_000)
     assert LANE.fits(busy, Agent(50_000, BEST_EFFORT))

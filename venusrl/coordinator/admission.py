@@ -195,7 +195,8 @@ class TurnWindow:
         return EngineLoad(self.capacity, load, critical_load, members)
 
     def _as_agent(self, a: _Agent) -> Agent:
-        return Agent(a.context, self._priority(a), 0 if a.started else None, a.counted)
+        rank = self.group_rank.get(a.group_id, len(self.group_rank))
+        return Agent(a.context, self._priority(a), 0 if a.started else None, a.counted, rank)
 
     def _yields(self, a: _Agent) -> bool:
         mine = self._key(a)

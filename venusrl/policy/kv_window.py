@@ -13,6 +13,12 @@ of critical (HIGH) groups:
 
 - **Budget.** An agent joins an engine only if L + c <= fill * C. The rest of the device holds
   the members' growth within a turn and the prefix cache.
+- **The head.** The agents of the `head` most critical groups may fill an engine up to keep * C:
+  the ranking puts first, of the groups the next batch needs, those with the longest paths left
+  (`critical_groups`), and the batch waits for the last of them. Every group it needs is critical,
+  so a waiting critical agent displaces no critical member; without this the head's agents waited
+  for a place to free like any other (the slowest groups' last members waited ~800 s of their
+  ~2,700 on swe-long, BENCHMARKS.md).
 - **Keep.** At a turn boundary a member goes on unless the members ranked above it, with it,
   hold more than keep * C (the window shrank under it: its turns grew), or a more critical agent
   waits and has no place on any engine while this one's would fit it. A member that yields
@@ -40,7 +46,8 @@ scenario: fill 0.85 and keep 0.97 as Concur's low and high water marks; leave af
 ten times the median tool call, so that only the long tail of tool calls leaves; no lane (1.0):
 a lane of 0.3 gains ~2 % on swe-long but loses 7 % on swe-short, where it starves best-effort
 work that had room (BENCHMARKS.md), so packing is bounded by the mean load alone; a rebalance
-margin of 100K tokens, a few members' contexts.
+margin of 100K tokens, a few members' contexts; a head of 8 groups, an eighth of swe-long's batch
+(16 measured alike).
 """
 
 from __future__ import annotations
@@ -69,6 +76,7 @@ class Agent:
     priority: int  # its group's (HIGH or BEST_EFFORT)
     home: int | None = None  # the engine holding its KV (None: not started)
     counted: int = 0  # tokens it counts now, as a member of `home` (0: not a member)
+    rank: int | None = None  # its group's place in the ranking (0: the most critical)
 
     @property
     def critical(self) -> bool:
@@ -88,25 +96,32 @@ class CriticalWindow:
     lane: float = 1.0
     rebalance_tokens: int = 100_000
     migrate: bool = True
+    head: int = 8
 
     def __post_init__(self) -> None:
         if not 0 < self.fill <= self.keep <= 1:
             raise ValueError(f"need 0 < fill <= keep <= 1, got {self.fill}, {self.keep}")
         if not 0 < self.lane <= 1:
             raise ValueError(f"lane must be in (0, 1], got {self.lane}")
-        if self.leave_after_s < 0 or self.rebalance_tokens < 0:
-            raise ValueError("leave_after_s and rebalance_tokens must be >= 0")
+        if self.leave_after_s < 0 or self.rebalance_tokens < 0 or self.head < 0:
+            raise ValueError("leave_after_s, rebalance_tokens and head must be >= 0")
 
     def budget(self, e: EngineLoad) -> int:
         return int(self.fill * e.capacity)
 
+    def heads(self, a: Agent) -> bool:
+        """Is `a` of one of the `head` most critical groups (the batch's longest paths)?"""
+        return a.critical and a.rank is not None and a.rank < self.head
+
     def fits(self, e: EngineLoad, a: Agent) -> bool:
         """Is there room for `a` on `e` (its own count there, as a member, already freed)? An
-        engine with no member takes any agent: it runs alone, as far as the device holds."""
+        engine with no member takes any agent: it runs alone, as far as the device holds. The
+        head's agents may fill it up to `keep`."""
         load = e.load - a.counted
         if load == 0:
             return True
-        if load + a.context > self.budget(e):
+        room = int(self.keep * e.capacity) if self.heads(a) else self.budget(e)
+        if load + a.context > room:
             return False
         lane = self.lane * self.budget(e)
         return a.critical or not e.critical or load + a.context <= lane

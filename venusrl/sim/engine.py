@@ -508,6 +508,8 @@ class SimEngine:
             req.decode_left -= n
             if not req.decode_left:
                 sampled.append(req)
+        if n > 1:  # past a decision's first iteration every request decodes, in queue order
+            sampled.sort(key=queue_order)
         for req in sampled:  # their actions are sampled
             del self.running[req.rid]
             self.kv.release(req)
@@ -532,7 +534,11 @@ class SimEngine:
         req = span.prefill
         if now < self.paused_until or cfg.decide_every_iteration or (req is None and self.waiting):
             return False
-        sampling = [(r, r.computed) for r, _ in span.sampling if r.decode_left]
+        # Every one decodes now: the engine runs them in queue order.
+        sampling = sorted(
+            ((r, r.computed) for r, _ in span.sampling if r.decode_left),
+            key=lambda item: queue_order(item[0]),
+        )
         if req is None and (not sampling or len(sampling) != len(self.running)):
             return False
         span = Span(sampling, prefill=req, chunk=cfg.token_budget - len(sampling),

@@ -86,7 +86,9 @@ class KvWindows(Generic[M]):
 
     def agent(self, t: M) -> Agent:
         home = t.engine.index if t.engine is not None else None
-        return Agent(t.context, self.ranking.priority(t.group_id), home, t.counted)
+        gid = t.group_id
+        rank = self.group_rank.get(gid, len(self.group_rank))
+        return Agent(t.context, self.ranking.priority(gid), home, t.counted, rank)
 
     def loads(self) -> list[EngineLoad]:
         return [
@@ -140,10 +142,11 @@ class KvWindows(Generic[M]):
 
         An agent with no place refuses every later one of its kind with as large a context
         until the loads change: a place depends on the context (the larger, the fewer engines
-        fit), on whether the agent is critical and, without migration, on its home. Asking
-        the policy only once per kind keeps a long queue from costing a walk per turn."""
+        fit), on whether the agent is critical and of the head and, without migration, on its
+        home. Asking the policy only once per kind keeps a long queue from costing a walk per
+        turn."""
         loads = self.loads()
-        refused: dict[tuple[bool, int | None], int] = {}  # by kind: the smallest refused context
+        refused: dict[tuple[bool, bool, int | None], int] = {}  # kind -> the smallest refused
         for started, gid in self._walk():
             ready = self.ready.get(gid)
             if not ready:
@@ -152,7 +155,7 @@ class KvWindows(Generic[M]):
                 if (t.engine is not None) != started:
                     continue
                 a = self.agent(t)
-                kind = (a.critical, None if self.policy.migrate else a.home)
+                kind = (a.critical, self.policy.heads(a), None if self.policy.migrate else a.home)
                 if a.context >= refused.get(kind, a.context + 1):
                     continue
                 i = self.policy.place(loads, a)
