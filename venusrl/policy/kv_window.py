@@ -47,7 +47,7 @@ ten times the median tool call, so that only the long tail of tool calls leaves;
 a lane of 0.3 gains ~2 % on swe-long but loses 7 % on swe-short, where it starves best-effort
 work that had room (BENCHMARKS.md), so packing is bounded by the mean load alone; a rebalance
 margin of 100K tokens, a few members' contexts; a head of 8 groups, an eighth of swe-long's batch
-(16 measured alike).
+(16 gave the same step on seed 1).
 """
 
 from __future__ import annotations
