@@ -128,6 +128,24 @@ def test_a_report_repeated_during_one_tool_call_keeps_when_the_call_started() ->
     assert b.tool_calls_seen == 1  # counted once, however often it was told
 
 
+def test_a_replacement_attempt_starts_from_nothing_and_a_late_report_is_ignored() -> None:
+    b = book(batch=1, staleness=1)
+    (g,) = open_groups(b, 1)
+    b.progress(g, 0, Progress(100, 2, 1, 5.0), now=10.0)  # in the tool call of its 2nd turn
+    b.progress(g, 0, Progress(60, 1, 1, 5.0), now=11.0)  # an older report, relayed late
+    member = b.snapshot(0).groups[0].members[0]
+    assert (member.turns, member.generated_tokens, member.tool_since) == (2, 100, 10.0)
+    # The attempt failed there; its replacement's own call of its 2nd turn starts later.
+    b.restart_member(g, 0)
+    b.progress(g, 0, Progress(30, 1, 0, 0.0), now=40.0)
+    b.progress(g, 0, Progress(30, 1, 1, 2.0), now=42.0)
+    b.progress(g, 0, Progress(70, 2, 1, 2.0), now=50.0)
+    member = b.snapshot(0).groups[0].members[0]
+    assert (member.turns, member.tool_calls, member.tool_s) == (2, 1, 2.0)
+    assert member.tool_since == 50.0  # not the failed attempt's 10.0
+    assert b.tool_calls_seen == 2
+
+
 def test_a_turn_reported_after_its_group_was_dropped_changes_nothing() -> None:
     b = book(batch=1, staleness=0)
     (g0,) = open_groups(b, 1)

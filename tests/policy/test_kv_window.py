@@ -31,6 +31,12 @@ def test_the_agents_of_the_head_groups_may_fill_an_engine_up_to_keep() -> None:
     assert not WINDOW.fits(full, Agent(10_000, BEST_EFFORT, rank=0))  # best effort: no head
     assert WINDOW.place([full, full], Agent(70_000, HIGH, rank=0)) == 0
     assert WINDOW.place([full, full], Agent(70_000, HIGH, rank=WINDOW.head)) is None
+    # A best-effort member makes room for a head agent that fits within keep in its place.
+    mixed = [engine(850_000, critical=450_000, members=9)]
+    member = Agent(400_000, BEST_EFFORT, home=0, counted=400_000, rank=20)
+    for rank, gives_way in ((0, True), (WINDOW.head, False)):
+        rival = Agent(450_000, HIGH, home=0, rank=rank)  # 450K + 450K: past fill, within keep
+        assert WINDOW.yields(mixed, 450_000, member, rival) is gives_way
 
 
 def test_best_effort_agents_hold_at_most_the_lane_beside_critical_members() -> None:

@@ -5,7 +5,8 @@ The coordinator opens a group for each task while the staleness bound allows
 forked from the group's warm zygote (`rollouts`: in this process, or on the rollout worker that
 holds the group), and hands the trainer batches of B complete groups.
 
-Priorities: the ranking's view of each member follows it turn by turn (tokens and turns so far),
+Priorities: the ranking's view of each member follows it turn by turn (tokens, turns, tool calls
+and their seconds so far),
 and every time a member finishes its episode or groups open or close, the open groups are
 re-ranked by the critical-group policy (`policy.critical_groups`) at the decode speed and tool
 time the members' turns show (`TurnRates`): the groups that complete the next batch get high
@@ -265,6 +266,8 @@ class Coordinator:
         gid, run = group.group_id, group.data
         for attempt in itertools.count():  # a member replaced after a failure plays again
             tid = f"{gid}-m{index}-a{attempt}"
+            if attempt:
+                self.book.restart_member(gid, index)
             traj = await episodes.play(
                 tid, lambda p: self.book.progress(gid, index, p, time.monotonic())
             )

@@ -107,12 +107,21 @@ class GroupBook(Generic[T]):
         if group is None:  # dropped (it timed out) while the member's report was on its way
             return
         m = group.members[index]
+        if (p.turns, p.tool_calls) < (m.turns, m.tool_calls):
+            return  # an older report, relayed after a newer one
         since = None
         if p.in_tool:  # a report repeated during one call keeps when the call started
             since = m.tool_since if m.waiting_on_tool and m.turns == p.turns else now
         self.tool_calls_seen += max(p.tool_calls - m.tool_calls, 0)
         self._set(group, index, MemberView(False, p.tokens, p.turns, p.in_tool, p.tool_s,
                                            p.tool_calls, since))  # fmt: skip
+
+    def restart_member(self, group_id: str, index: int) -> None:
+        """A replacement attempt of a member starts: the failed attempt's reports are not its
+        progress (nor its tool call in progress)."""
+        group = self.open.get(group_id)
+        if group is not None:
+            self._set(group, index, MemberView(False))
 
     def member_finished(
         self, group_id: str, index: int, scored: bool, tokens: int, turns: int

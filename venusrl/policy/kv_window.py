@@ -190,7 +190,8 @@ class CriticalWindow:
             return False
         if rival.home is not None and not self.migrate and rival.home != a.home:
             return False
-        return ahead + rival.context <= self.budget(e)
+        room = int(self.keep * e.capacity) if self.heads(rival) else self.budget(e)
+        return ahead + rival.context <= room
 
     def lighter(self, engines: Sequence[EngineLoad], a: Agent) -> int | None:
         """An engine `a` would decode faster on, or None: the least loaded, if its load with `a`

@@ -358,6 +358,8 @@ class Simulation:
             self._start_member(g, i)
 
     def _start_member(self, g: SimGroup, index: int) -> None:
+        if g.attempts[index]:
+            self.book.restart_member(g.gid, index)
         plan = self.sampler.trajectory(g.prompt, index, g.attempts[index])
         now = self.clock.now
         t = SimTrajectory(

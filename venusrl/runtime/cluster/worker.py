@@ -182,7 +182,8 @@ class RolloutWorker:
         group = self._groups.get(key)
         if group is None:  # this worker restarted since the group opened
             raise SandboxCrashed(f"group {key} is not on this worker (it restarted)")
-        self._progress[trajectory_id] = Progress(0, 0, 0, 0.0)
+        # An episode going on from its record has got that far: its replay reports nothing.
+        self._progress[trajectory_id] = replay.progress() if replay else Progress(0, 0, 0, 0.0)
         try:
             traj = await group.play(
                 trajectory_id, lambda p: self._progress.__setitem__(trajectory_id, p), replay
