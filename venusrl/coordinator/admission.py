@@ -179,9 +179,12 @@ class TurnWindow:
 
     # --- the books -----------------------------------------------------------------------------
 
+    def _rank(self, a: _Agent) -> int:
+        """Its group's place in the last ranking (past the last: not ranked)."""
+        return self.group_rank.get(a.group_id, len(self.group_rank))
+
     def _key(self, a: _Agent) -> tuple[int, ...]:
-        rank = self.group_rank.get(a.group_id, len(self.group_rank))
-        return (*admission_key(self._priority(a), a.started, rank, 0), a.seq)
+        return (*admission_key(self._priority(a), a.started, self._rank(a), 0), a.seq)
 
     def _priority(self, a: _Agent) -> int:
         return self.priority.get(a.group_id, BEST_EFFORT)
@@ -195,8 +198,8 @@ class TurnWindow:
         return EngineLoad(self.capacity, load, critical_load, members)
 
     def _as_agent(self, a: _Agent) -> Agent:
-        rank = self.group_rank.get(a.group_id, len(self.group_rank))
-        return Agent(a.context, self._priority(a), 0 if a.started else None, a.counted, rank)
+        started = 0 if a.started else None
+        return Agent(a.context, self._priority(a), started, a.counted, self._rank(a))
 
     def _yields(self, a: _Agent) -> bool:
         mine = self._key(a)

@@ -79,16 +79,20 @@ class KvWindows(Generic[M]):
     def _critical(self, t: M) -> bool:
         return critical(self.ranking.priority(t.group_id))
 
+    def rank(self, group_id: str) -> int:
+        """The group's place in the last ranking (past the last: not ranked)."""
+        return self.group_rank.get(group_id, len(self.group_rank))
+
     def key(self, t: M) -> tuple[int, ...]:
         gid = t.group_id
-        rank = self.group_rank.get(gid, len(self.group_rank))
-        return admission_key(self.ranking.priority(gid), t.engine is not None, rank, t.index)
+        return admission_key(
+            self.ranking.priority(gid), t.engine is not None, self.rank(gid), t.index
+        )
 
     def agent(self, t: M) -> Agent:
         home = t.engine.index if t.engine is not None else None
         gid = t.group_id
-        rank = self.group_rank.get(gid, len(self.group_rank))
-        return Agent(t.context, self.ranking.priority(gid), home, t.counted, rank)
+        return Agent(t.context, self.ranking.priority(gid), home, t.counted, self.rank(gid))
 
     def loads(self) -> list[EngineLoad]:
         return [
