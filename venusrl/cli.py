@@ -626,11 +626,15 @@ def _print_seed(seed: int, results: list[dict[str, Any]]) -> None:
     for r in results:
         cells = [r.get(c) for c in cols]
         print("  ".join(f"{c:>14.4g}" if isinstance(c, float) else f"{c!s:>14}" for c in cells))
-    print("where the time goes: trainer and weight sync per step (s), rollout GPU time (%)")
+    print(
+        "where the time goes: trainer, weight sync and the trainer's wait for its next batch"
+        " per step (s), rollout GPU time (%)"
+    )
     shares = list(results[0]["rollout_gpu_time"])
-    print("  ".join(f"{c:>14}" for c in ["policy", "train_s", "weight_sync_s", *shares]))
+    head = ["policy", "train_s", "weight_sync_s", "batch_wait_s", *shares]
+    print("  ".join(f"{c:>14}" for c in head))
     for r in results:
-        cells = [r["train_s_per_step"], r["weight_sync_s_per_step"]]
+        cells = [r["train_s_per_step"], r["weight_sync_s_per_step"], r["batch_wait_s"] or 0.0]
         cells += [100 * r["rollout_gpu_time"][k] for k in shares]
         print(f"{r['policy']:>14}  " + "  ".join(f"{c:>14.4g}" for c in cells))
 

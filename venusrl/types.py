@@ -209,6 +209,12 @@ class Trajectory:
     finish: Finish | None = None
     failure: Failure | None = None  # what went wrong, for INFRA
     turn_times: list[TurnTimes] = field(default_factory=list)  # one per turn the environment ran
+    # sum(mask), kept as turns are added: asked for at every turn (budgets, progress reports),
+    # where a sum over a long record would cost a pass over its whole context each time.
+    _model_tokens: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._model_tokens = sum(self.mask)
 
     @classmethod
     def start(
@@ -239,6 +245,7 @@ class Trajectory:
         self.turn_starts.append(len(self.token_ids))
         self.token_ids += token_ids
         self.mask += [1] * len(token_ids)
+        self._model_tokens += len(token_ids)
         self.logprobs += logprobs
         self.versions += versions
 
@@ -250,7 +257,7 @@ class Trajectory:
 
     @property
     def model_tokens(self) -> int:
-        return sum(self.mask)
+        return self._model_tokens
 
     def progress(self) -> Progress:
         """How far the episode is: what the environment acted on counts as a returned call."""

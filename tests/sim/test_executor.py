@@ -79,6 +79,24 @@ def test_the_trainer_time_per_step_counts_only_the_steps_of_the_run() -> None:
     assert asyn["train_s_per_step"] == pytest.approx(sync["train_s_per_step"], rel=0.05)
 
 
+def test_it_says_how_long_the_trainer_waited_for_batches_and_how_fast_whose_turns_ran() -> None:
+    sync = run("sync", steps=4)
+    # Synchronous: after publishing, the trainer waits for the whole of the next batch; a step
+    # is that wait, the training and the weight sync.
+    step = sync["batch_wait_s"] + sync["train_s_per_step"] + sync["weight_sync_s_per_step"]
+    assert step == pytest.approx(sync["mean_step_s"], rel=0.05)
+    assert set(sync["turns"]) == {"first/best_effort", "waiting/best_effort"}  # fifo ranks none
+    ours = Simulation(SMALL, sim_policy("venus"), 0, SimConfig(steps=4), record=True)
+    figures = ours.run()
+    assert 0 <= figures["batch_wait_s"] < sync["batch_wait_s"]
+    # Every turn counted once, by whether the trainer was training, waiting for a batch or
+    # before its first, and whether its group was critical when it was sent.
+    assert ours.finishes is not None and sum(figures["turns"].values()) == len(ours.finishes)
+    assert {"first/critical", "training/critical", "waiting/best_effort"} <= set(figures["turns"])
+    assert figures["turns"].keys() == figures["turn_s_per_token"].keys()
+    assert all(0 < s < 1 for s in figures["turn_s_per_token"].values())
+
+
 def test_a_larger_staleness_bound_buys_rollout_time_with_staleness() -> None:
     one_step, two_steps = run("async@1", steps=4), run("async@2", steps=4)
     assert two_steps["policy"] == "async@2" and two_steps["knobs"]["max_staleness"] == 2

@@ -38,7 +38,7 @@ from venusrl.policy.agent_admission import (
     CacheSignal,
     ConcurAdmission,
 )
-from venusrl.policy.critical_groups import TurnRates
+from venusrl.policy.critical_groups import TurnRates, critical
 from venusrl.policy.engine_schedule import (
     PriorityScheduler,
 )
@@ -209,6 +209,10 @@ class SimTrajectory:
     expected_cached: int = 0  # tokens of its context the engine cached when it last let go of it
     member: bool = False  # holds a place in its engine's KV window (`kv_windows`)
     counted: int = 0  # its context as that window counts it
+    submitted: tuple[float, str] = (
+        0.0,
+        "",
+    )  # when its turn went to the engine, and in which `_phase`
 
     @property
     def group_id(self) -> str:
@@ -263,6 +267,9 @@ class Simulation:
         self.weight_sync_s = 0.0  # engines paused for new weights, all steps
         self.drain_s = 0.0  # of which: waiting for turns in flight (weight_update=drain)
         self.step_ends: list[float] = []
+        self.batch_waits: list[float] = []  # from new weights out to the next batch taken
+        # Turns by when and for whom they ran (`_phase`): count, seconds and tokens.
+        self.turn_speed: dict[str, list[float]] = {}
         self.group_completion_s: list[float] = []
         self.staleness: list[int] = []
         self.sandbox_gb_s = 0.0
@@ -405,6 +412,7 @@ class Simulation:
         assert t.engine is not None
         action = t.plan.turns[t.turn].action_tokens
         priority = self.book.priority(t.group.gid)
+        t.submitted = (self.clock.now, self._phase(priority))
         req = SimRequest(f"{t.tid}-t{t.turn}", t, next(self._arrivals), priority, action,
                          lambda: self.turn_done(t))  # fmt: skip
         if t.turn:
@@ -425,6 +433,11 @@ class Simulation:
         if self.finishes is not None:
             self.finishes.append((now, f"{t.tid}-t{t.turn}"))
         g = t.group
+        submitted, phase = t.submitted
+        turns = self.turn_speed.setdefault(phase, [0, 0.0, 0])
+        turns[0] += 1
+        turns[1] += now - submitted
+        turns[2] += t.plan.turns[t.turn].action_tokens
         self.book.progress(g.gid, t.index, Progress(t.generated, t.turn + 1, t.turn, t.tool_s), now)
         if t.plan.infra_failure_turn == t.turn:
             self._end_trajectory(t)
@@ -562,6 +575,8 @@ class Simulation:
         tokens = sum(g.data.tokens for g in batch)
         sequences = sum(g.data.sequences for g in batch)
         self.trainer_busy = True
+        if self.step_ends:
+            self.batch_waits.append(self.clock.now - self.step_ends[-1])
         seconds = self.cost.train_s(tokens, tokens / sequences, self.workload.train_gpus)
         # Counted when the step is published: a step still training when the run ends is not one
         # of its steps.
@@ -593,6 +608,12 @@ class Simulation:
         for e in self.engines:
             e.pause(done, flush)
         self.clock.at(done, self._published)
+
+    def _phase(self, priority: int) -> str:
+        """When a turn runs, for whom: while the trainer trains or while it waits for a batch
+        (before the first one: `first`), for a critical group or best effort."""
+        when = "training" if self.trainer_busy else "waiting" if self.step_ends else "first"
+        return f"{when}/{'critical' if critical(priority) else 'best_effort'}"
 
     def _published(self) -> None:
         seconds, staleness = self._training
@@ -633,6 +654,15 @@ class Simulation:
             "train_s_per_step": self.train_s / steps,
             "weight_sync_s_per_step": self.weight_sync_s / steps,
             "drain_s_per_step": self.drain_s / steps,
+            # How long the trainer waited for each batch after publishing weights (the first
+            # batch excluded): the part of a step that rollout alone decides.
+            "batch_wait_s": statistics.fmean(self.batch_waits) if self.batch_waits else None,
+            # Turns by phase and priority: how many, and their seconds from the request to the
+            # last token per token generated (queueing and prefill included).
+            "turns": {k: int(v[0]) for k, v in sorted(self.turn_speed.items())},
+            "turn_s_per_token": {
+                k: v[1] / v[2] if v[2] else None for k, v in sorted(self.turn_speed.items())
+            },
             "group_completion_p50_s": quantile(completion, 0.5),
             "group_completion_p99_s": quantile(completion, 0.99),
             "staleness_mean": statistics.fmean(self.staleness) if self.staleness else 0.0,
