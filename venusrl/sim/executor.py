@@ -209,10 +209,8 @@ class SimTrajectory:
     expected_cached: int = 0  # tokens of its context the engine cached when it last let go of it
     member: bool = False  # holds a place in its engine's KV window (`kv_windows`)
     counted: int = 0  # its context as that window counts it
-    submitted: tuple[float, str] = (
-        0.0,
-        "",
-    )  # when its turn went to the engine, and in which `_phase`
+    # When its latest turn went to the engine, and in which `Simulation._phase`.
+    submitted: tuple[float, str] = (0.0, "")
 
     @property
     def group_id(self) -> str:
