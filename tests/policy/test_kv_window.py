@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from venusrl.policy.critical_groups import BEST_EFFORT, HIGH
-from venusrl.policy.kv_window import Agent, CriticalWindow, EngineLoad, admission_key
+from venusrl.policy.kv_window import Agent, CriticalWindow, EngineLoad, GroupRanks, admission_key
 
 CAP = 1_000_000  # device KV of an engine, tokens
 WINDOW = CriticalWindow()  # budget 850K, keep 970K, no lane
@@ -143,3 +143,9 @@ def test_waiting_agents_are_admitted_critical_first_then_started_then_by_rank() 
 def test_bad_knobs_are_refused(knobs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         CriticalWindow(**knobs)  # type: ignore[arg-type]
+
+
+def test_a_group_not_ranked_yet_comes_after_every_ranked_one() -> None:
+    ranks = GroupRanks(["critical", "next", "last"])
+    assert [ranks(g) for g in ("critical", "next", "last", "opened-since")] == [0, 1, 2, 3]
+    assert GroupRanks()("any") == 0

@@ -24,7 +24,13 @@ from dataclasses import dataclass
 
 from venusrl.policy.agent_admission import AimdAdmission, CacheSignal
 from venusrl.policy.critical_groups import BEST_EFFORT, critical
-from venusrl.policy.kv_window import Agent, CriticalWindow, EngineLoad, admission_key
+from venusrl.policy.kv_window import (
+    Agent,
+    CriticalWindow,
+    EngineLoad,
+    GroupRanks,
+    admission_key,
+)
 from venusrl.types import Generate, GenerationOutput, SamplingParams, TurnMeta
 
 
@@ -90,7 +96,7 @@ class TurnWindow:
         self.agents: dict[str, _Agent] = {}  # trajectories not ended, by id
         self.waiting: dict[str, asyncio.Future[None]] = {}  # for a place
         self.priority: Mapping[str, int] = {}
-        self.group_rank: dict[str, int] = {}
+        self.rank = GroupRanks()
         self.pauses = 0  # members that gave their place up at a turn boundary
         self.waits = 0  # turns that waited for a place
         self._seq = itertools.count()
@@ -100,7 +106,7 @@ class TurnWindow:
     def set_ranking(self, priority: Mapping[str, int]) -> None:
         """The coordinator's last ranking: each open group's priority, in rank order."""
         self.priority = priority
-        self.group_rank = {gid: i for i, gid in enumerate(priority)}
+        self.rank = GroupRanks(priority)
         self._admit()
 
     def gate(self, generate: Generate) -> Generate:
@@ -179,12 +185,8 @@ class TurnWindow:
 
     # --- the books -----------------------------------------------------------------------------
 
-    def _rank(self, a: _Agent) -> int:
-        """Its group's place in the last ranking (past the last: not ranked)."""
-        return self.group_rank.get(a.group_id, len(self.group_rank))
-
     def _key(self, a: _Agent) -> tuple[int, ...]:
-        return (*admission_key(self._priority(a), a.started, self._rank(a), 0), a.seq)
+        return (*admission_key(self._priority(a), a.started, self.rank(a.group_id), 0), a.seq)
 
     def _priority(self, a: _Agent) -> int:
         return self.priority.get(a.group_id, BEST_EFFORT)
@@ -199,7 +201,7 @@ class TurnWindow:
 
     def _as_agent(self, a: _Agent) -> Agent:
         started = 0 if a.started else None
-        return Agent(a.context, self._priority(a), started, a.counted, self._rank(a))
+        return Agent(a.context, self._priority(a), started, a.counted, self.rank(a.group_id))
 
     def _yields(self, a: _Agent) -> bool:
         mine = self._key(a)

@@ -52,7 +52,7 @@ margin of 100K tokens, a few members' contexts; a head of 8 groups, an eighth of
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from venusrl.policy.critical_groups import critical
@@ -81,6 +81,17 @@ class Agent:
     @property
     def critical(self) -> bool:
         return critical(self.priority)
+
+
+class GroupRanks:
+    """Each group's place in the coordinator's last ranking (0: the most critical); a group it
+    has not ranked yet (opened since) comes after every ranked one."""
+
+    def __init__(self, order: Iterable[str] = ()) -> None:
+        self._places = {gid: i for i, gid in enumerate(order)}
+
+    def __call__(self, group_id: str) -> int:
+        return self._places.get(group_id, len(self._places))
 
 
 def admission_key(priority: int, started: bool, group_rank: int, member: int) -> tuple[int, ...]:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from typing import Generic, Protocol, TypeVar
 
 from venusrl.policy.critical_groups import critical
-from venusrl.policy.kv_window import Agent, CriticalWindow, EngineLoad, admission_key
+from venusrl.policy.kv_window import Agent, CriticalWindow, EngineLoad, GroupRanks, admission_key
 from venusrl.sim.engine import SimEngine
 
 
@@ -59,7 +59,7 @@ class KvWindows(Generic[M]):
         self.load = [0] * len(engines)
         self.critical_load = [0] * len(engines)
         self.ready: dict[str, list[M]] = {}  # agents waiting for a place, by group
-        self.group_rank: dict[str, int] = {}
+        self.rank = GroupRanks()
         self.critical_groups: set[str] = set()
         self.pauses = self.migrations = 0
 
@@ -68,7 +68,7 @@ class KvWindows(Generic[M]):
     def reranked(self) -> None:
         """The ranking changed: members' critical shares are counted again if the critical
         groups changed."""
-        self.group_rank = {gid: i for i, gid in enumerate(self.ranking.order)}
+        self.rank = GroupRanks(self.ranking.order)
         groups = {gid for gid, p in self.ranking.priorities.items() if critical(p)}
         if groups == self.critical_groups:
             return
@@ -78,10 +78,6 @@ class KvWindows(Generic[M]):
 
     def _critical(self, t: M) -> bool:
         return critical(self.ranking.priority(t.group_id))
-
-    def rank(self, group_id: str) -> int:
-        """The group's place in the last ranking (past the last: not ranked)."""
-        return self.group_rank.get(group_id, len(self.group_rank))
 
     def key(self, t: M) -> tuple[int, ...]:
         gid = t.group_id
@@ -179,9 +175,9 @@ class KvWindows(Generic[M]):
     def _walk(self) -> Iterable[tuple[bool, str]]:
         """(started, group) of the groups with waiting agents, in `admission_key` order:
         critical groups first; in each tier, started agents before new ones; then by rank."""
-        priority, rank, last = self.ranking.priority, self.group_rank.get, len(self.group_rank)
+        priority, rank = self.ranking.priority, self.rank
         keys = [
-            (admission_key(priority(gid), started, rank(gid, last), 0), started, gid)
+            (admission_key(priority(gid), started, rank(gid), 0), started, gid)
             for gid in self.ready
             for started in (True, False)
         ]
