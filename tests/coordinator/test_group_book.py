@@ -8,7 +8,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from venusrl.coordinator.group_book import GroupBook
-from venusrl.policy.critical_groups import BEST_EFFORT, HIGH
 from venusrl.policy.staleness import StalenessBound
 from venusrl.types import Progress
 
@@ -22,6 +21,12 @@ def open_groups(b: GroupBook[None], n: int, size: int = 2, version: int = 0) -> 
     for gid in ids:
         b.start_group(gid, f"prompt-{gid}", size, version, None)
     return ids
+
+
+def ranked(b: GroupBook[None], version: int, now: float = 0.0) -> tuple[str, ...]:
+    """The open groups, most critical first, as ranked at `version` and `now`."""
+    b.rank(version, now)
+    return b.order
 
 
 def finish(b: GroupBook[None], gid: str, scored: int, masked: int = 0) -> bool:
@@ -76,19 +81,19 @@ def test_the_batch_takes_complete_groups_in_completion_order_but_waits_for_a_due
 
 
 def test_measured_slow_tools_put_a_group_with_many_turns_left_behind_one_with_many_tokens() -> None:
-    b = book(batch=1, staleness=1)  # one group fills the next batch: it alone is HIGH
+    b = book(batch=1, staleness=1)
     chatty, tooly = open_groups(b, 2)
     # One member of each has finished: the prompts' lengths to come are known.
     b.member_finished(chatty, 0, scored=True, tokens=2000, turns=1)
     b.member_finished(tooly, 0, scored=True, tokens=100, turns=10)
     # Before any turn is seen, 50 tok/s and 0.5 s a tool call: 2000 tokens (40 s) take longer
     # than 100 tokens and 10 tool calls (7 s).
-    assert b.rank(0) == {tooly: HIGH, chatty: BEST_EFFORT}
+    assert ranked(b, 0) == (tooly, chatty)
     for _ in range(5):  # the run's engine turns out fast and its tools slow
         b.rates.observe(tokens=1000, generation_s=1.0, tool_s=20.0)
     snap = b.snapshot(0)
     assert (snap.decode_tokens_per_s, snap.tool_s_per_turn) == (1000.0, 20.0)
-    assert b.rank(0) == {chatty: HIGH, tooly: BEST_EFFORT}  # 2 s + 20 s against 200 s
+    assert ranked(b, 0) == (chatty, tooly)  # 2 s + 20 s against 200 s
 
 
 def test_a_group_whose_tool_calls_ran_slow_ranks_behind_one_whose_ran_fast() -> None:
@@ -98,7 +103,7 @@ def test_a_group_whose_tool_calls_ran_slow_ranks_behind_one_whose_ran_fast() -> 
         b.progress(gid, 0, Progress(100, 1, 0, 0.0), now=0.0)
         b.progress(gid, 0, Progress(100, 1, 1, seconds), now=seconds)
     # The same prompt lengths and progress: only the tool calls each group has seen differ.
-    assert b.rank(0, now=0.0) == {fast: HIGH, slow: BEST_EFFORT}
+    assert ranked(b, 0, now=0.0) == (fast, slow)
     assert b.snapshot(0).groups[0].members[0].tool_calls == 1
 
 
@@ -107,7 +112,7 @@ def test_a_member_long_in_its_tool_call_makes_its_group_rank_as_slow() -> None:
     stuck, moving = open_groups(b, 2)
     b.progress(stuck, 0, Progress(100, 1, 0, 0.0), now=0.0)  # its call started at 0
     b.progress(moving, 0, Progress(100, 1, 0, 0.0), now=99.0)
-    assert b.rank(0, now=100.0) == {moving: HIGH, stuck: BEST_EFFORT}
+    assert ranked(b, 0, now=100.0) == (moving, stuck)
     assert b.order == (moving, stuck)
 
 

@@ -23,6 +23,9 @@ from venusrl.policy.critical_groups import (
 )
 from venusrl.policy.staleness import StalenessBound
 
+# The groups the batch needs and no spare: the rule the tests below are about.
+EXACT = CriticalGroups(spares=0)
+
 
 def group(gid: str, done: int, k: int = 8, arrival: int = 0, tokens: int = 0) -> GroupView:
     members = tuple(MemberView(done=i < done, generated_tokens=tokens) for i in range(k))
@@ -59,7 +62,7 @@ def test_a_tool_call_that_runs_long_counts_what_it_ran_past_the_expected() -> No
 
 def test_a_group_with_7_of_8_done_outranks_one_with_1_of_8_done() -> None:
     snap = snapshot([group("early", done=1, arrival=0), group("almost", done=7, arrival=1)])
-    decision = CriticalGroups().decide(snap)
+    decision = EXACT.decide(snap)
     assert decision.order == ("almost", "early")
     assert decision.priority == {"almost": HIGH, "early": BEST_EFFORT}
 
@@ -70,23 +73,41 @@ def test_ties_in_completion_are_broken_by_predicted_remaining_time() -> None:
         [slow, fast],
         **{"prompt-slow": Prediction(2000, 4), "prompt-fast": Prediction(300, 2)},
     )
-    assert CriticalGroups().decide(snap).order == ("fast", "slow")
+    assert EXACT.decide(snap).order == ("fast", "slow")
     # Progress counts: the slow prompt's members are nearly through their tokens.
     nearly = group("slow", done=4, arrival=0, tokens=1000)
     snap = snapshot(
         [nearly, fast],
         **{"prompt-slow": Prediction(1100, 0), "prompt-fast": Prediction(300, 2)},
     )
-    assert CriticalGroups().decide(snap).order == ("slow", "fast")
+    assert EXACT.decide(snap).order == ("slow", "fast")
 
 
 def test_only_the_groups_that_fill_the_next_batch_are_high_priority() -> None:
     groups = [group(f"g{i}", done=i, arrival=i) for i in range(6)]
-    decision = CriticalGroups().decide(snapshot(groups, batch=4, waiting=1))
+    decision = EXACT.decide(snapshot(groups, batch=4, waiting=1))
     assert [decision.priority[g] for g in decision.order] == [HIGH] * 3 + [BEST_EFFORT] * 3
     assert set(decision.order[:3]) == {"g5", "g4", "g3"}  # the most complete
-    full = CriticalGroups().decide(snapshot(groups, batch=4, waiting=4))
+    full = EXACT.decide(snapshot(groups, batch=4, waiting=4))
     assert set(full.priority.values()) == {BEST_EFFORT}
+
+
+def test_spares_beside_the_groups_the_batch_needs_are_critical_too() -> None:
+    # A batch of 16 needs 3 more groups: an eighth of the batch (2 groups) runs beside them as
+    # critical, the next in the ranking; once the batch has all it needs, no group is critical.
+    groups = [group(f"g{i}", done=i % 8, arrival=i) for i in range(8)]
+    decision = CriticalGroups().decide(snapshot(groups, batch=16, waiting=13))
+    assert [decision.priority[g] for g in decision.order] == [HIGH] * 5 + [BEST_EFFORT] * 3
+    assert set(decision.order[:3]) == {"g7", "g6", "g5"}  # the most complete are the needed
+    assert decision.order[3:5] == ("g4", "g3")
+    full = CriticalGroups().decide(snapshot(groups, batch=16, waiting=16))
+    assert set(full.priority.values()) == {BEST_EFFORT}
+    # At least one spare however small the batch; more spares than open groups mark them all.
+    assert set(
+        CriticalGroups().decide(snapshot(groups[:2], batch=2, waiting=1)).priority.values()
+    ) == {HIGH}
+    with pytest.raises(ValueError, match="spares"):
+        CriticalGroups(spares=1.5)
 
 
 def test_the_groups_the_batch_needs_run_longest_remaining_path_first() -> None:
@@ -95,7 +116,7 @@ def test_the_groups_the_batch_needs_run_longest_remaining_path_first() -> None:
     groups = [group(g, done=4, arrival=i) for i, g in enumerate(("long", "short", "longest"))]
     preds = {"prompt-long": Prediction(2000, 4), "prompt-short": Prediction(300, 2),
              "prompt-longest": Prediction(9000, 4)}  # fmt: skip
-    decision = CriticalGroups().decide(snapshot(groups, batch=2, **preds))
+    decision = EXACT.decide(snapshot(groups, batch=2, **preds))
     assert decision.order == ("long", "short", "longest")
     assert decision.priority == {"long": HIGH, "short": HIGH, "longest": BEST_EFFORT}
 
@@ -173,7 +194,7 @@ def test_synchronous_training_runs_only_the_current_batch() -> None:
 def test_a_group_the_staleness_bound_makes_due_outranks_a_more_complete_one() -> None:
     members = tuple(MemberView(done=i < 1) for i in range(8))
     due = GroupView("due", "prompt-due", 0, members, due=True)
-    decision = CriticalGroups().decide(snapshot([group("almost", 7, arrival=1), due]))
+    decision = EXACT.decide(snapshot([group("almost", 7, arrival=1), due]))
     assert decision.order == ("due", "almost")
     assert decision.priority == {"due": HIGH, "almost": BEST_EFFORT}
 

@@ -8,8 +8,8 @@ from venusrl.policy.critical_groups import BEST_EFFORT, HIGH
 from venusrl.policy.kv_window import Agent, CriticalWindow, EngineLoad, GroupRanks, admission_key
 
 CAP = 1_000_000  # device KV of an engine, tokens
-WINDOW = CriticalWindow()  # budget 850K, keep 970K, no lane
-LANE = CriticalWindow(lane=0.3)  # a lane of 255K
+WINDOW = CriticalWindow(lane=1.0)  # budget 850K, keep 970K, no lane
+LANE = CriticalWindow()  # the default lane of 0.3: 255K
 
 
 def engine(load: int = 0, critical: int = 0, members: int = 0) -> EngineLoad:
@@ -45,6 +45,17 @@ def test_best_effort_agents_hold_at_most_the_lane_beside_critical_members() -> N
     assert not LANE.fits(busy, Agent(60_000, BEST_EFFORT))  # 260K > the 255K lane
     assert LANE.fits(busy, Agent(60_000, HIGH))
     assert LANE.fits(engine(200_000), Agent(60_000, BEST_EFFORT))  # no critical member there
+
+
+def test_the_lane_holds_only_while_the_agents_ask_more_kv_than_the_budgets_hold() -> None:
+    engines = [engine(600_000, critical=300_000), engine(600_000)]  # budgets: 1.7M in all
+    agent = Agent(60_000, BEST_EFFORT)
+    short = LANE.lanes(engines, waiting=600_000)  # 1.8M asked: best effort kept off the lane
+    assert short is LANE and not short.fits(engines[0], agent)
+    roomy = LANE.lanes(engines, waiting=100_000)  # 1.3M: room for every agent, no lane
+    assert roomy.lane == 1.0 and roomy.fits(engines[0], agent)
+    assert roomy.fill == LANE.fill and roomy.head == LANE.head  # nothing else changes
+    assert WINDOW.lanes(engines, waiting=10**9) is WINDOW
 
 
 def test_a_new_best_effort_agent_goes_to_the_engine_with_fewest_members() -> None:

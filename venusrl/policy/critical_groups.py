@@ -9,12 +9,21 @@ the open groups
     then by the predicted remaining time of the group's slowest unfinished member, shortest first,
     then by age (oldest first),
 
-and marks the first `B - complete_groups_waiting` of them high priority (they fill the next batch);
-the rest are best effort. The engine and the sandbox pool receive that priority with every request.
+and marks the first `B - complete_groups_waiting` of them high priority (they fill the next batch),
+and `spares` (an eighth of B) more while the batch still needs any; the rest are best effort.
+The engine and the sandbox pool receive that priority with every request.
 Which groups fill the batch is decided soonest-done first; among them the batch waits for the last,
 so they run longest remaining path first (the longest-processing-time rule for a makespan): the
 KV window admits by this order. Under a start bound of one version the groups in flight are exactly
 the next batch, and its step waits for the slowest of them (BENCHMARKS.md, swe-long).
+
+Why spares: under a train bound the batch takes whichever open groups complete first, and the
+guess of which those are is poorest right after new weights are out, when it matters most. The
+groups ranked first then are the last step's stragglers, often waiting on a tool call no engine
+can shorten, and the groups just opened all look alike; the batch is completed by whichever of
+those finishes first. The spares, the next groups in the ranking, run as fast as the ones the
+batch needs, so the groups that do complete it are among the fast (on swe-long the batch's wait
+fell from 650-740 s to 550-570 s a step, BENCHMARKS.md).
 
 A member's remaining time is its predicted remaining tokens at the decode rate plus the expected
 tool time of its remaining turns; the length prediction comes from `LengthPredictor`, which starts
@@ -28,6 +37,7 @@ that has run past it counts what it ran past.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -124,6 +134,11 @@ def slowest_remaining_s(group: GroupView, pred: Prediction, snap: CoordinatorSna
 @dataclass(frozen=True)
 class CriticalGroups:
     default: Prediction = Prediction(total_tokens=256, turns=3)
+    spares: float = 0.125  # a share of the batch (rounded up), critical beside the groups it needs
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.spares <= 1:
+            raise ValueError(f"spares is a share of the batch in [0, 1], got {self.spares}")
 
     def decide(self, snap: CoordinatorSnapshot) -> GroupPriorities:
         predictions, default = snap.predictions, self.default
@@ -141,8 +156,9 @@ class CriticalGroups:
             ranked[:needed], key=lambda g: (not g.due, -left[g.group_id], g.arrival)
         )
         order = tuple(g.group_id for g in ranked)
+        high = needed + math.ceil(self.spares * snap.batch_groups) if needed else 0
         return GroupPriorities(
-            order, {gid: HIGH if i < needed else BEST_EFFORT for i, gid in enumerate(order)}
+            order, {gid: HIGH if i < high else BEST_EFFORT for i, gid in enumerate(order)}
         )
 
 

@@ -27,11 +27,13 @@ of critical (HIGH) groups:
   its place up (its KV stays on the device until the engine needs the pages, then goes to the
   host tier); it asks for a place again when its tool returns.
 - **Fast lanes.** Decode is bound by the KV a step reads, so a batch holding less KV runs each of
-  its members faster. On an engine with critical members, best-effort members may hold at most
-  `lane` of the budget; a critical agent goes where critical agents already are while the lane
-  has room and the engine stays at or below the mean load with it (packing them: a lane loaded
-  above the mean is no fast lane; math-python's light engines packed all critical agents on one
-  and lost 11 %), else to an engine without critical members, else the least loaded.
+  its members faster. While KV is short (the members and the agents waiting for a place count
+  more than the engines' budgets: `lanes`), on an engine with critical members, best-effort
+  members may hold at most `lane` of the budget; a critical agent goes where critical agents
+  already are while the lane has room and the engine stays at or below the mean load with it
+  (packing them: a lane loaded above the mean is no fast lane; math-python's light engines
+  packed all critical agents on one and lost 11 %), else to an engine without critical members,
+  else the least loaded.
 - **New agents** go to the engine with the fewest members (then the least loaded): every
   member's context grows to about the same, so a new agent's share of an engine's work to come is
   one member's, whatever the members hold now.
@@ -43,9 +45,11 @@ of critical (HIGH) groups:
 
 The constants are ours, chosen on swe-long seeds 0-2 (BENCHMARKS.md) and held for every
 scenario: fill 0.85 and keep 0.97 as Concur's low and high water marks; leave after 5 s, about
-ten times the median tool call, so that only the long tail of tool calls leaves; no lane (1.0):
-a lane of 0.3 gains ~2 % on swe-long but loses 7 % on swe-short, where it starves best-effort
-work that had room (BENCHMARKS.md), so packing is bounded by the mean load alone; a rebalance
+ten times the median tool call, so that only the long tail of tool calls leaves; a lane of 0.3:
+with the ranking's spares (`critical_groups`) the critical groups once new weights are out are
+the ones that complete the batch, and the lane keeps their engines light (without the spares the
+critical groups then were stragglers waiting on tools, and a lane of 0.3 lost 7 % on swe-short,
+starving best-effort work that had room; BENCHMARKS.md); a rebalance
 margin of 100K tokens, a few members' contexts; a head of 8 groups, an eighth of swe-long's batch
 (16 gave the same step on seed 1).
 """
@@ -53,7 +57,8 @@ margin of 100K tokens, a few members' contexts; a head of 8 groups, an eighth of
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cached_property
 
 from venusrl.policy.critical_groups import critical
 
@@ -104,7 +109,7 @@ class CriticalWindow:
     fill: float = 0.85
     keep: float = 0.97
     leave_after_s: float = 5.0
-    lane: float = 1.0
+    lane: float = 0.3
     rebalance_tokens: int = 100_000
     migrate: bool = True
     head: int = 8
@@ -116,6 +121,21 @@ class CriticalWindow:
             raise ValueError(f"lane must be in (0, 1], got {self.lane}")
         if self.leave_after_s < 0 or self.rebalance_tokens < 0 or self.head < 0:
             raise ValueError("leave_after_s, rebalance_tokens and head must be >= 0")
+
+    def lanes(self, engines: Sequence[EngineLoad], waiting: int) -> CriticalWindow:
+        """The window to decide with now: this one while the members' KV and the contexts of
+        the agents waiting for a place (`waiting` tokens) are more than the engines' budgets
+        hold, else the same without a lane. A lane makes critical members decode faster by
+        keeping best-effort agents off their engines; when every agent has room, best-effort
+        work kept out is work the next batch waits for (swe-short lost 4 % to it)."""
+        if self.lane >= 1:
+            return self
+        demand = sum(e.load for e in engines) + waiting
+        return self if demand > sum(self.budget(e) for e in engines) else self._laneless
+
+    @cached_property
+    def _laneless(self) -> CriticalWindow:
+        return replace(self, lane=1.0)
 
     def budget(self, e: EngineLoad) -> int:
         return int(self.fill * e.capacity)

@@ -59,6 +59,7 @@ class KvWindows(Generic[M]):
         self.load = [0] * len(engines)
         self.critical_load = [0] * len(engines)
         self.ready: dict[str, list[M]] = {}  # agents waiting for a place, by group
+        self.waiting = 0  # tokens of their contexts
         self.rank = GroupRanks()
         self.critical_groups: set[str] = set()
         self.pauses = self.migrations = 0
@@ -110,14 +111,15 @@ class KvWindows(Generic[M]):
             assert t.engine is not None
             self._count(t, t.context)
             loads = self.loads()
+            policy = self.policy.lanes(loads, self.waiting)
             me = self.agent(t)
             i = t.engine.index
             mine = self.key(t)
             ahead = sum(m.counted for m in self.members[i] if m is not t and self.key(m) < mine)
             rival = self._first_ready()
             rival_agent = self.agent(rival) if rival is not None else None
-            if not self.policy.yields(loads, ahead, me, rival_agent):
-                lighter = self.policy.lighter(loads, me)
+            if not policy.yields(loads, ahead, me, rival_agent):
+                lighter = policy.lighter(loads, me)
                 if lighter is not None:
                     self.leave(t)
                     self._join(t, self.engines[lighter])
@@ -126,6 +128,7 @@ class KvWindows(Generic[M]):
             self.leave(t)
             self.pauses += 1
         self.ready.setdefault(t.group_id, []).append(t)
+        self.waiting += t.context
         self.admit()
 
     def leave(self, t: M) -> None:
@@ -146,6 +149,7 @@ class KvWindows(Generic[M]):
         home. Asking the policy only once per kind keeps a long queue from costing a walk per
         turn."""
         loads = self.loads()
+        policy = self.policy.lanes(loads, self.waiting)
         refused: dict[tuple[bool, bool, int | None], int] = {}  # kind -> the smallest refused
         for started, gid in self._walk():
             ready = self.ready.get(gid)
@@ -155,18 +159,20 @@ class KvWindows(Generic[M]):
                 if (t.engine is not None) != started:
                     continue
                 a = self.agent(t)
-                kind = (a.critical, self.policy.heads(a), None if self.policy.migrate else a.home)
+                kind = (a.critical, policy.heads(a), None if policy.migrate else a.home)
                 if a.context >= refused.get(kind, a.context + 1):
                     continue
-                i = self.policy.place(loads, a)
+                i = policy.place(loads, a)
                 if i is None:
                     refused[kind] = a.context
                     continue
                 ready.remove(t)
+                self.waiting -= t.context
                 resumed = t.engine is not None
                 self._join(t, self.engines[i])
                 self.submit(t, resumed)
                 loads, refused = self.loads(), {}
+                policy = self.policy.lanes(loads, self.waiting)
             if not ready:
                 del self.ready[gid]
 
