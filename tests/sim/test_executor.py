@@ -253,6 +253,24 @@ def test_the_kv_window_pauses_agents_instead_of_thrashing_the_cache() -> None:
     assert windowed["preemptions"] < everyone["preemptions"]
 
 
+def test_the_window_counts_the_kv_its_waiting_agents_ask_and_lanes_only_while_it_is_short() -> None:
+    sim = Simulation(SMALL, sim_policy("venus"), 0, SimConfig(steps=3), TIGHT)
+    windows = sim.windows
+    assert windows is not None
+    lanes: set[float] = set()
+
+    def look() -> None:
+        ready = [t for agents in windows.ready.values() for t in agents]
+        assert windows.waiting == sum(t.context for t in ready)
+        lanes.add(windows.policy.lanes(windows.loads(), windows.waiting).lane)
+        if len(sim.step_ends) < 3:
+            sim.clock.at(sim.clock.now + 1.0, look)
+
+    sim.clock.at(0.0, look)
+    sim.run()
+    assert lanes == {windows.policy.lane, 1.0}  # short of KV at times, not always
+
+
 def test_a_member_moves_to_a_lighter_engine_with_its_kv() -> None:
     moved, stays = run("venus", cost=TIGHT), run("venus-nomigrate", cost=TIGHT)
     assert moved["migrations"] > 0 == stays["migrations"]
