@@ -23,7 +23,7 @@ groups ranked first then are the last step's stragglers, often waiting on a tool
 can shorten, and the groups just opened all look alike; the batch is completed by whichever of
 those finishes first. The spares, the next groups in the ranking, run as fast as the ones the
 batch needs, so the groups that do complete it are among the fast (on swe-long the batch's wait
-fell from 650-740 s to 550-570 s a step, BENCHMARKS.md).
+fell from 652-738 s to 555-639 s a step, BENCHMARKS.md).
 
 A member's remaining time is its predicted remaining tokens at the decode rate plus the expected
 tool time of its remaining turns; the length prediction comes from `LengthPredictor`, which starts

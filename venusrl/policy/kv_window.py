@@ -47,9 +47,9 @@ The constants are ours, chosen on swe-long seeds 0-2 (BENCHMARKS.md) and held fo
 scenario: fill 0.85 and keep 0.97 as Concur's low and high water marks; leave after 5 s, about
 ten times the median tool call, so that only the long tail of tool calls leaves; a lane of 0.3:
 with the ranking's spares (`critical_groups`) the critical groups once new weights are out are
-the ones that complete the batch, and the lane keeps their engines light (without the spares the
-critical groups then were stragglers waiting on tools, and a lane of 0.3 lost 7 % on swe-short,
-starving best-effort work that had room; BENCHMARKS.md); a rebalance
+the ones that complete the batch, and the lane keeps their engines light; only while KV is short,
+since where every agent has room (swe-short) the lane starved best-effort work the next batch
+soon needed (4 % lost with the spares, 7 % without; BENCHMARKS.md); a rebalance
 margin of 100K tokens, a few members' contexts; a head of 8 groups, an eighth of swe-long's batch
 (16 gave the same step on seed 1).
 """
