@@ -3,9 +3,10 @@
 Runs `venusrl.sim` (the real policies on virtual time, WORKLOADS.md's cost model and workloads)
 for each scenario, seed and policy, side by side on the same seeded workload, and prints one JSON
 object: per scenario the workload's parameters and their sources, per seed each policy's figures
-(with its knobs and `speedup_vs_<policy>`), and per policy the mean over the seeds of each figure
-and, for its step time and its speedups, each seed's, the median and the worst
-(`venusrl.sim.report`). `--markdown` prints the table instead.
+(with its knobs, `speedup_vs_<policy>` and `uncut_speedup_vs_<policy>`: the same ratio in
+seconds per trained sample not cut at the workload's time limit), and per policy the mean over
+the seeds of each figure and, for its step time and its speedups, each seed's, the median and the
+worst (`venusrl.sim.report`). `--markdown` prints the table instead.
 
     python benchmarks/sim_scenarios.py [--scenarios swe-short,search-short] [--seeds 0,1,2]
                                        [--policies sync,async,concur,venus] [--steps 4]
@@ -36,6 +37,7 @@ FIGURES = (  # their means over the seeds; the step time and speedups by seed
     "group_completion_p99_s",
     "staleness_mean",
     "train_s_per_step",
+    "cut_share_trained",
 )
 
 

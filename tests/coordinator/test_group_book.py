@@ -32,7 +32,7 @@ def ranked(b: GroupBook[None], version: int, now: float = 0.0) -> tuple[str, ...
 def finish(b: GroupBook[None], gid: str, scored: int, masked: int = 0) -> bool:
     """The group's members end, `scored` then `masked` of them; close it."""
     for i in range(scored + masked):
-        b.member_finished(gid, i, scored=i < scored, tokens=100, turns=2)
+        b.member_finished(gid, i, scored=i < scored, final=Progress(100, 2, 1, 1.0))
     return b.close(gid)
 
 
@@ -84,8 +84,8 @@ def test_measured_slow_tools_put_a_group_with_many_turns_left_behind_one_with_ma
     b = book(batch=1, staleness=1)
     chatty, tooly = open_groups(b, 2)
     # One member of each has finished: the prompts' lengths to come are known.
-    b.member_finished(chatty, 0, scored=True, tokens=2000, turns=1)
-    b.member_finished(tooly, 0, scored=True, tokens=100, turns=10)
+    b.member_finished(chatty, 0, scored=True, final=Progress(2000, 1, 0, 0.0))
+    b.member_finished(tooly, 0, scored=True, final=Progress(100, 10, 9, 4.5))
     # Before any turn is seen, 50 tok/s and 0.5 s a tool call: 2000 tokens (40 s) take longer
     # than 100 tokens and 10 tool calls (7 s).
     assert ranked(b, 0) == (tooly, chatty)
@@ -93,7 +93,8 @@ def test_measured_slow_tools_put_a_group_with_many_turns_left_behind_one_with_ma
         b.rates.observe(tokens=1000, generation_s=1.0, tool_s=20.0)
     snap = b.snapshot(0)
     assert (snap.decode_tokens_per_s, snap.tool_s_per_turn) == (1000.0, 20.0)
-    assert ranked(b, 0) == (chatty, tooly)  # 2 s + 20 s against 200 s
+    # 2 s + 20 s against 10 calls of 9.7 s (the run's 20 s weighed with its member's 0.5 s)
+    assert ranked(b, 0) == (chatty, tooly)
 
 
 def test_a_group_whose_tool_calls_ran_slow_ranks_behind_one_whose_ran_fast() -> None:
@@ -105,6 +106,21 @@ def test_a_group_whose_tool_calls_ran_slow_ranks_behind_one_whose_ran_fast() -> 
     # The same prompt lengths and progress: only the tool calls each group has seen differ.
     assert ranked(b, 0, now=0.0) == (fast, slow)
     assert b.snapshot(0).groups[0].members[0].tool_calls == 1
+
+
+def test_a_finished_member_s_tool_calls_count_toward_its_group_s_tool_time() -> None:
+    # Its reports while it ran may never have come (a cluster relays them only beside
+    # another episode's end): the finished trajectory's own count is the one kept.
+    b = book(batch=1, staleness=1)
+    slow, fast = open_groups(b, 2)
+    for gid, seconds in ((slow, 30.0), (fast, 0.5)):
+        b.member_finished(gid, 0, scored=True, final=Progress(100, 2, 1, seconds))
+        b.progress(gid, 1, Progress(100, 1, 0, 0.0), now=31.0)  # its 2nd member in a call
+    finished = {g.group_id: g.members[0] for g in b.snapshot(0).groups}
+    assert (finished[slow].tool_calls, finished[slow].tool_s) == (1, 30.0)
+    assert b.tool_calls_seen == 2
+    # Both still-running members look alike: only their finished siblings' calls differ.
+    assert ranked(b, 0, now=31.0) == (fast, slow)
 
 
 def test_a_member_long_in_its_tool_call_makes_its_group_rank_as_slow() -> None:
@@ -175,7 +191,9 @@ def test_the_books_balance_whatever_happens(
             g = events.draw(st.sampled_from(running))
             index = next(i for i, m in enumerate(g.members) if not m.done)
             b.progress(g.group_id, index, Progress(50, 1, 0, 0.0))
-            if b.member_finished(g.group_id, index, events.draw(st.booleans()), 100, 2):
+            if b.member_finished(
+                g.group_id, index, events.draw(st.booleans()), Progress(100, 2, 1, 1.0)
+            ):
                 b.close(g.group_id)
         elif action == "drop" and running:
             b.drop(events.draw(st.sampled_from(running)).group_id)

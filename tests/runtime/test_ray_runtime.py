@@ -96,9 +96,10 @@ def test_two_workers_keep_each_trajectory_on_one_engine_and_each_group_on_one_no
     # The step metrics carry the engines' counters: every token trained was generated.
     actions = sum(t["action_tokens"] for r in records for t in r["turns"])
     assert metrics[-1]["engine"]["generated_tokens"] >= actions > 0
-    # Members' progress crossed from the workers to the driver's ranking, their tool calls
-    # with it (relayed with the episodes that end beside them).
-    assert metrics[-1]["tool_calls_seen"] > 0
+    # Every trained member's tool calls reached the driver's ranking (with its trajectory,
+    # if not before: reports while it ran are relayed only beside another episode's end).
+    acted = sum("acted" in t for r in records for t in r["turns"])
+    assert metrics[-1]["tool_calls_seen"] >= acted > 0
     # No trajectory id reached two engines, and both workers played episodes of groups
     # placed on them, each group's sandboxes made by that worker's own pool.
     assert report["trajectories_on_several_engines"] == []

@@ -283,12 +283,20 @@ def test_a_trajectory_past_the_harness_limit_ends_as_a_failure_and_the_run_goes_
     limited = dataclasses.replace(SMALL, tool_s=slow_tools, trajectory_limit_s=60.0)
     result = run("venus", workload=limited)
     assert result["steps"] == 3 and result["trajectory_timeouts"] > 0
-    assert (
-        run("venus", workload=dataclasses.replace(limited, trajectory_limit_s=math.inf))[
-            "trajectory_timeouts"
-        ]
-        == 0
-    )
+    unlimited = run("venus", workload=dataclasses.replace(limited, trajectory_limit_s=math.inf))
+    assert unlimited["trajectory_timeouts"] == 0
+
+
+def test_the_time_per_trained_sample_not_cut_counts_the_cut_samples_as_lost() -> None:
+    slow_tools = dataclasses.replace(SMALL.tool_s, body=LogNormal(20, 0.3))
+    limited = dataclasses.replace(SMALL, tool_s=slow_tools, trajectory_limit_s=120.0)
+    for workload in (limited, dataclasses.replace(limited, trajectory_limit_s=math.inf)):
+        r = run("venus", workload=workload)
+        # Steps past the warm-up (1 of 3), each a batch of 4 groups of 4.
+        uncut = (1 - r["cut_share_trained"]) * 2 * 4 * 4
+        assert r["s_per_uncut_sample"] == pytest.approx(r["mean_step_s"] * 2 / uncut)
+    assert 0 < run("venus", workload=limited)["cut_share_trained"] < 1
+    assert r["cut_share_trained"] == 0
 
 
 @pytest.mark.parametrize("baseline", ["sync", "async", "concur"])

@@ -100,7 +100,7 @@ class CoordinatorStats:
     infra_failures: int = 0
     env_failures: int = 0  # of the infra failures, those the environment's own code raised
     masked: int = 0
-    tool_calls_seen: int = 0  # members' tool calls the ranking saw return while they ran
+    tool_calls_seen: int = 0  # members' returned tool calls the ranking learned of
 
 
 class Coordinator:
@@ -284,7 +284,7 @@ class Coordinator:
                     continue  # a replacement member runs the same task
             run.results[index] = traj
             scored = traj.finish is not Finish.INFRA
-            self.book.member_finished(gid, index, scored, traj.model_tokens, len(traj.turn_starts))
+            self.book.member_finished(gid, index, scored, traj.progress())
             self._rerank()
             return
 

@@ -72,7 +72,7 @@ class GroupBook(Generic[T]):
         self.priorities: dict[str, int] = {}  # open group id -> priority, from the last ranking
         self.order: tuple[str, ...] = ()  # open group ids, most critical first (the last ranking)
         self.groups_started = self.groups_completed = self.groups_dropped = 0
-        self.tool_calls_seen = 0  # members' tool calls reported returned while they ran
+        self.tool_calls_seen = 0  # members' returned tool calls the ranking learned of
         # The bound numbers groups from version 0: a resumed run's trained batches count.
         self._groups_before = start_version * bound.batch_groups
 
@@ -123,20 +123,23 @@ class GroupBook(Generic[T]):
         if group is not None:
             self._set(group, index, MemberView(False))
 
-    def member_finished(
-        self, group_id: str, index: int, scored: bool, tokens: int, turns: int
-    ) -> bool:
+    def member_finished(self, group_id: str, index: int, scored: bool, final: Progress) -> bool:
         """A member's episode ended for good, `scored` (its length teaches the predictor) or
-        masked. True when it was the group's last: `close` the group."""
+        masked, `final` its whole episode's progress. True when it was the group's last: `close`
+        the group."""
         group = self._group(group_id)
         if group.members[index].done:
             raise ValueError(f"group {group_id}: member {index} finished already")
         if scored:
-            self.lengths.observe(group.prompt_id, tokens, turns)
+            self.lengths.observe(group.prompt_id, final.tokens, final.turns)
             group.scored += 1
         else:
             group.masked += 1
-        self._set(group, index, MemberView(True, tokens, turns))
+        # Its tool calls still tell the group's tool time per call (the ranking's estimate for
+        # the members still running), whether or not its reports while it ran came through.
+        self.tool_calls_seen += max(final.tool_calls - group.members[index].tool_calls, 0)
+        self._set(group, index, MemberView(True, final.tokens, final.turns, tool_s=final.tool_s,
+                                           tool_calls=final.tool_calls))  # fmt: skip
         return group.finished
 
     def close(self, group_id: str) -> bool:

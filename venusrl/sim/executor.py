@@ -189,6 +189,7 @@ class SimGroup:
     attempts: list[int]
     tokens: int = 0  # of the finished trajectories, for the trainer's cost
     sequences: int = 0
+    cut: int = 0  # of them, those the harness cut at its time limit
 
 
 @dataclass(eq=False)
@@ -215,6 +216,10 @@ class SimTrajectory:
     @property
     def group_id(self) -> str:
         return self.group.gid
+
+    def progress(self) -> Progress:
+        """Its report after its current turn's tokens (its tool call not returned yet)."""
+        return Progress(self.generated, self.turn + 1, self.turn, self.tool_s)
 
 
 @dataclass(frozen=True)
@@ -262,6 +267,8 @@ class Simulation:
         self.trainer_busy = False
         self.train_s = 0.0  # trainer compute, all steps
         self._training: tuple[float, list[int]] = (0.0, [])  # the step in flight: time, staleness
+        self._batch_samples = (0, 0)  # the step in flight's sequences, and of them those cut
+        self.step_samples: list[tuple[int, int]] = []  # the same, of each step published
         self.weight_sync_s = 0.0  # engines paused for new weights, all steps
         self.drain_s = 0.0  # of which: waiting for turns in flight (weight_update=drain)
         self.step_ends: list[float] = []
@@ -436,7 +443,7 @@ class Simulation:
         turns[0] += 1
         turns[1] += now - submitted
         turns[2] += t.plan.turns[t.turn].action_tokens
-        self.book.progress(g.gid, t.index, Progress(t.generated, t.turn + 1, t.turn, t.tool_s), now)
+        self.book.progress(g.gid, t.index, t.progress(), now)
         if t.plan.infra_failure_turn == t.turn:
             self._end_trajectory(t)
             self.infra_failures += 1
@@ -541,6 +548,7 @@ class Simulation:
         """The trajectory ran past the harness's limit: it ends, scored as a failure (no
         reward to run), and trains as the others do."""
         self.timeouts += 1
+        t.group.cut += 1
         self._scored(t)
 
     def _scored(self, t: SimTrajectory) -> None:
@@ -551,7 +559,7 @@ class Simulation:
 
     def _member_finished(self, t: SimTrajectory, scored: bool) -> None:
         g = t.group
-        if self.book.member_finished(g.gid, t.index, scored, t.generated, t.turn + 1):
+        if self.book.member_finished(g.gid, t.index, scored, t.progress()):
             if self.book.close(g.gid):
                 self.group_completion_s.append(self.clock.now - g.started_at)
             else:
@@ -579,6 +587,7 @@ class Simulation:
         # Counted when the step is published: a step still training when the run ends is not one
         # of its steps.
         self._training = (seconds, [self.version - g.started_version for g in batch])
+        self._batch_samples = (sequences, sum(g.data.cut for g in batch))
         self.clock.at(self.clock.now + seconds, self._sync_weights)
 
     def _sync_weights(self) -> None:
@@ -619,6 +628,7 @@ class Simulation:
         self.staleness += staleness
         self.version += 1
         self.step_ends.append(self.clock.now)
+        self.step_samples.append(self._batch_samples)
         self.trainer_busy = False
         self._launch()
         self._maybe_train()
@@ -640,11 +650,20 @@ class Simulation:
         breakdown = {w: sum(e.spent[w] for e in self.engines) / engine_s for w in SPENT_ON}
         breakdown["idle"] = 1 - sum(e.busy_s for e in self.engines) / engine_s
         steps = max(len(ends), 1)
+        trained = self.step_samples[warm:]
+        sequences, cut = sum(n for n, _ in trained), sum(c for _, c in trained)
         return {
             "policy": self.policy.name,
             "knobs": asdict(self.policy),
             "steps": len(ends),
             "mean_step_s": step_s,
+            # Step time alone flatters a policy whose batches are mostly trajectories cut at the
+            # harness's time limit (short, failed samples): the seconds per trained sample that
+            # ran to its end, and the share of trained samples cut, over the measured steps.
+            "s_per_uncut_sample": (
+                step_s * len(measured) / (sequences - cut) if step_s and sequences > cut else None
+            ),
+            "cut_share_trained": cut / sequences if sequences else 0.0,
             "gpu_busy": sum(e.busy_s for e in self.engines) / engine_s,
             # The fullest any engine's device KV was when an iteration was planned.
             "kv_peak_occupancy": max(e.peak_pages / e.capacity for e in self.engines),
@@ -708,8 +727,13 @@ def simulate(
         results = [_run(workload, p, seed, config) for p in policies]
     for r in results:
         for other in results:
-            if other is not r and r["mean_step_s"] and other["mean_step_s"]:
+            if other is r:
+                continue
+            if r["mean_step_s"] and other["mean_step_s"]:
                 r[f"speedup_vs_{other['policy']}"] = other["mean_step_s"] / r["mean_step_s"]
+            if r["s_per_uncut_sample"] and other["s_per_uncut_sample"]:
+                ratio = other["s_per_uncut_sample"] / r["s_per_uncut_sample"]
+                r[f"uncut_speedup_vs_{other['policy']}"] = ratio
     return results
 
 

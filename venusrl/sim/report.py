@@ -16,7 +16,8 @@ def spread(values: Sequence[float], worst: Callable[[Sequence[float]], float]) -
 def over_seeds(runs: Mapping[Any, Sequence[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """Per policy, from `runs` (seed -> `simulate`'s results, the policies in the same order):
     its mean step time (the worst: the longest) and its speedup over every other policy (the
-    worst: the smallest), for each seed, with the median and the worst."""
+    worst: the smallest), for each seed, with the median and the worst; the same speedup in
+    seconds per trained sample not cut at the time limit (`uncut_speedup_vs_`)."""
     seeds = list(runs)
     names = [r["policy"] for r in runs[seeds[0]]]
     summary: dict[str, dict[str, Any]] = {}
@@ -24,9 +25,9 @@ def over_seeds(runs: Mapping[Any, Sequence[dict[str, Any]]]) -> dict[str, dict[s
         per_seed = [runs[s][i] for s in seeds]
         row = {"mean_step_s": spread([r["mean_step_s"] for r in per_seed], max)}
         for other in names:
-            key = f"speedup_vs_{other}"
-            if other != name and all(key in r for r in per_seed):
-                row[key] = spread([r[key] for r in per_seed], min)
+            for key in (f"speedup_vs_{other}", f"uncut_speedup_vs_{other}"):
+                if other != name and all(key in r for r in per_seed):
+                    row[key] = spread([r[key] for r in per_seed], min)
         summary[name] = row
     return summary
 
