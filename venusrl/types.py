@@ -209,6 +209,7 @@ class Trajectory:
     finish: Finish | None = None
     failure: Failure | None = None  # what went wrong, for INFRA
     turn_times: list[TurnTimes] = field(default_factory=list)  # one per turn the environment ran
+    cut_turns: list[int] = field(default_factory=list)  # turns the engine stopped at max_tokens
     # sum(mask), kept as turns are added: asked for at every turn (budgets, progress reports),
     # where a sum over a long record would cost a pass over its whole context each time.
     _model_tokens: int = field(init=False, repr=False, compare=False)
@@ -238,10 +239,18 @@ class Trajectory:
         return self.turn_starts[0] if self.turn_starts else len(self.token_ids)
 
     def add_model_turn(
-        self, token_ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int]
+        self,
+        token_ids: Sequence[int],
+        logprobs: Sequence[float],
+        versions: Sequence[int],
+        cut: bool = False,
     ) -> None:
+        """The model's tokens of one turn; `cut`: the engine stopped them at the turn's
+        max_tokens (finish reason "length")."""
         if not len(token_ids) == len(logprobs) == len(versions):
             raise ValueError("a model turn needs one logprob and one version per token")
+        if cut:
+            self.cut_turns.append(len(self.turn_starts))
         self.turn_starts.append(len(self.token_ids))
         self.token_ids += token_ids
         self.mask += [1] * len(token_ids)

@@ -39,21 +39,25 @@ from harness_agent.env import AddingAgent  # noqa: E402
 
 
 class Scripted:
-    """The engine's side, scripted: each turn answers the next text, as token ids."""
+    """The engine's side, scripted: each turn answers the next text, as token ids; the turns
+    numbered in `cut` stop at their token limit, without an end of turn."""
 
-    def __init__(self, tok: Any, texts: Sequence[str]) -> None:
-        self.tok, self.texts = tok, list(texts)
+    def __init__(self, tok: Any, texts: Sequence[str], cut: Sequence[int] = ()) -> None:
+        self.tok, self.texts, self.cut = tok, list(texts), set(cut)
         self.prompts: list[list[int]] = []
         self.sampled: list[list[int]] = []
 
     async def __call__(
         self, prompt: list[int], params: SamplingParams, meta: TurnMeta
     ) -> GenerationOutput:
-        ids = self.tok.encode(self.texts[len(self.prompts)]) + list(self.tok.eos_token_ids)
+        cut = len(self.prompts) in self.cut
+        ids = self.tok.encode(self.texts[len(self.prompts)])
+        ids += [] if cut else list(self.tok.eos_token_ids)
         self.prompts.append(prompt)
         self.sampled.append(ids)
         n = len(ids)
-        return GenerationOutput("r", prompt, ids, [-0.5] * n, [3] * n, "stop", 0)
+        reason = "length" if cut else "stop"
+        return GenerationOutput("r", prompt, ids, [-0.5] * n, [3] * n, reason, 0)
 
 
 class Agent(AddingAgent):
@@ -66,12 +70,28 @@ class Agent(AddingAgent):
         return await super().score(run)
 
 
-def episode(env: type[AddingAgent], engine: Scripted, fmt: ChatFormat, **limits: Any) -> Trajectory:
+def episode(
+    env: type[AddingAgent],
+    engine: Scripted,
+    fmt: ChatFormat,
+    replay: Trajectory | None = None,
+    **limits: Any,
+) -> Trajectory:
     task = next(env.tasks(seed=0))
     rollout = RolloutConfig(max_context=4096, max_tokens_per_turn=256, **limits)
     # The harness's reward reads its output, not the sandbox: no sandbox is needed.
     return asyncio.run(
-        run_episode(env(task, None), engine, fmt, SamplingParams(), rollout, "t", "g", task.id)  # type: ignore[arg-type]
+        run_episode(
+            env(task, None),  # type: ignore[arg-type]
+            engine,
+            fmt,
+            SamplingParams(),
+            rollout,
+            "t",
+            "g",
+            task.id,
+            replay=replay,
+        )
     )
 
 
@@ -161,6 +181,9 @@ while True:
         text = "".join(e["delta"].get("text", "") for e in events
                        if e["type"] == "content_block_delta")
         assert text == reply["content"][0]["text"], (text, reply)
+        counted = [e["usage"] for e in events if e["type"] == "message_delta"]
+        assert counted == [{"output_tokens": reply["usage"]["output_tokens"]}], counted
+        print(reply["usage"]["input_tokens"], reply["usage"]["output_tokens"])
         print(text)
         break
     results = [{"type": "tool_result", "tool_use_id": u["id"],
@@ -177,14 +200,56 @@ def test_an_anthropic_messages_harness_is_recorded_with_its_tool_results(tmp_pat
     a, b = (int(w.strip("?")) for w in task.prompt.split()[2::2])
     call = fmt.tool_parser.format_call("add", {"a": a, "b": b})
     engine = Scripted(tok, [call, f"The sum is {a + b}."])
+    Agent.runs.clear()
     traj = episode(harness_env(tmp_path, ANTHROPIC_HARNESS), engine, fmt)
     assert traj.finish is Finish.DONE and traj.reward == 1.0 and traj.tool_calls == 1
+    # The harness is told the tokens of the turn's prompt and its own, as the engine ran them.
+    told = Agent.runs[0].stdout.splitlines()[0]
+    assert told == f"{len(engine.prompts[-1])} {len(engine.sampled[-1])}"
     record = tok.decode(traj.token_ids, skip_special_tokens=False)
     assert record.startswith("<|im_start|>system\nAdd.\n\n# Tools")  # the opening, rendered once
     answered = f"<tool_response>\n{a + b}\n</tool_response><|im_end|>\n"
     assert f"{answered}<|im_start|>user\nNow say the sum.<|im_end|>\n" in record
     for start, prompt in zip(traj.turn_starts, engine.prompts, strict=True):
         assert prompt == traj.token_ids[:start]
+
+
+COUNTING_HARNESS = """
+import openai
+client = openai.OpenAI()
+messages = [{"role": "user", "content": "Add 1 and 1."}]
+reply = client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+done = reply.choices[0]
+print(done.finish_reason, reply.usage.prompt_tokens, reply.usage.completion_tokens)
+messages += [done.message.model_dump(exclude_none=True), {"role": "user", "content": "Go on."}]
+chunks = list(client.chat.completions.create(
+    model="policy", messages=messages, stream=True, stream_options={"include_usage": True}))
+usage = chunks[-1].usage
+print(chunks[-2].choices[0].finish_reason, usage.prompt_tokens, usage.completion_tokens)
+"""
+
+
+def test_an_openai_client_is_told_its_turns_usage_and_a_turn_cut_at_its_limit_is_length(
+    tmp_path: Path,
+) -> None:
+    tok = chat_templates.tokenizer("qwen3")
+    engine = Scripted(tok, ["1 + 1 is", "2."], cut=[0])
+    Agent.runs.clear()
+    traj = episode(harness_env(tmp_path, COUNTING_HARNESS), engine, ChatFormat(tok))
+    assert traj.finish is Finish.DONE and traj.cut_turns == [0]
+    run = Agent.runs[0]
+    assert run.returncode == 0, run.stderr
+    told = [line.split() for line in run.stdout.splitlines()]
+    assert told == [
+        [reason, str(len(prompt)), str(len(sampled))]
+        for reason, prompt, sampled in zip(
+            ["length", "stop"], engine.prompts, engine.sampled, strict=True
+        )
+    ]
+    # Played again from its record (its sandbox lost), the harness is told the same.
+    replayed = episode(harness_env(tmp_path, COUNTING_HARNESS), engine, ChatFormat(tok), traj)
+    assert replayed.token_ids == traj.token_ids and replayed.cut_turns == [0]
+    assert Agent.runs[1].stdout == run.stdout
 
 
 REWRITING_HARNESS = """

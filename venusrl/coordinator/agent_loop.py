@@ -16,6 +16,7 @@ message): rendered after a marker for the assistant's text, so any template work
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -24,11 +25,11 @@ import math
 import numbers
 import re
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from venusrl.coordinator.config import RolloutConfig
-from venusrl.envs.environment import Environment, acting_for
+from venusrl.envs.environment import Environment, ModelTurn, acting_for
 from venusrl.envs.types import InfraFailure, SandboxPreempted
 from venusrl.model.tokenizer import Tokenizer
 from venusrl.model.tool_formats import ToolParser, resolve_tool_parser, with_tool_prompt
@@ -168,8 +169,15 @@ class EnvironmentFailed(Exception):
 
 
 async def _environment(env: Environment, verb: str, call: Awaitable[T]) -> T:
-    try:
+    with _raised_by(env, verb):
         return await call
+
+
+@contextlib.contextmanager
+def _raised_by(env: Environment, verb: str) -> Iterator[None]:
+    """An exception of the environment's own code becomes `EnvironmentFailed`, naming it."""
+    try:
+        yield
     except (InfraFailure, TimeoutError):
         raise
     except Exception as e:
@@ -290,7 +298,8 @@ async def _replay(
         model_ids = record.token_ids[start:end]
         if traj.token_ids != record.token_ids[:start]:
             raise ReplayDiverged(f"turn {len(traj.turn_starts)}: the observation came out changed")
-        traj.add_model_turn(model_ids, record.logprobs[start:end], record.versions[start:end])
+        cut = len(traj.turn_starts) in record.cut_turns
+        traj.add_model_turn(model_ids, record.logprobs[start:end], record.versions[start:end], cut)
         acted = time.monotonic()
         finish = await _act(env, fmt, rollout, traj, model_ids)
         traj.turn_times.append(TurnTimes(acted, acted, time.monotonic()))
@@ -311,6 +320,9 @@ async def _act(
 ) -> Finish | None:
     """The environment acts on a model turn; the observation joins the record, unless the
     episode ends (its finish)."""
+    cut = len(traj.turn_starts) - 1 in traj.cut_turns
+    with _raised_by(env, "model_turn"):
+        env.model_turn(ModelTurn(traj.turn_starts[-1], len(model_ids), cut))
     step = _environment(env, "step", env.step(fmt.text(model_ids)))
     with acting_for(traj.trajectory_id):  # an overrunning tool's warning names the trajectory
         result = await _within(step, rollout.step_timeout_s, f"{env.name}.step", "step_timeout_s")
@@ -359,7 +371,9 @@ async def _turns(
             if cut.expired():  # the episode's time ran out mid-turn: the turn is not kept
                 return Finish.TIME_CAP
             raise
-        traj.add_model_turn(out.token_ids, out.logprobs, out.weight_versions)
+        traj.add_model_turn(
+            out.token_ids, out.logprobs, out.weight_versions, out.finish_reason == "length"
+        )
         on_progress(traj)
         generated = time.monotonic()
         finish = await _act(env, fmt, rollout, traj, out.token_ids)

@@ -190,6 +190,17 @@ class StepResult:
     then: str | None = None
 
 
+@dataclass(frozen=True)
+class ModelTurn:
+    """What the engine did for the model turn an environment is about to act on: the tokens
+    of its prompt (the episode so far) and of the turn, and whether the engine stopped the turn
+    at its token limit rather than at its end."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cut: bool
+
+
 Message = dict[str, str]  # {"role": ..., "content": ...}, what a chat template takes
 
 
@@ -285,6 +296,10 @@ class Environment(ABC):
             {"role": "system", "content": self.instructions},
             {"role": "user", "content": self.task.prompt},
         ]
+
+    def model_turn(self, turn: ModelTurn) -> None:  # noqa: B027 (a hook, optional)
+        """Told before each `step` how the engine produced its turn (an environment that
+        answers a client in an inference API's terms reports it); nothing to do by default."""
 
     async def step(self, action_text: str) -> StepResult:
         """Run the tool calls of one model turn and return what the model sees next."""

@@ -137,10 +137,11 @@ def messages_reply(answer: Answer, model: str | None) -> dict[str, Any]:
         "role": "assistant",
         "model": model or "venusrl",
         "content": content,
-        "stop_reason": "tool_use" if answer.tool_calls else "end_turn",
+        "stop_reason": (
+            "max_tokens" if answer.cut else "tool_use" if answer.tool_calls else "end_turn"
+        ),
         "stop_sequence": None,
-        # The record counts tokens (the run's metrics); the harness is not told them.
-        "usage": {"input_tokens": 0, "output_tokens": 0},
+        "usage": {"input_tokens": answer.prompt_tokens, "output_tokens": answer.completion_tokens},
     }
 
 
@@ -151,7 +152,9 @@ async def message_events(reply: dict[str, Any]) -> AsyncIterator[str]:
     def event(kind: str, **data: Any) -> str:
         return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
 
-    yield event("message_start", message={**reply, "content": [], "stop_reason": None})
+    usage = reply["usage"]
+    opened = {**reply, "content": [], "stop_reason": None, "usage": {**usage, "output_tokens": 0}}
+    yield event("message_start", message=opened)
     for index, block in enumerate(reply["content"]):
         start: dict[str, Any]
         if block["type"] == "text":
@@ -166,5 +169,5 @@ async def message_events(reply: dict[str, Any]) -> AsyncIterator[str]:
         yield event("content_block_delta", index=index, delta=delta)
         yield event("content_block_stop", index=index)
     stop = {"stop_reason": reply["stop_reason"], "stop_sequence": None}
-    yield event("message_delta", delta=stop, usage={"output_tokens": 0})
+    yield event("message_delta", delta=stop, usage={"output_tokens": usage["output_tokens"]})
     yield event("message_stop")

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 from venusrl.envs.environment import (
     Environment,
     Message,
+    ModelTurn,
     SandboxVerbs,
     StepResult,
     Task,
@@ -78,6 +79,7 @@ class HarnessEnvironment(Environment):
         self.held: list[ChatMessage] = []  # the conversation so far, as the harness sent it
         self.opening_tools: list[dict[str, Any]] = []
         self.stopped = False
+        self.turn = ModelTurn(0, 0, False)  # the model turn `step` answers next
 
     async def reset(self) -> list[Message]:
         self.session = Session()
@@ -116,13 +118,17 @@ class HarnessEnvironment(Environment):
         """The tools the harness's first request announced (the opening is rendered once)."""
         return self.opening_tools
 
+    def model_turn(self, turn: ModelTurn) -> None:
+        self.turn = turn
+
     async def step(self, action_text: str) -> StepResult:
         if self.pending is None:
             raise RuntimeError(f"{self.name}: step() after the episode ended")
         self.turns += 1
         rules = CallRules.of(self.pending.body, self.tool_parser)
         content, calls = rules.split(action_text) if rules else (action_text, [])
-        answer = Answer(content, calls)
+        turn = self.turn
+        answer = Answer(content, calls, turn.prompt_tokens, turn.completion_tokens, turn.cut)
         self.pending.settle(answer)
         self.held.append(ChatMessage.model_validate(answer.message()))
         if self.turns >= self.max_turns:

@@ -57,23 +57,26 @@ async def chat(body: ChatBody, held: Held) -> Any:
     answer = await held.ask(body)
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), body.model or "venusrl"
     if body.stream:
-        return sse(_chunks(answer, rid, created, model))
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        return sse(_chunks(answer, rid, created, model, usage))
     choice = {"index": 0, "finish_reason": answer.finish_reason, "message": answer.message()}
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [choice]}  # fmt: skip
+            "choices": [choice], "usage": answer.usage()}  # fmt: skip
 
 
 async def _chunks(
-    answer: Answer, rid: str, created: int, model: str
+    answer: Answer, rid: str, created: int, model: str, usage: bool
 ) -> AsyncIterator[dict[str, Any]]:
     """The whole turn as a stream: the episode answers a turn at once, so there is nothing to
-    send piece by piece."""
+    send piece by piece; its usage last, when asked for (`stream_options.include_usage`)."""
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
     delta: dict[str, Any] = {"role": "assistant", "content": answer.content or ""}
     if answer.tool_calls:
         delta["tool_calls"] = call_deltas(answer.tool_calls)
     yield {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
     yield {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": answer.finish_reason}]}
+    if usage:
+        yield {**head, "choices": [], "usage": answer.usage()}
 
 
 @router.post("/v1/messages", response_model=None)

@@ -16,14 +16,25 @@ from venusrl.server.errors import ApiError
 
 @dataclass(frozen=True)
 class Answer:
-    """The model's turn as the harness gets it: content and calls in OpenAI's shape."""
+    """The model's turn as the harness gets it: content and calls in OpenAI's shape, the
+    tokens of its prompt and its own, and whether the engine cut it at its token limit."""
 
     content: str | None
     tool_calls: list[dict[str, Any]]
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cut: bool = False
 
     @property
     def finish_reason(self) -> str:
+        if self.cut:  # a call in a cut turn may be whole, but the turn is not
+            return "length"
         return "tool_calls" if self.tool_calls else "stop"
+
+    def usage(self) -> dict[str, int]:
+        total = self.prompt_tokens + self.completion_tokens
+        return {"prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens, "total_tokens": total}  # fmt: skip
 
     def message(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": self.content}

@@ -41,6 +41,7 @@ def trajectory_record(traj: Trajectory, step: int, env: str, t0: float) -> dict[
             "action_tokens": action,
             "observation_tokens": end - start - action,
             "weight_versions": sorted(set(traj.versions[start : start + action])),
+            "cut": i in traj.cut_turns,  # the engine stopped it at its max_tokens
         }
         if i < len(traj.turn_times):
             times = traj.turn_times[i]
