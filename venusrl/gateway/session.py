@@ -12,6 +12,7 @@ from typing import Any
 
 from venusrl.server.bodies import ChatBody, ChatMessage
 from venusrl.server.errors import ApiError
+from venusrl.server.streaming import usage
 
 
 @dataclass(frozen=True)
@@ -32,9 +33,7 @@ class Answer:
         return "tool_calls" if self.tool_calls else "stop"
 
     def usage(self) -> dict[str, int]:
-        total = self.prompt_tokens + self.completion_tokens
-        return {"prompt_tokens": self.prompt_tokens,
-                "completion_tokens": self.completion_tokens, "total_tokens": total}  # fmt: skip
+        return usage(self.prompt_tokens, self.completion_tokens, n=1)
 
     def message(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": self.content}
