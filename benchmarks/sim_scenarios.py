@@ -3,8 +3,10 @@
 Runs `venusrl.sim` (the real policies on virtual time, WORKLOADS.md's cost model and workloads)
 for each scenario, seed and policy, side by side on the same seeded workload, and prints one JSON
 object: per scenario the workload's parameters and their sources, per seed each policy's figures
-(with its knobs, `speedup_vs_<policy>` and `uncut_speedup_vs_<policy>`: the same ratio in
-seconds per trained sample not cut at the workload's time limit), and per policy the mean over
+(with its knobs and its speedups, `venusrl.sim.report.SPEEDUPS`: `speedup_vs_<policy>` in the
+mean step after the first, `run_speedup_vs_<policy>` in the time to the last step, and
+`uncut_speedup_vs_<policy>` in seconds per trained sample not cut at the workload's time
+limit), and per policy the mean over
 the seeds of each figure and, for its step time and its speedups, each seed's, the median and the
 worst (`venusrl.sim.report`). `--markdown` prints the table instead.
 

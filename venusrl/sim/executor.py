@@ -53,6 +53,7 @@ from venusrl.policy.staleness import StalenessBound
 from venusrl.sim.cost_model import CostModel
 from venusrl.sim.engine import SPENT_ON, SimEngine
 from venusrl.sim.kv_windows import KvWindows
+from venusrl.sim.report import speedups
 from venusrl.sim.types import Clock, Counters, SimConfig, SimRequest
 from venusrl.types import Progress
 from venusrl.workloads import PromptPlan, TrajectoryPlan, Workload, WorkloadSampler
@@ -657,6 +658,10 @@ class Simulation:
             "knobs": asdict(self.policy),
             "steps": len(ends),
             "mean_step_s": step_s,
+            # To the last step, the first included: where a step varies several-fold (a
+            # straggler's tools), the window of the steps after the first is set by where each
+            # policy's first step ended as much as by the policy.
+            "run_s": ends[-1] if ends else None,
             # Step time alone flatters a policy whose batches are mostly trajectories cut at the
             # harness's time limit (short, failed samples): the seconds per trained sample that
             # ran to its end, and the share of trained samples cut, over the measured steps.
@@ -712,11 +717,11 @@ def simulate(
     config: SimConfig | None = None,
     jobs: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Each policy on the same seeded workload, with `speedup_vs_<other>` for every other.
-    The policies run side by side in `jobs` processes (default: one per policy, even beyond the
-    cores: the OS shares them, so no policy waits for a slower one to free a core, and the
-    command ends close to total work / cores); each run is deterministic, so the figures do not
-    depend on it."""
+    """Each policy on the same seeded workload, with its speedups over every other
+    (`report.SPEEDUPS`). The policies run side by side in `jobs` processes (default: one per
+    policy, even beyond the cores: the OS shares them, so no policy waits for a slower one to
+    free a core, and the command ends close to total work / cores); each run is deterministic,
+    so the figures do not depend on it."""
     jobs = min(len(policies), jobs or len(policies))
     if jobs > 1:
         fork = multiprocessing.get_context("fork")
@@ -725,15 +730,7 @@ def simulate(
             results = [f.result() for f in futures]
     else:
         results = [_run(workload, p, seed, config) for p in policies]
-    for r in results:
-        for other in results:
-            if other is r:
-                continue
-            if r["mean_step_s"] and other["mean_step_s"]:
-                r[f"speedup_vs_{other['policy']}"] = other["mean_step_s"] / r["mean_step_s"]
-            if r["s_per_uncut_sample"] and other["s_per_uncut_sample"]:
-                ratio = other["s_per_uncut_sample"] / r["s_per_uncut_sample"]
-                r[f"uncut_speedup_vs_{other['policy']}"] = ratio
+    speedups(results)
     return results
 
 

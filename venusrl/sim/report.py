@@ -7,6 +7,24 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+# Each ratio of one policy's figure to another's ("ours is Nx the other": the other's seconds
+# over ours), by the prefix of its key: `speedup_vs_<other>` and so on.
+SPEEDUPS = {
+    "speedup_vs_": "mean_step_s",  # the steps after the first (which only fills the pipeline)
+    "uncut_speedup_vs_": "s_per_uncut_sample",  # per trained sample not cut at the time limit
+    "run_speedup_vs_": "run_s",  # the whole run, to its last step, the first step included
+}
+
+
+def speedups(results: Sequence[dict[str, Any]]) -> None:
+    """Add to each of `results` (one seed's runs, one per policy) its `SPEEDUPS` over every
+    other, where both have the figure."""
+    for r in results:
+        for other in results:
+            for prefix, figure in SPEEDUPS.items():
+                if other is not r and r[figure] and other[figure]:
+                    r[f"{prefix}{other['policy']}"] = other[figure] / r[figure]
+
 
 def spread(values: Sequence[float], worst: Callable[[Sequence[float]], float]) -> dict[str, Any]:
     """`values` by seed, in order, their median and the `worst` of them."""
@@ -16,8 +34,8 @@ def spread(values: Sequence[float], worst: Callable[[Sequence[float]], float]) -
 def over_seeds(runs: Mapping[Any, Sequence[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """Per policy, from `runs` (seed -> `simulate`'s results, the policies in the same order):
     its mean step time (the worst: the longest) and its speedup over every other policy (the
-    worst: the smallest), for each seed, with the median and the worst; the same speedup in
-    seconds per trained sample not cut at the time limit (`uncut_speedup_vs_`)."""
+    worst: the smallest), for each seed, with the median and the worst; so for each of
+    `SPEEDUPS`."""
     seeds = list(runs)
     names = [r["policy"] for r in runs[seeds[0]]]
     summary: dict[str, dict[str, Any]] = {}
@@ -25,7 +43,7 @@ def over_seeds(runs: Mapping[Any, Sequence[dict[str, Any]]]) -> dict[str, dict[s
         per_seed = [runs[s][i] for s in seeds]
         row = {"mean_step_s": spread([r["mean_step_s"] for r in per_seed], max)}
         for other in names:
-            for key in (f"speedup_vs_{other}", f"uncut_speedup_vs_{other}"):
+            for key in (prefix + other for prefix in SPEEDUPS):
                 if other != name and all(key in r for r in per_seed):
                     row[key] = spread([r[key] for r in per_seed], min)
         summary[name] = row
