@@ -20,10 +20,13 @@ from tests.runtime import SMALL
 from venusrl.config import load_config
 from venusrl.coordinator.agent_loop import ChatFormat, run_episode
 from venusrl.coordinator.config import RolloutConfig
+from venusrl.envs.pool import SandboxPool
 from venusrl.gateway.harness import HarnessRun
 from venusrl.gateway.server import Gateway
+from venusrl.gateway.session import Session
 from venusrl.runtime.record import read_records
 from venusrl.runtime.train import train
+from venusrl.server.errors import ApiError
 from venusrl.types import (
     FailureKind,
     Finish,
@@ -309,6 +312,69 @@ def test_a_harness_that_exits_before_asking_fails_its_episode_with_its_stderr(
         Exception, match=r"exited with status 1 before its first request.*no OPENAI"
     ):
         episode(env, Scripted(tok, []), ChatFormat(tok))
+
+
+SANDBOXED_HARNESS = """
+import os, httpx
+exec_url = os.environ["VENUSRL_SANDBOX_URL"] + "/exec"
+def run(**body):
+    return httpx.post(exec_url, json=body, timeout=60)
+probe = "/tmp/venusrl-harness-probe"
+made = run(command=f"echo $((2 + 3)) > {probe} && cat {probe}").json()
+print(made["exit_code"], made["stdout"].strip(), os.path.exists(probe))
+print(run(command=["sleep", "5"], timeout_s=0.5).json()["timed_out"])
+bad = run(command="true", timeout_s=-1)
+print(bad.status_code, bad.json()["error"]["message"])
+url = os.environ["OPENAI_BASE_URL"] + "/chat/completions"
+reply = httpx.post(url, json={"messages": [{"role": "user", "content": "2 + 3?"}]}, timeout=60)
+print(reply.json()["choices"][0]["message"]["content"])
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
+def test_a_harness_runs_its_tools_commands_in_the_episode_s_sandbox(tmp_path: Path) -> None:
+    tok = chat_templates.tokenizer("qwen3")
+    env = harness_env(tmp_path, SANDBOXED_HARNESS)
+    task = next(env.tasks(seed=0))
+    rollout = RolloutConfig(max_context=4096, max_tokens_per_turn=256)
+
+    async def main() -> Trajectory:
+        async with SandboxPool(memory_budget_bytes=2 << 30) as pool:
+            await pool.prepare_template(env.template)
+            sb = await pool.create(env.template.name)
+            try:
+                return await run_episode(env(task, sb), Scripted(tok, ["5"]), ChatFormat(tok),
+                                         SamplingParams(), rollout, "t", "g", task.id)  # fmt: skip
+            finally:
+                await sb.close()
+
+    Agent.runs.clear()
+    traj = asyncio.run(main())
+    assert traj.finish is Finish.DONE
+    run = Agent.runs[0]
+    assert run.returncode == 0, run.stderr
+    made, slow, bad, answer = run.stdout.splitlines()
+    # Written and read in the sandbox; the harness's own /tmp never saw the file.
+    assert made == "0 5 False"
+    assert slow == "True"  # the command's own time limit
+    assert bad.startswith("400 ") and "timeout_s" in bad
+    assert answer == "5"
+
+
+def test_a_sandbox_command_is_refused_without_a_sandbox_and_once_the_episode_ended() -> None:
+    async def main() -> list[tuple[int, str]]:
+        refused = []
+        for session in (Session(), Session()):
+            if refused:
+                session.end("the episode is over")
+            with pytest.raises(ApiError) as raised:
+                await session.run("true", timeout_s=1.0, max_output_bytes=100)
+            refused.append((raised.value.status, raised.value.message))
+        return refused
+
+    (none, ended) = asyncio.run(main())
+    assert none == (409, "this episode has no sandbox")
+    assert ended[0] == 410 and ended[1].endswith("the episode is over")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")

@@ -61,7 +61,9 @@ class HarnessEnvironment(Environment):
     def command(self) -> Sequence[str]:
         """The harness's command line for `self.task`. It runs with the gateway in
         `OPENAI_BASE_URL`/`ANTHROPIC_BASE_URL` (the session in the URL) and
-        `OPENAI_API_KEY`/`ANTHROPIC_API_KEY`, and the task's prompt in `VENUSRL_TASK_PROMPT`."""
+        `OPENAI_API_KEY`/`ANTHROPIC_API_KEY`, the task's prompt in `VENUSRL_TASK_PROMPT`, and
+        `VENUSRL_SANDBOX_URL`: POST `{"command": ..., "timeout_s": ...}` to its `/exec` to run a
+        tool's command in the episode's sandbox rather than beside the harness."""
 
     @abstractmethod
     async def score(self, run: HarnessRun) -> float:
@@ -82,7 +84,7 @@ class HarnessEnvironment(Environment):
         self.turn = ModelTurn(0, 0, False)  # the model turn `step` answers next
 
     async def reset(self) -> list[Message]:
-        self.session = Session()
+        self.session = Session(self.sandbox)
         self.url = Gateway.shared().open(self.session)
         env = {
             **os.environ,
@@ -92,6 +94,7 @@ class HarnessEnvironment(Environment):
             "ANTHROPIC_API_KEY": "venusrl",
             "VENUSRL_TASK_ID": self.task.id,
             "VENUSRL_TASK_PROMPT": self.task.prompt,
+            "VENUSRL_SANDBOX_URL": f"{self.url}/sandbox",
         }
         self.process = await asyncio.create_subprocess_exec(
             *self.command(),

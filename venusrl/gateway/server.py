@@ -1,6 +1,7 @@
 """The gateway's HTTP side: one server per process, on its own thread and event loop, started on
 first use. A session is a URL prefix, `/s/{session}`: OpenAI's clients append `/v1/chat/completions`
-to `{prefix}/v1`, Anthropic's `/v1/messages` to the prefix."""
+to `{prefix}/v1`, Anthropic's `/v1/messages` to the prefix; the harness's tools run commands in the
+episode's sandbox at `{prefix}/sandbox/exec`."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ from typing import Annotated, Any, ClassVar
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from venusrl.engine.native_wire import Float, Int
 from venusrl.gateway.anthropic import MessagesBody, message_events, messages_reply
 from venusrl.gateway.session import Answer, Session
 from venusrl.server.bodies import ChatBody
@@ -29,6 +32,8 @@ from venusrl.server.tool_calling import call_deltas
 router = APIRouter(prefix="/s/{session_id}")
 # A request repeats the conversation so far: 128K tokens of context are ~0.5 MB of text.
 MAX_BODY_BYTES = 32 << 20
+MAX_EXEC_S = 3600.0  # one command of the harness's tools; the step limit bounds them all
+MAX_EXEC_OUTPUT_BYTES = 8 << 20  # of each of stdout and stderr
 
 
 def session(request: Request, session_id: str) -> Session:
@@ -77,6 +82,32 @@ async def _chunks(
     yield {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": answer.finish_reason}]}
     if usage:
         yield {**head, "choices": [], "usage": answer.usage()}
+
+
+class ExecBody(BaseModel):
+    """A command of the harness's tools, for the episode's sandbox: a shell line (`sh -c`) or
+    an argv list."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    command: str | list[str] = Field(min_length=1)
+    timeout_s: Float = Field(60.0, gt=0, le=MAX_EXEC_S)
+    max_output_bytes: Int = Field(1 << 20, ge=1, le=MAX_EXEC_OUTPUT_BYTES)
+
+
+@router.post("/sandbox/exec")
+async def sandbox_exec(body: ExecBody, held: Held) -> dict[str, Any]:
+    """Run it in the episode's sandbox (the tools' own isolation: its filesystem, no network,
+    its memory limit), not where the harness runs."""
+    r = await held.run(body.command, body.timeout_s, body.max_output_bytes)
+    return {
+        "exit_code": r.exit_code,
+        "stdout": r.stdout.decode(errors="replace"),
+        "stderr": r.stderr.decode(errors="replace"),
+        "timed_out": r.timed_out,
+        "truncated": r.truncated,
+        "oom_killed": r.oom_killed,
+        "duration_s": r.duration_s,
+    }
 
 
 @router.post("/v1/messages", response_model=None)

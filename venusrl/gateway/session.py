@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+from venusrl.envs.environment import SandboxVerbs
+from venusrl.envs.types import ExecResult
 from venusrl.server.bodies import ChatBody, ChatMessage
 from venusrl.server.errors import ApiError
 from venusrl.server.streaming import usage
@@ -43,6 +45,7 @@ class Answer:
 
 
 Key = tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...]  # a conversation, `comparable`
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -64,27 +67,52 @@ class Pending:
 
 
 class Session:
-    """Created by the episode, on its loop; `ask` is called from any other loop.
+    """Created by the episode, on its loop; `ask` and `run` are called from any other loop.
 
     One request is in flight at a time. A client that gave up waiting and sends the same
     request again (OpenAI's and Anthropic's clients retry on a timeout) gets the answer of the
-    first: the one in flight, or the last one given."""
+    first: the one in flight, or the last one given. `run` runs a command of the harness's
+    tools in the episode's `sandbox`, any number at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, sandbox: SandboxVerbs | None = None) -> None:
         self.loop = asyncio.get_running_loop()
+        self.sandbox = sandbox
         self.requests: asyncio.Queue[Pending] = asyncio.Queue()
         self.in_flight: Pending | None = None
         self.answered: tuple[Key, Answer] | None = None  # the last request and its answer
         self.ended: str | None = None  # why, once the episode is over
 
     async def ask(self, body: ChatBody) -> Answer:
-        submit = self._submit(body)
+        return await self._on_episode_loop(self._submit(body))
+
+    async def run(
+        self, command: str | Sequence[str], timeout_s: float, max_output_bytes: int
+    ) -> ExecResult:
+        return await self._on_episode_loop(self._run(command, timeout_s, max_output_bytes))
+
+    async def _on_episode_loop(self, call: Coroutine[Any, Any, T]) -> T:
         try:
-            handed = asyncio.run_coroutine_threadsafe(submit, self.loop)
+            handed = asyncio.run_coroutine_threadsafe(call, self.loop)
         except RuntimeError:  # the episode's loop has closed
-            submit.close()
+            call.close()
             raise self.gone("the run that held it has stopped") from None
         return await asyncio.wrap_future(handed)
+
+    async def _run(
+        self, command: str | Sequence[str], timeout_s: float, max_output_bytes: int
+    ) -> ExecResult:
+        if self.ended is not None:
+            raise self.gone(self.ended)
+        if self.sandbox is None:
+            raise ApiError(409, "this episode has no sandbox", code="no_sandbox")
+        try:
+            return await self.sandbox.exec(
+                command, timeout_s=timeout_s, max_output_bytes=max_output_bytes
+            )
+        except Exception as e:  # the sandbox's failure, not the request's
+            if self.ended is not None:
+                raise self.gone(self.ended) from None
+            raise ApiError(503, f"the sandbox could not run it: {type(e).__name__}: {e}") from e
 
     async def _submit(self, body: ChatBody) -> Answer:
         if self.ended is not None:
