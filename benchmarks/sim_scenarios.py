@@ -4,9 +4,9 @@ Runs `venusrl.sim` (the real policies on virtual time, WORKLOADS.md's cost model
 for each scenario, seed and policy, side by side on the same seeded workload, and prints one JSON
 object: per scenario the workload's parameters and their sources, per seed each policy's figures
 (with its knobs and its speedups, `venusrl.sim.report.SPEEDUPS`: `speedup_vs_<policy>` in the
-mean step after the first, `run_speedup_vs_<policy>` in the time to the last step, and
-`uncut_speedup_vs_<policy>` in seconds per trained sample not cut at the workload's time
-limit), and per policy the mean over
+mean step after the first, `run_speedup_vs_<policy>` in the time to the last step,
+`uncut_speedup_vs_<policy>` in seconds per trained sample not cut at the workload's time limit,
+and `token_speedup_vs_<policy>` in seconds per token trained), and per policy the mean over
 the seeds of each figure and, for its step time and its speedups, each seed's, the median and the
 worst (`venusrl.sim.report`). `--markdown` prints the table instead.
 

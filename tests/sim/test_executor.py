@@ -189,6 +189,9 @@ def test_every_policy_gets_speedups_against_the_others() -> None:
     # The same ratio over the whole run, to the last step (the first one included).
     assert ours["run_s"] > 2 * ours["mean_step_s"]
     assert ours["run_speedup_vs_sync"] == pytest.approx(sync["run_s"] / ours["run_s"])
+    # And per token trained: a batch of longer trajectories takes longer to train.
+    per_token = sync["s_per_trained_mtoken"] / ours["s_per_trained_mtoken"]
+    assert ours["token_speedup_vs_sync"] == pytest.approx(per_token)
 
 
 def test_offloading_stops_at_the_host_memory_and_what_does_not_fit_is_dropped() -> None:

@@ -268,8 +268,10 @@ class Simulation:
         self.trainer_busy = False
         self.train_s = 0.0  # trainer compute, all steps
         self._training: tuple[float, list[int]] = (0.0, [])  # the step in flight: time, staleness
-        self._batch_samples = (0, 0)  # the step in flight's sequences, and of them those cut
-        self.step_samples: list[tuple[int, int]] = []  # the same, of each step published
+        # The step in flight's tokens, sequences, and of those the ones cut; and the same of
+        # each step published.
+        self._batch_samples = (0, 0, 0)
+        self.step_samples: list[tuple[int, int, int]] = []
         self.weight_sync_s = 0.0  # engines paused for new weights, all steps
         self.drain_s = 0.0  # of which: waiting for turns in flight (weight_update=drain)
         self.step_ends: list[float] = []
@@ -588,7 +590,7 @@ class Simulation:
         # Counted when the step is published: a step still training when the run ends is not one
         # of its steps.
         self._training = (seconds, [self.version - g.started_version for g in batch])
-        self._batch_samples = (sequences, sum(g.data.cut for g in batch))
+        self._batch_samples = (tokens, sequences, sum(g.data.cut for g in batch))
         self.clock.at(self.clock.now + seconds, self._sync_weights)
 
     def _sync_weights(self) -> None:
@@ -652,7 +654,8 @@ class Simulation:
         breakdown["idle"] = 1 - sum(e.busy_s for e in self.engines) / engine_s
         steps = max(len(ends), 1)
         trained = self.step_samples[warm:]
-        sequences, cut = sum(n for n, _ in trained), sum(c for _, c in trained)
+        tokens = sum(t for t, _, _ in trained)
+        sequences, cut = sum(n for _, n, _ in trained), sum(c for _, _, c in trained)
         return {
             "policy": self.policy.name,
             "knobs": asdict(self.policy),
@@ -669,6 +672,11 @@ class Simulation:
                 step_s * len(measured) / (sequences - cut) if step_s and sequences > cut else None
             ),
             "cut_share_trained": cut / sequences if sequences else 0.0,
+            # Where the trainer sets the pace, a step is as long as its batch's tokens take:
+            # which groups fill the batches moves it, not only how fast rollout is.
+            "s_per_trained_mtoken": (
+                step_s * len(measured) / (tokens / 1e6) if step_s and tokens else None
+            ),
             "gpu_busy": sum(e.busy_s for e in self.engines) / engine_s,
             # The fullest any engine's device KV was when an iteration was planned.
             "kv_peak_occupancy": max(e.peak_pages / e.capacity for e in self.engines),

@@ -12,6 +12,7 @@ from typing import Any
 SPEEDUPS = {
     "speedup_vs_": "mean_step_s",  # the steps after the first (which only fills the pipeline)
     "uncut_speedup_vs_": "s_per_uncut_sample",  # per trained sample not cut at the time limit
+    "token_speedup_vs_": "s_per_trained_mtoken",  # per token trained (batches differ in size)
     "run_speedup_vs_": "run_s",  # the whole run, to its last step, the first step included
 }
 
