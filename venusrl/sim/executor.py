@@ -179,6 +179,18 @@ def sim_policies(names: str) -> list[SimPolicy]:
     return [sim_policy(n) for n in listed]
 
 
+@dataclass(frozen=True)
+class TrainedBatch:
+    """A trainer step's batch: how long it trained, each group's staleness, its tokens and
+    sequences, and of those the ones the harness cut at its time limit."""
+
+    seconds: float
+    staleness: list[int]
+    tokens: int
+    sequences: int
+    cut: int
+
+
 @dataclass(eq=False)
 class SimGroup:
     """What the simulator keeps of a GRPO group beside its books (`GroupBook`): the prompt and
@@ -267,11 +279,8 @@ class Simulation:
         self.version = 0
         self.trainer_busy = False
         self.train_s = 0.0  # trainer compute, all steps
-        self._training: tuple[float, list[int]] = (0.0, [])  # the step in flight: time, staleness
-        # The step in flight's tokens, sequences, and of those the ones cut; and the same of
-        # each step published.
-        self._batch_samples = (0, 0, 0)
-        self.step_samples: list[tuple[int, int, int]] = []
+        self._training: TrainedBatch | None = None  # the step in flight
+        self.trained: list[TrainedBatch] = []  # of each step published
         self.weight_sync_s = 0.0  # engines paused for new weights, all steps
         self.drain_s = 0.0  # of which: waiting for turns in flight (weight_update=drain)
         self.step_ends: list[float] = []
@@ -589,8 +598,9 @@ class Simulation:
         seconds = self.cost.train_s(tokens, tokens / sequences, self.workload.train_gpus)
         # Counted when the step is published: a step still training when the run ends is not one
         # of its steps.
-        self._training = (seconds, [self.version - g.started_version for g in batch])
-        self._batch_samples = (tokens, sequences, sum(g.data.cut for g in batch))
+        staleness = [self.version - g.started_version for g in batch]
+        cut = sum(g.data.cut for g in batch)
+        self._training = TrainedBatch(seconds, staleness, tokens, sequences, cut)
         self.clock.at(self.clock.now + seconds, self._sync_weights)
 
     def _sync_weights(self) -> None:
@@ -626,12 +636,13 @@ class Simulation:
         return f"{when}/{'critical' if critical(priority) else 'best_effort'}"
 
     def _published(self) -> None:
-        seconds, staleness = self._training
-        self.train_s += seconds
-        self.staleness += staleness
+        batch = self._training
+        assert batch is not None  # weights are published after a step trained
+        self.train_s += batch.seconds
+        self.staleness += batch.staleness
+        self.trained.append(batch)
         self.version += 1
         self.step_ends.append(self.clock.now)
-        self.step_samples.append(self._batch_samples)
         self.trainer_busy = False
         self._launch()
         self._maybe_train()
@@ -642,9 +653,8 @@ class Simulation:
         cfg, ends = self.config, self.step_ends
         warm = min(cfg.warmup_steps, len(ends) - 1)
         measured = ends[warm:]
-        step_s = (
-            (measured[-1] - (ends[warm - 1] if warm else 0.0)) / len(measured) if measured else None
-        )
+        span = measured[-1] - (ends[warm - 1] if warm else 0.0) if measured else None
+        step_s = span / len(measured) if span is not None else None
         now = max(self.clock.now, 1e-9)
         completion = sorted(self.group_completion_s)
         engine_s = len(self.engines) * now
@@ -653,9 +663,9 @@ class Simulation:
         breakdown = {w: sum(e.spent[w] for e in self.engines) / engine_s for w in SPENT_ON}
         breakdown["idle"] = 1 - sum(e.busy_s for e in self.engines) / engine_s
         steps = max(len(ends), 1)
-        trained = self.step_samples[warm:]
-        tokens = sum(t for t, _, _ in trained)
-        sequences, cut = sum(n for _, n, _ in trained), sum(c for _, _, c in trained)
+        trained = self.trained[warm:]
+        tokens = sum(b.tokens for b in trained)
+        sequences, cut = sum(b.sequences for b in trained), sum(b.cut for b in trained)
         return {
             "policy": self.policy.name,
             "knobs": asdict(self.policy),
@@ -668,15 +678,11 @@ class Simulation:
             # Step time alone flatters a policy whose batches are mostly trajectories cut at the
             # harness's time limit (short, failed samples): the seconds per trained sample that
             # ran to its end, and the share of trained samples cut, over the measured steps.
-            "s_per_uncut_sample": (
-                step_s * len(measured) / (sequences - cut) if step_s and sequences > cut else None
-            ),
+            "s_per_uncut_sample": span / (sequences - cut) if span and sequences > cut else None,
             "cut_share_trained": cut / sequences if sequences else 0.0,
             # Where the trainer sets the pace, a step is as long as its batch's tokens take:
             # which groups fill the batches moves it, not only how fast rollout is.
-            "s_per_trained_mtoken": (
-                step_s * len(measured) / (tokens / 1e6) if step_s and tokens else None
-            ),
+            "s_per_trained_mtoken": span / (tokens / 1e6) if span and tokens else None,
             "gpu_busy": sum(e.busy_s for e in self.engines) / engine_s,
             # The fullest any engine's device KV was when an iteration was planned.
             "kv_peak_occupancy": max(e.peak_pages / e.capacity for e in self.engines),
