@@ -325,7 +325,7 @@ def test_an_episode_whose_sandbox_the_pool_preempts_goes_on_in_a_fresh_sandbox(
             async def play(rollouts: LocalRollouts, tid: str, preempt_at_turn: int = 0) -> Any:
                 group = await rollouts.open_group(f"g-{tid}", GuessNumber, task, priority=HIGH)
 
-                def on_progress(p: Progress) -> None:
+                def on_progress(p: Progress, age: float) -> None:
                     # memory ran high before this turn's tool call
                     if p.in_tool and p.turns == preempt_at_turn:
                         episode_sandbox = pool.sandboxes()[-1]

@@ -22,7 +22,9 @@ from ray.cluster_utils import Cluster
 from tests.processes import left_after, pool_processes
 from tests.runtime import NAMESPACE, SMALL
 from venusrl.config import load_config
+from venusrl.envs.builtin.agent_workload import AgentWorkload
 from venusrl.envs.builtin.treasure_hunt import TreasureHunt
+from venusrl.envs.environment import Task
 from venusrl.model.directory import init_model_dir, load_model
 from venusrl.model.weight_stream import WeightStream
 from venusrl.runtime.cluster.fleet import RemoteGroup, RolloutFleet
@@ -31,7 +33,7 @@ from venusrl.runtime.record import read_records
 from venusrl.runtime.roles import start_fleet
 from venusrl.runtime.train import train
 from venusrl.trainer.trainer import GRPOTrainer
-from venusrl.types import Finish, SamplingParams, Trajectory
+from venusrl.types import Finish, Progress, SamplingParams, Trajectory
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
 
@@ -306,19 +308,19 @@ def test_a_restarted_worker_gets_the_templates_and_the_model_back_and_serves_fro
                 return traj.finish is not Finish.INFRA and set(versions) == {trainer.version}
 
             group = await open_group("g0")
-            assert played(await group.play("g0-a", lambda tokens, turns: None))
+            assert played(await group.play("g0-a", lambda p, age: None))
             held = group.worker
             workers.add((await fleet.workers[held].report.remote())["pid"])
             ray.kill(fleet.workers[held], no_restart=False)
             # Episodes in flight there, or sent before Ray notices, fail as the platform's fault.
             for _ in range(100):
-                traj = await group.play("g0-b", lambda tokens, turns: None)
+                traj = await group.play("g0-b", lambda p, age: None)
                 if traj.finish is Finish.INFRA:
                     break
                 await asyncio.sleep(0.05)
             assert traj.finish is Finish.INFRA and traj.reward is None
             # The group's next member plays on a worker that is up, its group opened there.
-            assert played(await group.play("g0-c", lambda tokens, turns: None))
+            assert played(await group.play("g0-c", lambda p, age: None))
             assert fleet.is_up(group.worker, group.epoch) and fleet.reopened_groups == 1
             await group.close()
             # Back with the start model, it waits out of service for the next publish (the
@@ -334,7 +336,7 @@ def test_a_restarted_worker_gets_the_templates_and_the_model_back_and_serves_fro
             groups = [await open_group(g) for g in ("g1", "g2")]
             assert {g.worker for g in groups} == {0, 1}
             for g in groups:
-                assert played(await g.play(f"{g.group_id}-a", lambda tokens, turns: None))
+                assert played(await g.play(f"{g.group_id}-a", lambda p, age: None))
                 await g.close()
             report = await fleet.report()
             assert [w["restarts"] for w in report["workers"]][held] == 1
@@ -344,6 +346,50 @@ def test_a_restarted_worker_gets_the_templates_and_the_model_back_and_serves_fro
     assert len(workers) == 3 and not sandboxes_left(workers)
     # The killed worker left no copy of the model behind.
     assert set(Path(tempfile.gettempdir()).glob("venusrl-engine-*")) == model_copies
+
+
+def test_a_tool_call_relayed_from_a_worker_is_dated_when_it_began_not_when_the_driver_heard(
+    two_nodes: Cluster, tmp_path: Path
+) -> None:
+    # A worker's reports reach the driver only with the return of another episode there; the
+    # ranking reads how long a member has waited on its tool from them, so each must carry when
+    # it was made. Member 0 waits 6 s in its first tool call while members of 1 s each end on
+    # the same worker: every relay of its one report must date it the same.
+    cfg = load_config(None, [*RAY_RUN, "rollout.max_context=4096", "rollout.max_tokens_per_turn=8"])
+    model_dir = tmp_path / "model"
+    init_model_dir(model_dir, preset=cfg.run.preset, seed=0)
+    trainer = GRPOTrainer(load_model(model_dir, "cpu"), cfg.trainer, version=1)
+    slow = {"tool_s": (6.0, 0.0), "observation_chars": (8, 8), "reward": 1.0}
+    quick = {"tool_s": (1.0,), "observation_chars": (8,), "reward": 0.0}
+    task = Task(id="relay-0", prompt="work", reference={"members": [slow, *[quick] * 15]})
+    heard: list[tuple[Progress, float, float]] = []  # member 0's: report, when made, when heard
+
+    def hear(p: Progress, age: float) -> None:
+        now = time.monotonic()
+        heard.append((p, now - age, now))
+
+    async def scenario() -> None:
+        async with RolloutFleet(cfg, RayCluster(cfg.runtime)) as fleet:
+            await fleet.prepare_template(AgentWorkload.template)
+            await fleet.start_engines(model_dir, 0, SamplingParams(temperature=1.0))
+            await fleet.publish(trainer, tmp_path, model_dir)
+            group = await fleet.open_group("relay", AgentWorkload, task, 1)
+            first = asyncio.create_task(group.play("relay-m0", hear))
+            await asyncio.sleep(1.0)  # it takes the first draw: the members draw in turn
+            for i in range(1, 16):  # until member 0's tool call has been relayed twice
+                traj = await group.play(f"relay-m{i}", lambda p, age: None)
+                assert traj.finish is not Finish.INFRA, traj.failure
+                if sum(p.in_tool and p.turns == 1 for p, _, _ in heard) >= 2 or first.done():
+                    break
+            assert (await first).finish is not Finish.INFRA
+            await group.close()
+
+    asyncio.run(scenario())
+    in_tool = [(made, at) for p, made, at in heard if p.in_tool and p.turns == 1]
+    assert len(in_tool) >= 2, heard
+    (made_first, heard_first), (made_last, heard_last) = in_tool[0], in_tool[-1]
+    assert heard_last - heard_first > 0.5  # heard a quick member's episode (1 s) apart...
+    assert abs(made_last - made_first) < 0.25  # ...dated the same: when the call began
 
 
 def test_a_worker_that_dies_again_while_waiting_for_weights_is_revived_again_and_serves(
@@ -393,7 +439,7 @@ def test_a_worker_that_dies_again_while_waiting_for_weights_is_revived_again_and
             groups = [await fleet.open_group(g, TreasureHunt, next(tasks), 1) for g in ("g1", "g2")]
             assert {g.worker for g in groups} == {0, 1}
             for g in groups:
-                traj = await g.play(f"{g.group_id}-a", lambda tokens, turns: None)
+                traj = await g.play(f"{g.group_id}-a", lambda p, age: None)
                 versions = {v for v, m in zip(traj.versions, traj.mask, strict=True) if m}
                 assert traj.finish is not Finish.INFRA and versions == {4}
                 await g.close()

@@ -269,7 +269,7 @@ class Coordinator:
             if attempt:
                 self.book.restart_member(gid, index)
             traj = await episodes.play(
-                tid, lambda p: self.book.progress(gid, index, p, time.monotonic())
+                tid, lambda p, age: self.book.progress(gid, index, p, time.monotonic() - age)
             )
             for turn in turns_played(traj):
                 self.book.rates.observe(*turn)

@@ -33,8 +33,10 @@ from venusrl.types import FailureKind, Generate, Progress, SamplingParams, Traje
 
 log = logging.getLogger(__name__)
 
-# A member's progress, after each model turn and each tool call that another turn follows.
-OnProgress = Callable[[Progress], None]
+# A member's progress, after each model turn and each tool call that another turn follows, and
+# how many seconds ago it was reported: 0 where it is passed on at once; a rollout worker's reports
+# reach the driver later, and when a tool call began is what the ranking reads from them.
+OnProgress = Callable[[Progress, float], None]
 
 
 class GroupEpisodes(Protocol):
@@ -197,7 +199,7 @@ class LocalGroup:
                     gid,
                     self.task.id,
                     priority=lambda: r.priority.get(gid, BEST_EFFORT),
-                    on_progress=lambda t: on_progress(t.progress()),
+                    on_progress=lambda t: on_progress(t.progress(), 0.0),
                     replay=replay,
                 )
         except Exception as e:  # an engine call that failed is the platform's fault too

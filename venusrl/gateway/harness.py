@@ -72,7 +72,7 @@ class HarnessEnvironment(Environment):
     def __init__(self, task: Task, sandbox: SandboxVerbs) -> None:
         super().__init__(task, sandbox)
         self.session: Session | None = None
-        self.url = ""
+        self.session_id = ""  # the gateway's name for it, once open
         self.process: asyncio.subprocess.Process | None = None
         # Its output goes to files, not pipes: a child it leaves running would hold a pipe open,
         # and asyncio sees a process exit only once its pipes close.
@@ -85,16 +85,17 @@ class HarnessEnvironment(Environment):
 
     async def reset(self) -> list[Message]:
         self.session = Session(self.sandbox)
-        self.url = Gateway.shared().open(self.session)
+        self.session_id = Gateway.shared().open(self.session)
+        url = Gateway.shared().url(self.session_id)
         env = {
             **os.environ,
-            "OPENAI_BASE_URL": f"{self.url}/v1",
+            "OPENAI_BASE_URL": f"{url}/v1",
             "OPENAI_API_KEY": "venusrl",
-            "ANTHROPIC_BASE_URL": self.url,
+            "ANTHROPIC_BASE_URL": url,
             "ANTHROPIC_API_KEY": "venusrl",
             "VENUSRL_TASK_ID": self.task.id,
             "VENUSRL_TASK_PROMPT": self.task.prompt,
-            "VENUSRL_SANDBOX_URL": f"{self.url}/sandbox",
+            "VENUSRL_SANDBOX_URL": f"{url}/sandbox",
         }
         self.process = await asyncio.create_subprocess_exec(
             *self.command(),
@@ -164,7 +165,7 @@ class HarnessEnvironment(Environment):
         try:
             await self._stop("the episode is over")
         finally:
-            Gateway.shared().close(self.url)
+            Gateway.shared().close(self.session_id)
             for file in self.outputs:
                 file.close()
 

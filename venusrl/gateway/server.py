@@ -185,10 +185,15 @@ class Gateway:
         self.thread.start()
 
     def open(self, session: Session) -> str:
-        """A new session's URL prefix; unguessable, so one harness cannot write in another's."""
+        """A new session's id; unguessable, so one harness cannot write in another's."""
         session_id = secrets.token_urlsafe(16)
         self.sessions[session_id] = session
+        return session_id
+
+    def url(self, session_id: str) -> str:
+        """The session's URL prefix, for its harness."""
         return f"{self.base}/s/{session_id}"
 
-    def close(self, url: str) -> None:
-        self.sessions.pop(url.rsplit("/", 1)[-1], None)
+    def close(self, session_id: str) -> None:
+        """The session's URLs answer 404 from now on."""
+        self.sessions.pop(session_id, None)

@@ -178,9 +178,9 @@ class RemoteGroup:
             fleet.on_progress.pop(tid, None)
             fleet.active[worker] -= 1
         fleet.played[worker] += 1
-        for other, p in progress.items():
+        for other, (p, age) in progress.items():  # reported while this episode played
             if other in fleet.on_progress:
-                fleet.on_progress[other](p)
+                fleet.on_progress[other](p, age)
         # Turn times to this process's clock (off by the call's latency, a millisecond or so).
         shift = sent - started
         traj.turn_times = [

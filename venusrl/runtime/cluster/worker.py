@@ -72,7 +72,8 @@ class RolloutWorker:
         self.rollouts: LocalRollouts | None = None
         self._groups: dict[str, LocalGroup] = {}
         self._sandboxes: dict[str, Sandbox] = {}
-        self._progress: dict[str, Progress] = {}  # episodes in flight: how far each is
+        # Episodes in flight: how far each is, and when (this process's clock) it said so.
+        self._progress: dict[str, tuple[Progress, float]] = {}
         self.served: set[str] = set()  # trajectory ids this engine generated for
         self._faults: list[asyncio.Task[None]] = []  # `faults.*_sandboxes`
         self._feed: WeightFeed | None = None  # a publish under way
@@ -175,22 +176,29 @@ class RolloutWorker:
 
     async def play(
         self, key: str, trajectory_id: str, replay: Trajectory | None
-    ) -> tuple[Trajectory, float, dict[str, Progress]]:
+    ) -> tuple[Trajectory, float, dict[str, tuple[Progress, float]]]:
         """One member's episode of group `key` (going on from `replay`, when given); when it
-        started on this worker's clock; the progress of the other episodes in flight here."""
+        started on this worker's clock; the progress of the other episodes in flight here, each
+        with how many seconds before this return it was reported (when a tool call began is
+        what the driver's ranking reads from it, and the driver hears of it only now)."""
         started = time.monotonic()
         group = self._groups.get(key)
         if group is None:  # this worker restarted since the group opened
             raise SandboxCrashed(f"group {key} is not on this worker (it restarted)")
         # An episode going on from its record has got that far: its replay reports nothing.
-        self._progress[trajectory_id] = replay.progress() if replay else Progress(0, 0, 0, 0.0)
+        so_far = replay.progress() if replay else Progress(0, 0, 0, 0.0)
+        self._progress[trajectory_id] = (so_far, started)
         try:
             traj = await group.play(
-                trajectory_id, lambda p: self._progress.__setitem__(trajectory_id, p), replay
+                trajectory_id, lambda p, age: self._report(trajectory_id, p, age), replay
             )
         finally:
             del self._progress[trajectory_id]
-        return traj, started, dict(self._progress)
+        now = time.monotonic()
+        return traj, started, {t: (p, now - at) for t, (p, at) in self._progress.items()}
+
+    def _report(self, trajectory_id: str, p: Progress, age: float) -> None:
+        self._progress[trajectory_id] = (p, time.monotonic() - age)
 
     async def close_group(self, key: str) -> None:
         group = self._groups.pop(key, None)
