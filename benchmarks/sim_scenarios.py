@@ -13,6 +13,17 @@ worst (`venusrl.sim.report`). `--markdown` prints the table instead.
     python benchmarks/sim_scenarios.py [--scenarios swe-short,search-short] [--seeds 0,1,2]
                                        [--policies sync,async,concur,venus] [--steps 4]
                                        [--markdown] [--json-out FILE] [--workload FILE] [--jobs N]
+                                       [--unloaded]
+
+`--unloaded` adds, per staleness bound the policies use, a run `unloaded@N:L` of the same seeds
+with a rollout engine for every trajectory that can be in flight, so each runs alone: every turn
+as fast as an engine can run it, nothing queued, preempted or evicted. The coordinator, the
+bound, the tools, the sandboxes and the trainer are the scenario's, so that run is the batches'
+critical path; its `run_speedup_vs_<policy>` (at the policy's bound) is the most any schedule of
+the engines could take off that policy's time to the last step. (Its prompts are not shared
+between members, which costs it one prompt's prefill per member: tens of milliseconds. The mean
+step after the first is not bounded so: a policy whose first step ends later can have shorter
+steps after it.)
 
 A policy NAME@N runs with a staleness bound of N versions (`--policies async@2,venus@2`);
 NAME+offload is a baseline with the host tier ours has (`--policies async,async+offload`).
@@ -30,7 +41,7 @@ import time
 from typing import Any
 
 from venusrl.sim.executor import SimConfig, SimPolicy, sim_policies, simulate
-from venusrl.sim.report import over_seeds, parse_seeds
+from venusrl.sim.report import over_seeds, parse_seeds, speedups
 from venusrl.workloads import SCENARIOS, Workload, load_workload
 
 FIGURES = (  # their means over the seeds; the step time and speedups by seed
@@ -43,16 +54,39 @@ FIGURES = (  # their means over the seeds; the step time and speedups by seed
 )
 
 
+def unloaded(workload: Workload, policies: list[SimPolicy]) -> list[tuple[Workload, SimPolicy]]:
+    """Per staleness bound among `policies`, the scenario with a rollout engine for every
+    trajectory that bound lets be in flight ((N + 1) batches of groups: the trained ones are the
+    only ones it lets more start for) and a policy at that bound that admits them all."""
+    bounds = dict.fromkeys((p.max_staleness, p.max_train_staleness) for p in policies)
+    alone = []
+    for start, train in bounds:
+        in_flight = (start + 1) * workload.prompts_per_batch * workload.group_size
+        name = f"unloaded@{start}" + ("" if train is None else f":{train}")
+        alone.append((
+            workload.scaled_for(rollout_gpus=in_flight * workload.tp),
+            SimPolicy(name, "fifo", start, "lru", max_train_staleness=train),
+        ))  # fmt: skip
+    return alone
+
+
 def run_scenario(
     workload: Workload,
     seeds: list[int],
     policies: list[SimPolicy],
     steps: int,
     jobs: int | None = None,
+    with_unloaded: bool = False,
 ) -> dict[str, Any]:
     started = time.monotonic()
     config = SimConfig(steps=steps)
-    runs = {seed: simulate(workload, policies, seed, config, jobs) for seed in seeds}
+    alone = unloaded(workload, policies) if with_unloaded else []
+    runs = {}
+    for seed in seeds:
+        runs[seed] = simulate(workload, policies, seed, config, jobs)
+        runs[seed] += [simulate(w, [p], seed, config, 1)[0] for w, p in alone]
+        speedups(runs[seed])  # the unloaded runs' too
+    policies = [*policies, *(p for _, p in alone)]
     summary = over_seeds(runs)
     for i, name in enumerate(p.name for p in policies):
         per_seed = [runs[s][i] for s in seeds]
@@ -115,6 +149,11 @@ def main() -> None:
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--json-out", help="also write the JSON object to this file")
     p.add_argument("--jobs", type=int, help="policies simulated at once (default: all)")
+    p.add_argument(
+        "--unloaded",
+        action="store_true",
+        help="also each bound's run with no engine contention (the batches' critical path)",
+    )
     args = p.parse_args()
     try:
         policies = sim_policies(args.policies)
@@ -144,11 +183,17 @@ def main() -> None:
         )
     except (ValueError, OSError) as e:
         p.error(f"--workload: {e}")
-    results = {w.name: run_scenario(w, seeds, policies, args.steps, args.jobs) for w in workloads}
+    results = {
+        w.name: run_scenario(w, seeds, policies, args.steps, args.jobs, args.unloaded)
+        for w in workloads
+    }
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(results, f)
-    print(markdown(results, [p.name for p in policies]) if args.markdown else json.dumps(results))
+    names = [p.name for p in policies]
+    if args.unloaded:
+        names += [p.name for _, p in unloaded(workloads[0], policies)]
+    print(markdown(results, names) if args.markdown else json.dumps(results))
 
 
 if __name__ == "__main__":

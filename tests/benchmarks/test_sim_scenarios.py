@@ -48,3 +48,38 @@ def test_a_json_out_it_cannot_write_is_refused_before_simulating(tmp_path: Path)
     out = str(tmp_path / "missing" / "out.json")
     code, stderr = refused("sim_scenarios.py", "--scenarios", "math-python", "--json-out", out)
     assert code == 2 and "--json-out: cannot write" in stderr
+
+
+def test_unloaded_runs_every_trajectory_alone_at_each_bound_and_reports_the_ceiling(
+    tmp_path: Path,
+) -> None:
+    workload = tmp_path / "small.yaml"
+    workload.write_text(SMALL)
+    policies = "async@1:1,venus@1:1,venus"
+    args = ["--workload", str(workload), "--seeds", "0", "--steps", "3", "--policies", policies]
+    res = json.loads(bench(*args, "--unloaded", "--jobs", "1"))["small"]
+    runs = {r["policy"]: r for r in res["runs"]["0"]}
+    # One unloaded run per bound the policies use (venus's default is 1:4).
+    assert list(runs) == [*policies.split(","), "unloaded@1:1", "unloaded@1:4"]
+    for name in ("unloaded@1:1", "unloaded@1:4"):
+        alone = runs[name]
+        # Nothing ever waited for room on an engine: no preemption, eviction or re-prefill.
+        assert alone["preemptions"] == alone["evictions"] == alone["reprefill_tokens"] == 0
+    ceiling = runs["unloaded@1:1"]["run_speedup_vs_async@1:1"]
+    assert ceiling == runs["async@1:1"]["run_s"] / runs["unloaded@1:1"]["run_s"]
+    assert res["summary"]["unloaded@1:4"]["run_speedup_vs_venus"]["per_seed"] == [
+        runs["venus"]["run_s"] / runs["unloaded@1:4"]["run_s"]
+    ]
+
+
+def test_the_unloaded_scenario_has_an_engine_for_every_trajectory_its_bound_lets_run() -> None:
+    from benchmarks.sim_scenarios import unloaded
+    from venusrl.sim.executor import sim_policies
+    from venusrl.workloads import SCENARIOS
+
+    w = SCENARIOS["swe-long-32b"]
+    ((alone, policy),) = unloaded(w, sim_policies("venus@2:3"))
+    assert policy.name == "unloaded@2:3"
+    assert (policy.max_staleness, policy.max_train_staleness) == (2, 3)
+    assert alone.rollout_gpus == 3 * w.prompts_per_batch * w.group_size * w.tp
+    assert alone.scaled_for(rollout_gpus=w.rollout_gpus) == w  # nothing else changed
