@@ -7,8 +7,11 @@ characters, one draw per group member, all seeded, so every policy gets the same
 is the micro preset with random weights (what it writes does not matter here: every turn is a tool
 call; `--preset tiny`, kv_retention.py's model, puts more of the run in the engine).
 The device KV pool holds about a third of what the trajectories in flight need; the host
-tier holds all of it. A run takes minutes per policy: seed 0 has a slow task whose members spend
-up to 440 s in tools (BENCHMARKS.md).
+tier holds all of it. At these defaults the groups' slowest members spend under a tenth of their
+time at the engine, so no engine policy can gain much; `--preset tiny --groups-per-batch 4
+--capacity 0.15` puts the engine on the critical path (about half of that time). A run takes
+minutes per policy: seed 0 has a slow task whose members spend up to 440 s in tools
+(BENCHMARKS.md).
 
 - `fifo`: synchronous (`max_staleness=0`), groups in arrival order, LRU radix cache: a batch rolls
   out, then trains, then the next one starts (veRL-like); it waits for every straggler;
@@ -28,15 +31,17 @@ off-policyness bound): a batch takes later complete groups in a straggler's plac
 waiting for it. `--train-staleness 1` makes every batch wait for its due stragglers (the bound
 before 2026-12-03's fourth session).
 
-Prints one JSON object: per policy `time_to_batches_s` (the training loop's wall time when the
-last batch has trained), group completion time (p50, p90 and max over the groups trained),
-staleness (mean and max, in versions, of the model tokens trained), the groups started and still
-running at the end (a straggler not yet trained), the engine's counters (`Engine.counters`: busy
-time, tokens computed and re-prefilled by cause, device and host hits, bytes offloaded), the mean
-wait of a tool's answer for the next turn's first token, the share of the groups' longest members'
-time spent at the engine (`critical_generation_share`: what no engine policy can beat, the rest
-being tool calls), and venus's ratio `speedup_vs_<policy>` to every other policy run. Targets
-(issue 5): >= 2.0 (fifo) and >= 1.3 (overlap) on a 2-core machine.
+Prints one JSON object: per policy `time_to_batches_s` (the training loop's wall time when the last
+batch has trained) and of it the time the loop waited for batches, trained and published
+(`batch_wait_s`, `train_s`, `publish_s`, summed over the steps), group completion time (p50, p90
+and max over the groups trained), staleness (mean and max, in versions, of the model tokens
+trained), the groups started and still running at the end (a straggler not yet trained), the
+engine's counters (`Engine.counters`: busy time, tokens computed and re-prefilled by cause, device
+and host hits, bytes offloaded), the mean wait of a tool's answer for the next turn's first token,
+the share of the groups' longest members' time spent at the engine (`critical_generation_share`:
+what no engine policy can beat, the rest being tool calls), and venus's ratio `speedup_vs_<policy>`
+to every other policy run. Targets (issue 5): >= 2.0 (fifo) and >= 1.3 (overlap) on a 2-core
+machine.
 
     python benchmarks/e2e_scheduler.py [--batches 4] [--groups-per-batch 2] [--seed 0]
                                        [--train-staleness 4] [--preset micro]
@@ -125,6 +130,8 @@ def run_policy(
     return {
         "time_to_batches_s": round(steps[-1]["wall_s"], 1),
         "step_wall_s": [round(s["wall_s"], 1) for s in steps],
+        # The training loop's time over the steps: waiting for batches, training, publishing.
+        **{k: round(sum(s[k] for s in steps), 1) for k in ("batch_wait_s", "train_s", "publish_s")},
         "group_s_p50": round(quantile(groups, 0.5) or 0.0, 2),
         "group_s_p90": round(quantile(groups, 0.9) or 0.0, 2),
         "group_s_max": round(groups[-1], 2),

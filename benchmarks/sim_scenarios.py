@@ -56,8 +56,8 @@ FIGURES = (  # their means over the seeds; the step time and speedups by seed
 
 def unloaded(workload: Workload, policies: list[SimPolicy]) -> list[tuple[Workload, SimPolicy]]:
     """Per staleness bound among `policies`, the scenario with a rollout engine for every
-    trajectory that bound lets be in flight ((N + 1) batches of groups: the trained ones are the
-    only ones it lets more start for) and a policy at that bound that admits them all."""
+    trajectory that bound lets be in flight ((N + 1) batches of groups: past those, a group
+    starts only in the place of one trained) and a policy at that bound that admits them all."""
     bounds = dict.fromkeys((p.max_staleness, p.max_train_staleness) for p in policies)
     alone = []
     for start, train in bounds:
@@ -190,9 +190,7 @@ def main() -> None:
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(results, f)
-    names = [p.name for p in policies]
-    if args.unloaded:
-        names += [p.name for _, p in unloaded(workloads[0], policies)]
+    names = list(next(iter(results.values()))["summary"])  # the policies, then any unloaded run
     print(markdown(results, names) if args.markdown else json.dumps(results))
 
 

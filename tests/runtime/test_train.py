@@ -67,6 +67,11 @@ def test_train_writes_one_metrics_line_per_step_within_the_staleness_bound(
         assert 1 <= m["versions_per_trajectory_max"] <= staleness + 1
         assert 0 <= m["is_capped_fraction"] <= 1 and m["sampler_kl"] >= 0
         assert m["groups_started"] >= 2 * (m["step"] + 1) + m["groups_running"]
+    # A step's time, phase by phase: within the wall time between two lines.
+    for before, m in itertools.pairwise([{"wall_s": 0.0}, *lines]):
+        phases = (m["batch_wait_s"], m["train_s"], m["publish_s"])
+        assert min(phases) >= 0 and m["train_s"] > 0
+        assert sum(phases) <= m["wall_s"] - before["wall_s"] + 0.01
     assert (tmp_path / "config.yaml").exists()
     # Every trajectory trained on is on disk, with its tokens, versions and turn times.
     records = list(read_records(tmp_path))

@@ -167,13 +167,20 @@ class _Run:
         )
         metrics = []
         for step in range(state.step + 1, cfg.run.steps):
+            t0 = time.monotonic()
             batch = await self.coordinator.next_batch()
+            t1 = time.monotonic()
             stats = await self._train(batch)
+            t2 = time.monotonic()
             await self.side.engine.publish(self.trainer, self.run_dir, self.start.model_dir)
+            t3 = time.monotonic()
             self.coordinator.version_changed()
             engine = since(counted, await self.side.engine.counters())
             pool = await self._pool_counters()
             line = self._line(step, batch, stats, time.monotonic() - started, engine, pool)
+            # Where the step's time went: waiting for its batch, training, publishing.
+            line.update(batch_wait_s=round(t1 - t0, 3), train_s=round(t2 - t1, 3),
+                        publish_s=round(t3 - t2, 3))  # fmt: skip
             line["since_last_step"] = failures.since_last_step()
             untrained.observe(line)
             self._record(step, batch, started)
