@@ -21,10 +21,10 @@ from ray.cluster_utils import Cluster
 
 from tests.processes import left_after, pool_processes
 from tests.runtime import NAMESPACE, SMALL
-from venusrl.config import load_config
+from venusrl.config import Config, load_config
 from venusrl.envs.builtin.agent_workload import AgentWorkload
 from venusrl.envs.builtin.treasure_hunt import TreasureHunt
-from venusrl.envs.environment import Task
+from venusrl.envs.environment import Environment, Task
 from venusrl.model.directory import init_model_dir, load_model
 from venusrl.model.weight_stream import WeightStream
 from venusrl.runtime.cluster.fleet import RemoteGroup, RolloutFleet
@@ -281,24 +281,37 @@ def test_a_publish_reaches_every_engine_a_bucket_at_a_time_and_a_broken_one_pass
         assert all(torch.equal(weights[k], expected[k]) for k in expected)
 
 
+def fleet_setup(tmp_path: Path, version: int) -> tuple[Config, Path, GRPOTrainer]:
+    """For a test of the fleet on its own: the config on two engines, a model directory and a
+    trainer whose weights are at `version`."""
+    cfg = load_config(None, [*RAY_RUN, "rollout.max_context=4096", "rollout.max_tokens_per_turn=8"])
+    model_dir = tmp_path / "model"
+    init_model_dir(model_dir, preset=cfg.run.preset, seed=0)
+    return cfg, model_dir, GRPOTrainer(load_model(model_dir, "cpu"), cfg.trainer, version=version)
+
+
+async def serve(
+    fleet: RolloutFleet, env: type[Environment], model: Path, trainer: GRPOTrainer, tmp: Path
+) -> None:
+    """Every engine up with `env`'s template and the trainer's weights published."""
+    await fleet.prepare_template(env.template)
+    await fleet.start_engines(model, 0, SamplingParams(temperature=1.0))
+    await fleet.publish(trainer, tmp, model)
+
+
 def test_a_restarted_worker_gets_the_templates_and_the_model_back_and_serves_from_the_next_publish(
     two_nodes: Cluster, tmp_path: Path
 ) -> None:
     # The fleet on its own, so that the test waits for Ray's restart however long it takes
     # on a loaded machine, instead of hoping a run of N steps outlasts it.
-    cfg = load_config(None, [*RAY_RUN, "rollout.max_context=4096", "rollout.max_tokens_per_turn=8"])
-    model_dir = tmp_path / "model"
-    init_model_dir(model_dir, preset=cfg.run.preset, seed=0)
-    trainer = GRPOTrainer(load_model(model_dir, "cpu"), cfg.trainer, version=3)
+    cfg, model_dir, trainer = fleet_setup(tmp_path, version=3)
     tasks = TreasureHunt.tasks(0)
     workers: set[int] = set()  # their processes, the killed one's included
     model_copies = set(Path(tempfile.gettempdir()).glob("venusrl-engine-*"))
 
     async def scenario() -> None:
         async with RolloutFleet(cfg, RayCluster(cfg.runtime)) as fleet:
-            await fleet.prepare_template(TreasureHunt.template)
-            await fleet.start_engines(model_dir, 0, SamplingParams(temperature=1.0))
-            await fleet.publish(trainer, tmp_path, model_dir)
+            await serve(fleet, TreasureHunt, model_dir, trainer, tmp_path)
 
             async def open_group(gid: str) -> RemoteGroup:
                 return await fleet.open_group(gid, TreasureHunt, next(tasks), 1)
@@ -355,10 +368,7 @@ def test_a_tool_call_relayed_from_a_worker_is_dated_when_it_began_not_when_the_d
     # ranking reads how long a member has waited on its tool from them, so each must carry when
     # it was made. Member 0 waits 6 s in its first tool call while members of 1 s each end on
     # the same worker: every relay of its one report must date it the same.
-    cfg = load_config(None, [*RAY_RUN, "rollout.max_context=4096", "rollout.max_tokens_per_turn=8"])
-    model_dir = tmp_path / "model"
-    init_model_dir(model_dir, preset=cfg.run.preset, seed=0)
-    trainer = GRPOTrainer(load_model(model_dir, "cpu"), cfg.trainer, version=1)
+    cfg, model_dir, trainer = fleet_setup(tmp_path, version=1)
     slow = {"tool_s": (6.0, 0.0), "observation_chars": (8, 8), "reward": 1.0}
     quick = {"tool_s": (1.0,), "observation_chars": (8,), "reward": 0.0}
     task = Task(id="relay-0", prompt="work", reference={"members": [slow, *[quick] * 15]})
@@ -370,9 +380,7 @@ def test_a_tool_call_relayed_from_a_worker_is_dated_when_it_began_not_when_the_d
 
     async def scenario() -> None:
         async with RolloutFleet(cfg, RayCluster(cfg.runtime)) as fleet:
-            await fleet.prepare_template(AgentWorkload.template)
-            await fleet.start_engines(model_dir, 0, SamplingParams(temperature=1.0))
-            await fleet.publish(trainer, tmp_path, model_dir)
+            await serve(fleet, AgentWorkload, model_dir, trainer, tmp_path)
             group = await fleet.open_group("relay", AgentWorkload, task, 1)
             first = asyncio.create_task(group.play("relay-m0", hear))
             await asyncio.sleep(1.0)  # it takes the first draw: the members draw in turn
@@ -395,10 +403,7 @@ def test_a_tool_call_relayed_from_a_worker_is_dated_when_it_began_not_when_the_d
 def test_a_worker_that_dies_again_while_waiting_for_weights_is_revived_again_and_serves(
     two_nodes: Cluster, tmp_path: Path
 ) -> None:
-    cfg = load_config(None, [*RAY_RUN, "rollout.max_context=4096", "rollout.max_tokens_per_turn=8"])
-    model_dir = tmp_path / "model"
-    init_model_dir(model_dir, preset=cfg.run.preset, seed=0)
-    trainer = GRPOTrainer(load_model(model_dir, "cpu"), cfg.trainer, version=3)
+    cfg, model_dir, trainer = fleet_setup(tmp_path, version=3)
     tasks = TreasureHunt.tasks(0)
 
     async def until(done: Any, fleet: RolloutFleet, what: str) -> None:
@@ -412,9 +417,7 @@ def test_a_worker_that_dies_again_while_waiting_for_weights_is_revived_again_and
 
     async def scenario() -> None:
         async with RolloutFleet(cfg, RayCluster(cfg.runtime)) as fleet:
-            await fleet.prepare_template(TreasureHunt.template)
-            await fleet.start_engines(model_dir, 0, SamplingParams(temperature=1.0))
-            await fleet.publish(trainer, tmp_path, model_dir)
+            await serve(fleet, TreasureHunt, model_dir, trainer, tmp_path)
             ray.kill(fleet.workers[0], no_restart=False)
             await until(lambda: fleet.waiting_for_weights() == [0], fleet, "never restarted")
             # A publish that fails (a trainer rank died) leaves it waiting for the next.
