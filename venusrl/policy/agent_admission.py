@@ -146,17 +146,3 @@ class AimdAdmission(_Window):
         if signal.reprefill_tokens > 0 or signal.occupancy > self.high_water:
             return max(self.min_window, math.floor(window * self.decrease))
         return min(self.max_window, window + self.increase)
-
-
-@dataclass(frozen=True)
-class CriticalWindow:
-    """PROTOTYPE: per engine a KV budget; members by criticality."""
-
-    fill: float = float(__import__("os").environ.get("FILL", "0.85"))
-    keep: float = float(__import__("os").environ.get("KEEP", "0.97"))
-    leave_after_s: float = float(__import__("os").environ.get("LEAVE", "5.0"))
-    migrate: bool = True
-    pauses: ClassVar[bool] = True
-
-    def budget_tokens(self, capacity_tokens: int) -> int:
-        return int(self.fill * capacity_tokens)
