@@ -28,7 +28,8 @@ def test_it_runs_each_policy_to_the_same_number_of_batches_and_reports_ratios(
         res = out[policy]
         assert len(res["step_wall_s"]) == 2 and res["time_to_batches_s"] > 0
         spent = res["batch_wait_s"] + res["train_s"] + res["publish_s"]
-        assert res["train_s"] > 0 and spent <= res["time_to_batches_s"] + 0.2
+        assert min(res["batch_wait_s"], res["train_s"], res["publish_s"]) >= 0
+        assert spent <= res["time_to_batches_s"] + 0.2
         assert res["group_s_max"] >= res["group_s_p90"] >= res["group_s_p50"] > 0
         assert res["groups_started"] >= 2 + res["groups_running_at_end"]
         assert 0 <= res["staleness_mean"] <= res["staleness_max"] <= 4

@@ -70,7 +70,8 @@ def test_train_writes_one_metrics_line_per_step_within_the_staleness_bound(
     # A step's time, phase by phase: within the wall time between two lines.
     for before, m in itertools.pairwise([{"wall_s": 0.0}, *lines]):
         phases = (m["batch_wait_s"], m["train_s"], m["publish_s"])
-        assert min(phases) >= 0 and m["train_s"] > 0
+        assert min(phases) >= 0
+        assert m["train_s"] > 0 or m["tokens"] == 0  # no token to train: every reward alike
         assert sum(phases) <= m["wall_s"] - before["wall_s"] + 0.01
     assert (tmp_path / "config.yaml").exists()
     # Every trajectory trained on is on disk, with its tokens, versions and turn times.
