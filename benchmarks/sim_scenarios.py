@@ -183,6 +183,11 @@ def main() -> None:
         )
     except (ValueError, OSError) as e:
         p.error(f"--workload: {e}")
+    try:  # fail now, not after an hour: more trajectories in flight than engines it can have
+        for w in workloads if args.unloaded else []:
+            unloaded(w, policies)
+    except ValueError as e:
+        p.error(f"--unloaded: {e}")
     results = {
         w.name: run_scenario(w, seeds, policies, args.steps, args.jobs, args.unloaded)
         for w in workloads

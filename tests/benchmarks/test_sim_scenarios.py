@@ -83,3 +83,13 @@ def test_the_unloaded_scenario_has_an_engine_for_every_trajectory_its_bound_lets
     assert (policy.max_staleness, policy.max_train_staleness) == (2, 3)
     assert alone.rollout_gpus == 3 * w.prompts_per_batch * w.group_size * w.tp
     assert alone.scaled_for(rollout_gpus=w.rollout_gpus) == w  # nothing else changed
+
+
+def test_an_unloaded_run_past_the_simulator_s_engine_limit_is_refused_before_simulating(
+    tmp_path: Path,
+) -> None:
+    workload = tmp_path / "wide.yaml"
+    workload.write_text("base: swe-short\nprompts_per_batch: 4000\ngroup_size: 16\n")
+    args = ["--workload", str(workload), "--policies", "venus", "--unloaded"]
+    code, stderr = refused("sim_scenarios.py", *args)
+    assert code == 2 and "--unloaded: workload" in stderr and "rollout_gpus must be <=" in stderr

@@ -278,7 +278,6 @@ class Simulation:
         self.finishes: list[tuple[float, str]] | None = [] if record else None
         self.version = 0
         self.trainer_busy = False
-        self.train_s = 0.0  # trainer compute, all steps
         self._training: TrainedBatch | None = None  # the step in flight
         self.trained: list[TrainedBatch] = []  # of each step published
         self.weight_sync_s = 0.0  # engines paused for new weights, all steps
@@ -288,7 +287,6 @@ class Simulation:
         # Turns by when and for whom they ran (`_phase`): count, seconds and tokens.
         self.turn_speed: dict[str, list[float]] = {}
         self.group_completion_s: list[float] = []
-        self.staleness: list[int] = []
         self.sandbox_gb_s = 0.0
         self.infra_failures = 0
         self.timeouts = 0  # trajectories cut at the workload's trajectory_limit_s
@@ -638,8 +636,6 @@ class Simulation:
     def _published(self) -> None:
         batch = self._training
         assert batch is not None  # weights are published after a step trained
-        self.train_s += batch.seconds
-        self.staleness += batch.staleness
         self.trained.append(batch)
         self.version += 1
         self.step_ends.append(self.clock.now)
@@ -663,6 +659,7 @@ class Simulation:
         breakdown = {w: sum(e.spent[w] for e in self.engines) / engine_s for w in SPENT_ON}
         breakdown["idle"] = 1 - sum(e.busy_s for e in self.engines) / engine_s
         steps = max(len(ends), 1)
+        staleness = [s for b in self.trained for s in b.staleness]  # of every group trained
         trained = self.trained[warm:]
         tokens = sum(b.tokens for b in trained)
         sequences, cut = sum(b.sequences for b in trained), sum(b.cut for b in trained)
@@ -687,7 +684,7 @@ class Simulation:
             # The fullest any engine's device KV was when an iteration was planned.
             "kv_peak_occupancy": max(e.peak_pages / e.capacity for e in self.engines),
             "rollout_gpu_time": breakdown,
-            "train_s_per_step": self.train_s / steps,
+            "train_s_per_step": sum(b.seconds for b in self.trained) / steps,
             "weight_sync_s_per_step": self.weight_sync_s / steps,
             "drain_s_per_step": self.drain_s / steps,
             # How long the trainer waited for each batch after publishing weights (the first
@@ -701,8 +698,8 @@ class Simulation:
             },
             "group_completion_p50_s": quantile(completion, 0.5),
             "group_completion_p99_s": quantile(completion, 0.99),
-            "staleness_mean": statistics.fmean(self.staleness) if self.staleness else 0.0,
-            "staleness_max": max(self.staleness, default=0),
+            "staleness_mean": statistics.fmean(staleness) if staleness else 0.0,
+            "staleness_max": max(staleness, default=0),
             "sandbox_gb_s": self.sandbox_gb_s,
             "infra_failures": self.infra_failures,
             "trajectory_timeouts": self.timeouts,
