@@ -24,7 +24,7 @@ PAGES = [README, ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]
 # fails `test_every_command_in_the_readme_is_run_by_a_test_or_the_ci_script`.
 RUN_BY: dict[str, tuple[str, ...]] = {
     # scripts/train.sh is scripts/bootstrap.sh, then `venusrl train` with what it is given.
-    "sudo scripts/train.sh": (
+    "scripts/train.sh": (
         "tests/runtime/test_train.py::test_the_cpu_example_raises_its_reward_by_0_4_within_ten_minutes",
     ),
     "scripts/test.sh": (".ci/run",),
@@ -88,7 +88,7 @@ def test_the_readme_reads_in_five_minutes() -> None:
 
 
 def test_the_readme_starts_with_the_train_and_test_commands() -> None:
-    assert readme_commands()[:2] == ["sudo scripts/train.sh", "scripts/test.sh"]
+    assert readme_commands()[:2] == ["scripts/train.sh", "scripts/test.sh"]
 
 
 def test_every_command_in_the_readme_is_run_by_a_test_or_the_ci_script() -> None:

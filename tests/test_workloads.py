@@ -79,6 +79,8 @@ def test_a_workload_file_overrides_its_base_by_field_name(tmp_path: Path) -> Non
         ("group_size: 1\n", "group_size must be >= 2"),
         ("prompts_per_batch: many\n", "prompts_per_batch: needs a int, got 'many'"),
         ("action_tokens: [unclosed\n", "not valid YAML"),
+        ("", "empty; a workload file sets Workload fields"),
+        ("# nothing but a comment\n", "empty"),
         ("tp: 1.7\n", "tp: needs a int"),
         ("sandbox: 'false'\n", "sandbox: needs a bool"),
         ("sources: [a, b]\n", "sources: needs a mapping"),

@@ -478,9 +478,11 @@ def parse_dist(value: Any, where: str) -> Dist:
 
 def load_workload(path: str | Path) -> Workload:
     try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        data = yaml.safe_load(Path(path).read_text())
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: not valid YAML: {e}") from None
+    if data is None:  # a file left empty by mistake would run the base scenario under its name
+        raise ValueError(f"{path}: empty; a workload file sets Workload fields over its `base:`")
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a workload file is a mapping of Workload fields")
     base_name = data.pop("base", "swe-long")
