@@ -13,7 +13,7 @@ worst (`venusrl.sim.report`). `--markdown` prints the table instead.
     python benchmarks/sim_scenarios.py [--scenarios swe-short,search-short] [--seeds 0,1,2]
                                        [--policies sync,async,concur,venus] [--steps 4]
                                        [--markdown] [--json-out FILE] [--workload FILE] [--jobs N]
-                                       [--unloaded]
+                                       [--unloaded] [--cost KEY=VALUE,...]
 
 `--unloaded` adds, per staleness bound the policies use, a run `unloaded@N:L` of the same seeds
 with a rollout engine for every trajectory that can be in flight, so each runs alone: every turn
@@ -26,7 +26,14 @@ step after the first is not bounded so: a policy whose first step ends later can
 steps after it.)
 
 A policy NAME@N runs with a staleness bound of N versions (`--policies async@2,venus@2`);
-NAME+offload is a baseline with the host tier ours has (`--policies async,async+offload`).
+NAME+offload is a baseline with the host tier ours has (`--policies async,async+offload`);
+NAME[KNOB=VALUE,...] sets the policy's knobs, its admission control's constants and the
+retention pin (`--policies 'venus,venus[leave_after_s=2,lane=0.5]'`; a bad knob lists them).
+
+`--cost KEY=VALUE,...` sets constants of the cost model for every run, to see what a figure owes
+to one of them: `--cost gpu.pcie_h2d=inf` makes loading KV back from host free, `--cost
+gpu.pcie_h2d=25e9,gpu.pcie_d2h=25e9` is PCIe 4 (`CostModel.overridden` lists the keys). The
+JSON says what was set (`cost`).
 
 Simulated time is not wall time: a full `swe-long` run takes minutes of this machine per policy.
 """
@@ -40,6 +47,7 @@ import statistics
 import time
 from typing import Any
 
+from venusrl.sim.cost_model import CostModel
 from venusrl.sim.executor import SimConfig, SimPolicy, sim_policies, simulate
 from venusrl.sim.report import over_seeds, parse_seeds, speedups
 from venusrl.workloads import SCENARIOS, Workload, load_workload
@@ -70,6 +78,20 @@ def unloaded(workload: Workload, policies: list[SimPolicy]) -> list[tuple[Worklo
     return alone
 
 
+def parse_settings(text: str) -> dict[str, float]:
+    """ "KEY=VALUE,..." as numbers (`inf` too); ValueError names a bad one."""
+    settings: dict[str, float] = {}
+    for setting in filter(None, (part.strip() for part in text.split(","))):
+        key, eq, value = (part.strip() for part in setting.partition("="))
+        try:
+            if not (key and eq):
+                raise ValueError
+            settings[key] = float(value)
+        except ValueError:
+            raise ValueError(f"{setting!r} is not KEY=NUMBER") from None
+    return settings
+
+
 def run_scenario(
     workload: Workload,
     seeds: list[int],
@@ -77,14 +99,15 @@ def run_scenario(
     steps: int,
     jobs: int | None = None,
     with_unloaded: bool = False,
+    cost: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     started = time.monotonic()
     config = SimConfig(steps=steps)
     alone = unloaded(workload, policies) if with_unloaded else []
     runs = {}
     for seed in seeds:
-        runs[seed] = simulate(workload, policies, seed, config, jobs)
-        runs[seed] += [simulate(w, [p], seed, config, 1)[0] for w, p in alone]
+        runs[seed] = simulate(workload, policies, seed, config, jobs, cost)
+        runs[seed] += [simulate(w, [p], seed, config, 1, cost)[0] for w, p in alone]
         speedups(runs[seed])  # the unloaded runs' too
     policies = [*policies, *(p for _, p in alone)]
     summary = over_seeds(runs)
@@ -103,6 +126,7 @@ def run_scenario(
     }
     return {
         "workload": params,
+        "cost": cost or {},
         "wall_s": round(time.monotonic() - started, 1),
         "summary": summary,
         "runs": {str(s): r for s, r in runs.items()},
@@ -150,6 +174,11 @@ def main() -> None:
     p.add_argument("--json-out", help="also write the JSON object to this file")
     p.add_argument("--jobs", type=int, help="policies simulated at once (default: all)")
     p.add_argument(
+        "--cost",
+        default="",
+        help="KEY=VALUE,...: constants of the cost model set otherwise (gpu.pcie_h2d=inf)",
+    )
+    p.add_argument(
         "--unloaded",
         action="store_true",
         help="also each bound's run with no engine contention (the batches' critical path)",
@@ -188,8 +217,14 @@ def main() -> None:
             unloaded(w, policies)
     except ValueError as e:
         p.error(f"--unloaded: {e}")
+    try:
+        cost = parse_settings(args.cost)
+        for w in workloads:
+            CostModel.preset(w.model, w.gpu, w.tp).overridden(cost)
+    except ValueError as e:
+        p.error(f"--cost: {e}")
     results = {
-        w.name: run_scenario(w, seeds, policies, args.steps, args.jobs, args.unloaded)
+        w.name: run_scenario(w, seeds, policies, args.steps, args.jobs, args.unloaded, cost)
         for w in workloads
     }
     if args.json_out:

@@ -93,3 +93,29 @@ def test_an_unloaded_run_past_the_simulator_s_engine_limit_is_refused_before_sim
     args = ["--workload", str(workload), "--policies", "venus", "--unloaded"]
     code, stderr = refused("sim_scenarios.py", *args)
     assert code == 2 and "--unloaded: workload" in stderr and "rollout_gpus must be <=" in stderr
+
+
+def test_a_cost_constant_set_on_the_command_line_holds_in_every_run_and_is_reported(
+    tmp_path: Path,
+) -> None:
+    workload = tmp_path / "small.yaml"
+    workload.write_text(SMALL)
+    args = ["--workload", str(workload), "--seeds", "0", "--steps", "2", "--policies", "venus"]
+    res = json.loads(bench(*args, "--unloaded", "--cost", "weight_sync_fixed_s=10"))["small"]
+    assert res["cost"] == {"weight_sync_fixed_s": 10.0}
+    # qwen3-4b's 8 GB of weights at 25 GB/s, after the fixed 10 s (2 s by default)
+    for run in res["runs"]["0"]:
+        assert run["weight_sync_s_per_step"] == 10.32, run["policy"]
+
+
+def test_a_bad_cost_constant_is_refused_before_simulating() -> None:
+    for cost, error in [
+        ("gpu.pcie=1", "--cost: gpu.pcie: not a constant of the cost model; known:"),
+        ("gpu.pcie_h2d", "--cost: 'gpu.pcie_h2d' is not KEY=NUMBER"),
+        ("gpu.pcie_h2d=fast", "--cost: 'gpu.pcie_h2d=fast' is not KEY=NUMBER"),
+        ("gpu.pcie_h2d=0", "--cost: gpu.pcie_h2d: needs a number > 0, got 0.0"),
+        ("model.layers=1.5", "--cost: model.layers: needs an integer > 0"),
+        ("reserved_bytes=1e12", "--cost: qwen3-4b does not fit 1 x h200"),
+    ]:
+        code, stderr = refused("sim_scenarios.py", "--scenarios", "math-python", "--cost", cost)
+        assert code == 2 and error in stderr, (cost, stderr)

@@ -10,7 +10,9 @@ from typing import Any
 
 import pytest
 
+from venusrl.policy.agent_admission import ConcurAdmission
 from venusrl.policy.engine_schedule import PriorityScheduler
+from venusrl.policy.kv_window import CriticalWindow
 from venusrl.sim.cost_model import CostModel
 from venusrl.sim.executor import (
     POLICIES,
@@ -131,11 +133,36 @@ def test_a_train_bound_above_the_start_bound_lets_batches_overtake_stragglers() 
         ("venus@\u0661", "after '@' comes a staleness bound"),
         ("venus@99999999999", "staleness bounds go up to 64"),
         ("venus@1:65", "staleness bounds go up to 64"),
+        ("venus[foo=1]", "'foo=1' is not KNOB=VALUE; venus's knobs: pin_s, fill, keep"),
+        ("venus[lane]", "'lane' is not KNOB=VALUE"),
+        ("venus[]", "'' is not KNOB=VALUE"),
+        ("venus[lane=x]", "lane: needs float, got 'x'"),
+        ("venus[lane=2]", "lane must be in (0, 1], got 2.0"),
+        ("venus[head=1.5]", "head: needs int, got '1.5'"),
+        ("venus[migrate=1]", "migrate: needs bool, got '1'"),
+        ("venus[leave_after_s=nan]", "leave_after_s: needs a finite number"),
+        ("async[pin_s=-1]", "pin_s must be >= 0"),
+        ("async[fill=0.5]", "async's knobs: pin_s"),
+        ("venus[lane=0.5", "knobs go in one [KNOB=VALUE,...] before any '@'"),
+        ("venus@1[lane=0.5]", "after '@' comes a staleness bound"),
     ],
 )
 def test_a_bad_policy_name_says_what_is_wrong(name: str, error: str) -> None:
     with pytest.raises(ValueError, match=re.escape(error)):
         sim_policy(name)
+
+
+def test_a_policy_s_knobs_are_set_in_its_name_and_reported_with_its_figures() -> None:
+    names = "venus[leave_after_s=2, lane=0.5, migrate=false]@1:4,concur+offload[high_water=0.9]"
+    ours, concur = sim_policies(names)
+    assert ours.name == "venus[leave_after_s=2, lane=0.5, migrate=false]@1:4"
+    assert ours.admission == CriticalWindow(leave_after_s=2.0, lane=0.5, migrate=False)
+    assert (ours.max_staleness, ours.max_train_staleness) == (1, 4)
+    assert concur.admission == ConcurAdmission(high_water=0.9)
+    assert concur.retention == "trajectory"  # still the +offload form
+    result = run("venus[migrate=false,rebalance_tokens=0]")
+    assert result["knobs"]["admission"]["migrate"] is False and result["migrations"] == 0
+    assert run("venus[rebalance_tokens=0]")["migrations"] > 0  # the knob, not the workload
 
 
 def test_a_policy_listed_twice_is_refused() -> None:

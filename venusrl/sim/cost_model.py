@@ -10,12 +10,30 @@ measured iterations (on CPU here; the GPU constants wait for a GPU to measure th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
 from functools import cached_property
 from typing import Any
 
 GB = 1e9
 TB = 1e12
+
+
+# Constants `CostModel.overridden` may set to 0 (times and sizes added, not divided by), and
+# the shares, at most 1; every other constant is a size or rate > 0.
+MAY_BE_ZERO = frozenset(("reserved_bytes", "transfer_latency_s", "host_kv_bytes_per_gpu",
+                         "weight_sync_fixed_s", "t_fix", "t_per_request"))  # fmt: skip
+SHARES = frozenset(("memory_fraction", "train_mfu"))
+
+
+def numeric_fields(spec: object) -> list[str]:
+    """The fields of a cost model's dataclass that hold numbers (not `tp`: the workload's)."""
+    return [
+        f.name
+        for f in fields(spec)  # type: ignore[arg-type]
+        if isinstance(getattr(spec, f.name), int | float) and f.name != "tp"
+    ]
 
 
 @dataclass(frozen=True)
@@ -95,6 +113,36 @@ class CostModel:
         if gpu not in GPUS:
             raise ValueError(f"unknown gpu {gpu!r}; known: {', '.join(GPUS)}")
         return replace(cls(MODELS[model], GPUS[gpu], tp), **overrides)
+
+    def overridden(self, settings: Mapping[str, float]) -> CostModel:
+        """This cost model with some constants set: `FIELD` of the cost model, `gpu.FIELD` or
+        `model.FIELD` (sizes and rates > 0, shares in (0, 1], fixed times >= 0; a rate may be
+        `inf`: copies or steps that cost nothing), to see what a figure owes to one constant
+        (`sim_scenarios.py --cost`). ValueError names a bad one."""
+        specs: dict[str, Any] = {"": self, "gpu": self.gpu, "model": self.model}
+        parts: dict[str, dict[str, float]] = {part: {} for part in specs}
+        for key, value in settings.items():
+            part, _, name = key.rpartition(".")
+            if part not in specs or name not in numeric_fields(specs[part]):
+                known = [
+                    f"{p}.{n}".lstrip(".") for p, s in specs.items() for n in numeric_fields(s)
+                ]
+                raise ValueError(
+                    f"{key}: not a constant of the cost model; known: {', '.join(known)}"
+                )
+            current = getattr(specs[part], name)
+            least = 0 if name in MAY_BE_ZERO else math.ulp(0)
+            if not least <= value <= (1 if name in SHARES else math.inf) or (
+                isinstance(current, int) and not (math.isfinite(value) and value == int(value))
+            ):
+                kind = "an integer" if isinstance(current, int) else "a number"
+                bounds = "in (0, 1]" if name in SHARES else ">= 0" if least == 0 else "> 0"
+                raise ValueError(f"{key}: needs {kind} {bounds}, got {value}")
+            parts[part][name] = type(current)(value)
+        gpu, model = replace(self.gpu, **parts["gpu"]), replace(self.model, **parts["model"])
+        cost = replace(self, gpu=gpu, model=model, **parts[""])
+        cost.kv_capacity_tokens  # noqa: B018 (a model that no longer fits says so now)
+        return cost
 
     @property
     def kv_capacity_tokens(self) -> int:

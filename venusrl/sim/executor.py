@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import multiprocessing
 import os
+import re
 import signal
 import statistics
 from collections import deque
+from collections.abc import Mapping
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
@@ -132,9 +135,11 @@ def sim_policy(name: str) -> SimPolicy:
     is that policy with a staleness bound of N versions, so that policies compare at the same
     bound (`async@2,venus@2`; `venus@0` is synchronous), and `NAME@N:L` also lets a group be
     trained up to L versions after it started (`max_train_staleness`: batches need not wait for
-    a straggler)."""
-    known = f"known: {', '.join(POLICIES)}, NAME{OFFLOAD} or NAME@BOUND"
+    a straggler). `NAME[KNOB=VALUE,...]` sets knobs of the policy (`knobs`), before any bound:
+    `venus[leave_after_s=2,lane=0.5]@1:4`."""
+    known = f"known: {', '.join(POLICIES)}, NAME{OFFLOAD}, NAME[KNOB=VALUE] or NAME@BOUND"
     base, at, bounds = name.partition("@")
+    base, bracket, settings = base.partition("[")
     offload = base.endswith(OFFLOAD) and base[: -len(OFFLOAD)] in POLICIES
     policy = POLICIES.get(base[: -len(OFFLOAD)] if offload else base)
     if policy is None:
@@ -142,7 +147,15 @@ def sim_policy(name: str) -> SimPolicy:
     if offload:
         if policy.retention != "lru":
             raise ValueError(f"policy {name!r}: {policy.name} already offloads to the host tier")
-        policy = replace(policy, name=base, retention="trajectory")
+        policy = replace(policy, retention="trajectory")
+    if bracket:
+        if not settings.endswith("]"):
+            raise ValueError(f"policy {name!r}: knobs go in one [KNOB=VALUE,...] before any '@'")
+        try:
+            policy = with_knobs(policy, settings[:-1])
+        except ValueError as err:
+            raise ValueError(f"policy {name!r}: {err}") from None
+    policy = replace(policy, name=name)
     if not at:
         return policy
     start, colon, train = bounds.partition(":")
@@ -153,7 +166,6 @@ def sim_policy(name: str) -> SimPolicy:
         )
     policy = replace(
         policy,
-        name=name,
         max_staleness=int(start),
         max_train_staleness=int(train) if colon else None,
     )
@@ -168,9 +180,59 @@ def sim_policy(name: str) -> SimPolicy:
     return policy
 
 
+def knobs(policy: SimPolicy) -> dict[str, float | int | bool]:
+    """What `NAME[KNOB=VALUE]` may set: the retention pin and the numeric fields of the
+    policy's admission control (its constants, chosen on swe-long: a user tunes them on their
+    own workload from the command line)."""
+    found: dict[str, float | int | bool] = {"pin_s": policy.pin_s}
+    if policy.admission is not None:
+        found.update(
+            (k, v) for k, v in asdict(policy.admission).items() if isinstance(v, int | float)
+        )
+    return found
+
+
+def with_knobs(policy: SimPolicy, settings: str) -> SimPolicy:
+    """`policy` with `settings` ("KNOB=VALUE,...") applied; ValueError names a bad one."""
+    current = knobs(policy)
+    pin, admission = policy.pin_s, {}
+    for setting in settings.split(","):
+        key, eq, text = (part.strip() for part in setting.partition("="))
+        if key not in current or not eq:
+            listed = ", ".join(current)
+            raise ValueError(
+                f"{setting.strip()!r} is not KNOB=VALUE; {policy.name}'s knobs: {listed}"
+            )
+        kind = type(current[key])
+        value: float | int | bool
+        try:
+            if kind is bool:
+                if text not in ("true", "false"):
+                    raise ValueError
+                value = text == "true"
+            else:
+                value = kind(text)
+        except ValueError:
+            raise ValueError(f"{key}: needs {kind.__name__}, got {text!r}") from None
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{key}: needs a finite number, got {text!r}")
+        if key == "pin_s":
+            pin = float(value)
+        else:
+            admission[key] = value
+    if pin < 0:
+        raise ValueError(f"pin_s must be >= 0, got {pin}")
+    return replace(
+        policy,
+        pin_s=pin,
+        admission=replace(policy.admission, **admission) if admission else policy.admission,
+    )
+
+
 def sim_policies(names: str) -> list[SimPolicy]:
-    """Comma-separated policy names (`sim_policy`'s), in order; ValueError names a bad one."""
-    listed = [n.strip() for n in names.split(",") if n.strip()]
+    """Comma-separated policy names (`sim_policy`'s), in order (commas inside a policy's
+    [KNOB=VALUE,...] are its own); ValueError names a bad one."""
+    listed = [n.strip() for n in re.split(r",(?![^\[]*\])", names) if n.strip()]
     if not listed:
         raise ValueError(f"no policy given; known: {', '.join(POLICIES)}, or NAME@BOUND")
     repeated = sorted({n for n in listed if listed.count(n) > 1})
@@ -727,20 +789,23 @@ def simulate(
     seed: int = 0,
     config: SimConfig | None = None,
     jobs: int | None = None,
+    cost: Mapping[str, float] | None = None,
 ) -> list[dict[str, Any]]:
     """Each policy on the same seeded workload, with its speedups over every other
     (`report.SPEEDUPS`). The policies run side by side in `jobs` processes (default: one per
     policy, even beyond the cores: the OS shares them, so no policy waits for a slower one to
     free a core, and the command ends close to total work / cores); each run is deterministic,
-    so the figures do not depend on it."""
+    so the figures do not depend on it. `cost`: constants of the workload's cost model set
+    otherwise (`CostModel.overridden`)."""
     jobs = min(len(policies), jobs or len(policies))
+    model = CostModel.preset(workload.model, workload.gpu, workload.tp).overridden(cost or {})
     if jobs > 1:
         fork = multiprocessing.get_context("fork")
         with ProcessPoolExecutor(jobs, mp_context=fork, initializer=_quiet_on_interrupt) as pool:
-            futures = [pool.submit(_run, workload, p, seed, config) for p in policies]
+            futures = [pool.submit(_run, workload, p, seed, config, model) for p in policies]
             results = [f.result() for f in futures]
     else:
-        results = [_run(workload, p, seed, config) for p in policies]
+        results = [_run(workload, p, seed, config, model) for p in policies]
     speedups(results)
     return results
 
@@ -752,6 +817,6 @@ def _quiet_on_interrupt() -> None:
 
 
 def _run(
-    workload: Workload, policy: SimPolicy, seed: int, config: SimConfig | None
+    workload: Workload, policy: SimPolicy, seed: int, config: SimConfig | None, cost: CostModel
 ) -> dict[str, Any]:
-    return Simulation(workload, policy, seed, config).run()
+    return Simulation(workload, policy, seed, config, cost).run()
