@@ -120,7 +120,7 @@ class CostModel:
         `inf`: copies or steps that cost nothing), to see what a figure owes to one constant
         (`sim_scenarios.py --cost`). ValueError names a bad one."""
         specs: dict[str, Any] = {"": self, "gpu": self.gpu, "model": self.model}
-        parts: dict[str, dict[str, float]] = {part: {} for part in specs}
+        parts: dict[str, dict[str, Any]] = {part: {} for part in specs}
         for key, value in settings.items():
             part, _, name = key.rpartition(".")
             if part not in specs or name not in numeric_fields(specs[part]):

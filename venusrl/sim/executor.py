@@ -31,7 +31,7 @@ import statistics
 from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, is_dataclass, replace
 from typing import Any, Literal
 
 from venusrl.coordinator.group_book import GroupBook
@@ -185,7 +185,7 @@ def knobs(policy: SimPolicy) -> dict[str, float | int | bool]:
     policy's admission control (its constants, chosen on swe-long: a user tunes them on their
     own workload from the command line)."""
     found: dict[str, float | int | bool] = {"pin_s": policy.pin_s}
-    if policy.admission is not None:
+    if is_dataclass(policy.admission):  # every admission policy is one
         found.update(
             (k, v) for k, v in asdict(policy.admission).items() if isinstance(v, int | float)
         )
@@ -195,7 +195,7 @@ def knobs(policy: SimPolicy) -> dict[str, float | int | bool]:
 def with_knobs(policy: SimPolicy, settings: str) -> SimPolicy:
     """`policy` with `settings` ("KNOB=VALUE,...") applied; ValueError names a bad one."""
     current = knobs(policy)
-    pin, admission = policy.pin_s, {}
+    pin, admission = policy.pin_s, dict[str, Any]()
     for setting in settings.split(","):
         key, eq, text = (part.strip() for part in setting.partition("="))
         if key not in current or not eq:
@@ -222,11 +222,11 @@ def with_knobs(policy: SimPolicy, settings: str) -> SimPolicy:
             admission[key] = value
     if pin < 0:
         raise ValueError(f"pin_s must be >= 0, got {pin}")
-    return replace(
-        policy,
-        pin_s=pin,
-        admission=replace(policy.admission, **admission) if admission else policy.admission,
-    )
+    control = policy.admission
+    if admission:
+        assert is_dataclass(control) and not isinstance(control, type)  # (its knobs were found)
+        control = replace(control, **admission)
+    return replace(policy, pin_s=pin, admission=control)
 
 
 def sim_policies(names: str) -> list[SimPolicy]:
