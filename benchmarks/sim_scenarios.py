@@ -28,7 +28,7 @@ steps after it.)
 A policy NAME@N runs with a staleness bound of N versions (`--policies async@2,venus@2`);
 NAME+offload is a baseline with the host tier ours has (`--policies async,async+offload`);
 NAME[KNOB=VALUE,...] sets the policy's knobs, its admission control's constants and the
-retention pin (`--policies 'venus,venus[leave_after_s=2,lane=0.5]'`; a bad knob lists them).
+retention pin (`--policies 'venus,venus[leave_after_calls=5,lane=0.5]'`; a bad knob lists them).
 
 `--cost KEY=VALUE,...` sets constants of the cost model for every run, to see what a figure owes
 to one of them: `--cost gpu.pcie_h2d=inf` makes loading KV back from host free, `--cost

@@ -82,9 +82,11 @@ def test_an_episode_held_back_when_the_window_shrinks_starts_once_load_falls() -
 KV = 1000  # the engine's device KV, tokens: a budget of 850
 
 
-def one_engine(leave_after_s: float = 3600) -> TurnWindow:
-    """As `venusrl train` runs it: one engine, so no fast lane and nothing to migrate to."""
-    return TurnWindow(CriticalWindow(leave_after_s=leave_after_s, lane=1.0, migrate=False), KV)
+def one_engine(leave_after_calls: float = 1e4) -> TurnWindow:
+    """As `venusrl train` runs it: one engine, so no fast lane and nothing to migrate to. Until
+    it has seen a tool call return, the median call it assumes is `TurnRates`' 0.5 s."""
+    policy = CriticalWindow(leave_after_calls=leave_after_calls, lane=1.0, migrate=False)
+    return TurnWindow(policy, KV)
 
 
 def test_a_turn_waits_while_the_kv_window_is_full_and_the_most_critical_goes_first() -> None:
@@ -114,7 +116,7 @@ def test_a_turn_waits_while_the_kv_window_is_full_and_the_most_critical_goes_fir
 
 def test_a_member_in_a_long_tool_call_gives_its_place_to_a_waiting_trajectory() -> None:
     async def main() -> None:
-        window = one_engine(leave_after_s=0.02)
+        window = one_engine(leave_after_calls=0.04)  # 0.02 s
         window.set_ranking({"g": BEST_EFFORT})
         await window.enter("a", "g", 600)
         window.turn_done("a")  # its tool call starts
@@ -128,6 +130,26 @@ def test_a_member_in_a_long_tool_call_gives_its_place_to_a_waiting_trajectory() 
         assert not a.done()
         window.end("b")
         await asyncio.wait_for(a, 1.0)
+
+    asyncio.run(main())
+
+
+def test_a_member_leaves_after_a_multiple_of_the_median_tool_call_the_window_saw() -> None:
+    async def main() -> None:
+        window = one_engine(leave_after_calls=4)
+        window.set_ranking({"g": BEST_EFFORT})
+        assert window.rates.tool_s_per_turn == 0.5  # none seen yet: 2 s
+        for _ in range(3):  # tool calls of 50 ms: a member leaves after 0.2 s
+            await window.enter("a", "g", 100)
+            window.turn_done("a")
+            await asyncio.sleep(0.05)
+        assert 0.05 <= window.rates.tool_s_per_turn < 0.25
+        await window.enter("a", "g", 100)
+        window.turn_done("a")  # a call of the tail begins
+        await asyncio.sleep(0.08)
+        assert window.members == 1  # 0.08 s: within four median calls
+        await asyncio.sleep(1.0)
+        assert window.members == 0 and window.load == 0
 
     asyncio.run(main())
 

@@ -149,7 +149,7 @@ def test_waiting_agents_are_admitted_critical_first_then_started_then_by_rank() 
 
 
 @pytest.mark.parametrize(
-    "knobs", [{"fill": 0.0}, {"fill": 0.99, "keep": 0.9}, {"lane": 0.0}, {"leave_after_s": -1}]
+    "knobs", [{"fill": 0.0}, {"fill": 0.99, "keep": 0.9}, {"lane": 0.0}, {"leave_after_calls": -1}]
 )
 def test_bad_knobs_are_refused(knobs: dict[str, float]) -> None:
     with pytest.raises(ValueError):

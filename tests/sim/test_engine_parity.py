@@ -148,12 +148,14 @@ def simulate(policy: str, seed: int, merged: bool = False) -> tuple[Simulation, 
     # a period at the time an iteration ends sees it ended depends on when each event was
     # scheduled, which merged iterations change.
     sim_policy = dataclasses.replace(POLICIES[policy], pin_s=4.5)
-    # And so would the KV window's end of a member's place in a long tool call.
+    # And so would the KV window's end of a member's place in a long tool call: 1.1 median
+    # calls, a random fraction of seconds (the tools take ~6 s here; with a shorter wait so
+    # many members leave that none has to pause at a turn, which the test wants to see).
     admission = sim_policy.admission
     if isinstance(admission, ConcurAdmission):
         admission = dataclasses.replace(admission, period_s=4.7)
     elif isinstance(admission, CriticalWindow):
-        admission = dataclasses.replace(admission, leave_after_s=4.6)
+        admission = dataclasses.replace(admission, leave_after_calls=1.1)
     sim_policy = dataclasses.replace(sim_policy, admission=admission)
     config = dataclasses.replace(SIM_CONFIG, decide_every_iteration=not merged)
     sim = Simulation(WORKLOAD, sim_policy, seed, config, ONE_SECOND_ITERATIONS, record=True)

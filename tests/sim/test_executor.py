@@ -140,7 +140,7 @@ def test_a_train_bound_above_the_start_bound_lets_batches_overtake_stragglers() 
         ("venus[lane=2]", "lane must be in (0, 1], got 2.0"),
         ("venus[head=1.5]", "head: needs int, got '1.5'"),
         ("venus[migrate=1]", "migrate: needs bool, got '1'"),
-        ("venus[leave_after_s=nan]", "leave_after_s: needs a finite number"),
+        ("venus[leave_after_calls=nan]", "leave_after_calls: needs a finite number"),
         ("async[pin_s=-1]", "pin_s must be >= 0"),
         ("async[fill=0.5]", "async's knobs: pin_s"),
         ("venus[lane=0.5", "knobs go in one [KNOB=VALUE,...] before any '@'"),
@@ -153,10 +153,10 @@ def test_a_bad_policy_name_says_what_is_wrong(name: str, error: str) -> None:
 
 
 def test_a_policy_s_knobs_are_set_in_its_name_and_reported_with_its_figures() -> None:
-    names = "venus[leave_after_s=2, lane=0.5, migrate=false]@1:4,concur+offload[high_water=0.9]"
+    names = "venus[leave_after_calls=2, lane=0.5, migrate=false]@1:4,concur+offload[high_water=0.9]"
     ours, concur = sim_policies(names)
-    assert ours.name == "venus[leave_after_s=2, lane=0.5, migrate=false]@1:4"
-    assert ours.admission == CriticalWindow(leave_after_s=2.0, lane=0.5, migrate=False)
+    assert ours.name == "venus[leave_after_calls=2, lane=0.5, migrate=false]@1:4"
+    assert ours.admission == CriticalWindow(leave_after_calls=2.0, lane=0.5, migrate=False)
     assert (ours.max_staleness, ours.max_train_staleness) == (1, 4)
     assert concur.admission == ConcurAdmission(high_water=0.9)
     assert concur.retention == "trajectory"  # still the +offload form

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 from venusrl.policy.agent_admission import AimdAdmission, CacheSignal
-from venusrl.policy.critical_groups import BEST_EFFORT, critical
+from venusrl.policy.critical_groups import BEST_EFFORT, TurnRates, critical
 from venusrl.policy.kv_window import (
     Agent,
     CriticalWindow,
@@ -82,6 +82,7 @@ class _Agent:
     member: bool = False  # holds a place
     counted: int = 0  # tokens its place counts
     leave: asyncio.TimerHandle | None = None  # its tool wait's end of membership
+    tool_since: float | None = None  # when its tool call began (the loop's clock)
 
 
 class TurnWindow:
@@ -99,6 +100,7 @@ class TurnWindow:
         self.rank = GroupRanks()
         self.pauses = 0  # members that gave their place up at a turn boundary
         self.waits = 0  # turns that waited for a place
+        self.rates = TurnRates()  # the tool calls seen to return, for `leave_after_s`
         self._seq = itertools.count()
 
     # --- what the coordinator and the agent loop call ------------------------------------------
@@ -134,6 +136,9 @@ class TurnWindow:
         if a.leave is not None:
             a.leave.cancel()
             a.leave = None
+        if a.tool_since is not None:  # its tool call returned
+            self.rates.observe(0, 0.0, asyncio.get_running_loop().time() - a.tool_since)
+            a.tool_since = None
         a.context = context
         if a.member:
             a.counted = context
@@ -153,9 +158,14 @@ class TurnWindow:
                 future.cancel()
 
     def turn_done(self, tid: str) -> None:
-        """Its turn ended: a tool wait longer than `leave_after_s` gives its place up."""
+        """Its turn ended and its tool call begins: a wait longer than the policy's
+        `leave_after_s` (of the median call this window saw return) gives its place up."""
         a = self.agents.get(tid)
-        if a is None or not a.member:
+        if a is None:
+            return
+        loop = asyncio.get_running_loop()
+        a.tool_since = loop.time()
+        if not a.member:
             return
         a.started = True
 
@@ -164,7 +174,7 @@ class TurnWindow:
             self._leave(a)
             self._admit()
 
-        a.leave = asyncio.get_running_loop().call_later(self.policy.leave_after_s, leave)
+        a.leave = loop.call_later(self.policy.leave_after_s(self.rates.tool_s_per_turn), leave)
 
     def end(self, tid: str) -> None:
         """The episode is over."""

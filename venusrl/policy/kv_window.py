@@ -23,9 +23,13 @@ of critical (HIGH) groups:
   hold more than keep * C (the window shrank under it: its turns grew), or a more critical agent
   waits and has no place on any engine while this one's would fit it. A member that yields
   pauses; its KV goes to the host tier by retention, and it resumes by rank.
-- **Tool waits leave.** A member that has waited on a tool for more than `leave_after_s` gives
-  its place up (its KV stays on the device until the engine needs the pages, then goes to the
-  host tier); it asks for a place again when its tool returns.
+- **Tool waits leave.** A member whose tool call has run `leave_after_calls` times the median
+  tool call (`leave_after_s`; the median of the calls the window saw return, `TurnRates`) gives
+  its place up: a call that long is in the tail, whatever the tools' speed, and likely to run
+  long again. Its KV stays on the device until the engine needs the pages, then goes to the
+  host tier; it asks for a place again when its tool returns. Leaving earlier costs more than
+  it frees: every short call that leaves moves its KV out and back (swe-long, seed 0: leaving
+  at once 1.3x the step, after 2 s 1.04x, after 10 s 1.007x; BENCHMARKS.md).
 - **Fast lanes.** Decode is bound by the KV a step reads, so a batch holding less KV runs each of
   its members faster. While KV is short (the members and the agents waiting for a place count
   more than the engines' budgets: `lanes`), on an engine with critical members, best-effort
@@ -44,8 +48,9 @@ of critical (HIGH) groups:
   already started (their KV exists) before new ones, then by the group ranking, then member.
 
 The constants are ours, chosen on swe-long seeds 0-2 (BENCHMARKS.md) and held for every
-scenario: fill 0.85 and keep 0.97 as Concur's low and high water marks; leave after 5 s, about
-ten times the median tool call, so that only the long tail of tool calls leaves; a lane of 0.3:
+scenario: fill 0.85 and keep 0.97 as Concur's low and high water marks; leave after 12 median
+tool calls (5 s on swe-long, whose median call is 0.41 s), so that only the long tail of tool
+calls leaves; a lane of 0.3:
 with the ranking's spares (`critical_groups`) the critical groups once new weights are out are
 the ones that complete the batch, and the lane keeps their engines light; only while KV is short,
 since where every agent has room (swe-short) the lane starved best-effort work the next batch
@@ -108,7 +113,7 @@ def admission_key(priority: int, started: bool, group_rank: int, member: int) ->
 class CriticalWindow:
     fill: float = 0.85
     keep: float = 0.97
-    leave_after_s: float = 5.0
+    leave_after_calls: float = 12.0
     lane: float = 0.3
     rebalance_tokens: int = 100_000
     migrate: bool = True
@@ -119,8 +124,8 @@ class CriticalWindow:
             raise ValueError(f"need 0 < fill <= keep <= 1, got {self.fill}, {self.keep}")
         if not 0 < self.lane <= 1:
             raise ValueError(f"lane must be in (0, 1], got {self.lane}")
-        if self.leave_after_s < 0 or self.rebalance_tokens < 0 or self.head < 0:
-            raise ValueError("leave_after_s, rebalance_tokens and head must be >= 0")
+        if self.leave_after_calls < 0 or self.rebalance_tokens < 0 or self.head < 0:
+            raise ValueError("leave_after_calls, rebalance_tokens and head must be >= 0")
 
     def lanes(self, engines: Sequence[EngineLoad], waiting: int) -> CriticalWindow:
         """The window to decide with now: this one while the members' KV and the contexts of
@@ -136,6 +141,11 @@ class CriticalWindow:
     @cached_property
     def _laneless(self) -> CriticalWindow:
         return replace(self, lane=1.0)
+
+    def leave_after_s(self, median_tool_s: float) -> float:
+        """How long a member may wait on a tool and keep its place, when the median tool call
+        is `median_tool_s`."""
+        return self.leave_after_calls * median_tool_s
 
     def budget(self, e: EngineLoad) -> int:
         return int(self.fill * e.capacity)

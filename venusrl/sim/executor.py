@@ -136,7 +136,7 @@ def sim_policy(name: str) -> SimPolicy:
     bound (`async@2,venus@2`; `venus@0` is synchronous), and `NAME@N:L` also lets a group be
     trained up to L versions after it started (`max_train_staleness`: batches need not wait for
     a straggler). `NAME[KNOB=VALUE,...]` sets knobs of the policy (`knobs`), before any bound:
-    `venus[leave_after_s=2,lane=0.5]@1:4`."""
+    `venus[leave_after_calls=5,lane=0.5]@1:4`."""
     known = f"known: {', '.join(POLICIES)}, NAME{OFFLOAD}, NAME[KNOB=VALUE] or NAME@BOUND"
     base, at, bounds = name.partition("@")
     base, bracket, settings = base.partition("[")
@@ -470,8 +470,8 @@ class Simulation:
         self._submit_turn(t)
 
     def _tool_started(self, t: SimTrajectory) -> None:
-        """Under the KV window, a member still in this tool call after `leave_after_s` gives
-        its place up."""
+        """Under the KV window, a member still in this tool call after the window's
+        `leave_after_s` gives its place up."""
         windows, turn = self.windows, t.turn
         if windows is None:
             return
@@ -481,7 +481,7 @@ class Simulation:
                 windows.leave(t)
                 windows.admit()
 
-        self.clock.at(self.clock.now + windows.policy.leave_after_s, expire)
+        self.clock.at(self.clock.now + windows.leave_after_s(), expire)
 
     def _submit_turn(self, t: SimTrajectory, resumed: bool = False) -> None:
         """The turn's request goes to its engine (`resumed`: after admission control paused
@@ -541,6 +541,8 @@ class Simulation:
     def _tool_returned(self, t: SimTrajectory) -> None:
         turn = t.plan.turns[t.turn]
         t.tool_s += turn.tool_s
+        if self.windows is not None:
+            self.windows.tool_returned(turn.tool_s)
         done = Progress(t.generated, t.turn + 1, t.turn + 1, t.tool_s)
         self.book.progress(t.group.gid, t.index, done, self.clock.now)
         t.context += turn.observation_tokens + self.workload.template_tokens

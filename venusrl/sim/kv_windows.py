@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Generic, Protocol, TypeVar
 
-from venusrl.policy.critical_groups import critical
+from venusrl.policy.critical_groups import TurnRates, critical
 from venusrl.policy.kv_window import Agent, CriticalWindow, EngineLoad, GroupRanks, admission_key
 from venusrl.sim.engine import SimEngine
 
@@ -63,6 +63,7 @@ class KvWindows(Generic[M]):
         self.rank = GroupRanks()
         self.critical_groups: set[str] = set()
         self.pauses = self.migrations = 0
+        self.rates = TurnRates()  # the tool calls seen to return, for `leave_after_s`
 
     # --- what the policy sees ------------------------------------------------------------------
 
@@ -130,6 +131,15 @@ class KvWindows(Generic[M]):
         self.ready.setdefault(t.group_id, []).append(t)
         self.waiting += t.context
         self.admit()
+
+    def leave_after_s(self) -> float:
+        """How long a member may wait on a tool and keep its place, now."""
+        return self.policy.leave_after_s(self.rates.tool_s_per_turn)
+
+    def tool_returned(self, tool_s: float) -> None:
+        """A member's tool call returned after `tool_s` (as the runtime's window measures it:
+        from its turn's end to its next turn)."""
+        self.rates.observe(0, 0.0, tool_s)
 
     def leave(self, t: M) -> None:
         """`t` gives its place up (a tool wait, a pause, its end)."""
