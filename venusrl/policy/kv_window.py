@@ -28,8 +28,8 @@ of critical (HIGH) groups:
   its place up: a call that long is in the tail, whatever the tools' speed, and likely to run
   long again. Its KV stays on the device until the engine needs the pages, then goes to the
   host tier; it asks for a place again when its tool returns. Leaving earlier costs more than
-  it frees: every short call that leaves moves its KV out and back (swe-long, seed 0: leaving
-  at once 1.3x the step, after 2 s 1.04x, after 10 s 1.007x; BENCHMARKS.md).
+  it frees: every short call that leaves moves its KV out and back (swe-long, three seeds:
+  leaving at once 0.82x the speed of leaving after 5 s; after 2 s or 10 s 0.986x; BENCHMARKS.md).
 - **Fast lanes.** Decode is bound by the KV a step reads, so a batch holding less KV runs each of
   its members faster. While KV is short (the members and the agents waiting for a place count
   more than the engines' budgets: `lanes`), on an engine with critical members, best-effort
