@@ -47,7 +47,7 @@ import statistics
 import time
 from typing import Any
 
-from venusrl.sim.cost_model import CostModel
+from venusrl.sim.cost_model import CostModel, parse_overrides
 from venusrl.sim.executor import SimConfig, SimPolicy, sim_policies, simulate
 from venusrl.sim.report import over_seeds, parse_seeds, speedups
 from venusrl.workloads import SCENARIOS, Workload, load_workload
@@ -76,20 +76,6 @@ def unloaded(workload: Workload, policies: list[SimPolicy]) -> list[tuple[Worklo
             SimPolicy(name, "fifo", start, "lru", max_train_staleness=train),
         ))  # fmt: skip
     return alone
-
-
-def parse_settings(text: str) -> dict[str, float]:
-    """ "KEY=VALUE,..." as numbers (`inf` too); ValueError names a bad one."""
-    settings: dict[str, float] = {}
-    for setting in filter(None, (part.strip() for part in text.split(","))):
-        key, eq, value = (part.strip() for part in setting.partition("="))
-        try:
-            if not (key and eq):
-                raise ValueError
-            settings[key] = float(value)
-        except ValueError:
-            raise ValueError(f"{setting!r} is not KEY=NUMBER") from None
-    return settings
 
 
 def run_scenario(
@@ -218,7 +204,7 @@ def main() -> None:
     except ValueError as e:
         p.error(f"--unloaded: {e}")
     try:
-        cost = parse_settings(args.cost)
+        cost = parse_overrides(args.cost)
         for w in workloads:
             CostModel.preset(w.model, w.gpu, w.tp).overridden(cost)
     except ValueError as e:

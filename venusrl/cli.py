@@ -207,8 +207,13 @@ def _add_sim(sub: Subcommands) -> None:
             " venus-nowindow; NAME+offload gives a baseline the host tier ours has; NAME@N sets"
             " a staleness bound of N (and trains a group at most N versions after it started),"
             " NAME@N:L trains it up to L versions after (default: 1:4 for every policy but"
-            " sync)"
+            " sync); NAME[KNOB=VALUE,...] sets its knobs (venus[leave_after_calls=5])"
         ),
+    )
+    sim.add_argument(
+        "--cost",
+        default="",
+        help="KEY=VALUE,...: constants of the cost model set otherwise (gpu.pcie_h2d=inf)",
     )
     sim.add_argument(
         "--seeds",
@@ -567,6 +572,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _sim(args: argparse.Namespace) -> int:
+    from venusrl.sim.cost_model import CostModel, parse_overrides
     from venusrl.sim.executor import SimConfig, sim_policies, simulate
     from venusrl.sim.report import over_seeds, parse_seeds
     from venusrl.workloads import SCENARIOS, load_workload
@@ -586,16 +592,22 @@ def _sim(args: argparse.Namespace) -> int:
         raise ValueError("--steps must be >= 2 (the first step only fills the pipeline)")
     if args.jobs is not None and args.jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+    try:
+        cost = parse_overrides(args.cost)
+        CostModel.preset(workload.model, workload.gpu, workload.tp).overridden(cost)
+    except ValueError as e:
+        raise ValueError(f"--cost: {e}") from None
     started = time.monotonic()
     config = SimConfig(
         args.steps,
         decide_every_iteration=args.decide_every_iteration,
         weight_update=args.weight_update,
     )
-    runs = {seed: simulate(workload, policies, seed, config, args.jobs) for seed in seeds}
+    runs = {seed: simulate(workload, policies, seed, config, args.jobs, cost) for seed in seeds}
     summary = over_seeds(runs)
     out: dict[str, Any] = {
         "workload": workload.name,
+        "cost": cost,
         "seeds": seeds,
         "wall_s": round(time.monotonic() - started, 1),
         "runs": {str(seed): results for seed, results in runs.items()},

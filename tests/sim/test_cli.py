@@ -59,6 +59,23 @@ def test_sim_prints_one_json_object_with_speedups_per_policy(tmp_path: Path) -> 
     assert table.returncode == 0 and "speedup_vs_sync" in table.stdout
 
 
+def test_sim_takes_a_policy_s_knobs_and_cost_constants_from_the_command_line(
+    tmp_path: Path,
+) -> None:
+    workload = tmp_path / "small.yaml"
+    workload.write_text(SMALL)
+    args = ("--policies", "venus,venus[migrate=false]", "--steps", "2", "--json")
+    proc = sim("--workload", str(workload), *args, "--cost", "weight_sync_fixed_s=10")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["cost"] == {"weight_sync_fixed_s": 10.0}
+    ours, unmoved = out["runs"]["0"]
+    assert unmoved["policy"] == "venus[migrate=false]"
+    assert unmoved["knobs"]["admission"]["migrate"] is False and unmoved["migrations"] == 0
+    # qwen3-4b's 8 GB of weights at 25 GB/s after the fixed 10 s
+    assert ours["weight_sync_s_per_step"] == unmoved["weight_sync_s_per_step"] == 10.32
+
+
 def test_sim_over_several_seeds_prints_each_seed_the_median_and_the_worst(tmp_path: Path) -> None:
     workload = tmp_path / "small.yaml"
     workload.write_text(SMALL)
@@ -92,6 +109,9 @@ def test_sim_names_a_bad_policy_scenario_or_job_count(capsys: pytest.CaptureFixt
     assert "venus@two" in err and "staleness bound" in err
     assert "--jobs must be >= 1, got 0" in refused("--scenario", "swe-long", "--jobs", "0")
     assert "listed twice" in refused("--scenario", "swe-long", "--seeds", "1,1")
+    assert "--cost: 'pcie' is not KEY=NUMBER" in refused("--scenario", "swe-long", "--cost", "pcie")
+    err = refused("--scenario", "swe-long", "--policies", "venus[lane=3]")
+    assert "venus[lane=3]" in err and "lane must be in (0, 1]" in err
 
 
 def test_ctrl_c_ends_a_simulation_with_one_line_and_no_traceback() -> None:

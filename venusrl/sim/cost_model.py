@@ -20,6 +20,21 @@ GB = 1e9
 TB = 1e12
 
 
+def parse_overrides(text: str) -> dict[str, float]:
+    """ "KEY=VALUE,..." (`--cost`) as numbers for `CostModel.overridden` (`inf` too);
+    ValueError names a bad one."""
+    settings: dict[str, float] = {}
+    for setting in filter(None, (part.strip() for part in text.split(","))):
+        key, eq, value = (part.strip() for part in setting.partition("="))
+        try:
+            if not (key and eq):
+                raise ValueError
+            settings[key] = float(value)
+        except ValueError:
+            raise ValueError(f"{setting!r} is not KEY=NUMBER") from None
+    return settings
+
+
 # Constants `CostModel.overridden` may set to 0 (times and sizes added, not divided by), and
 # the shares, at most 1; every other constant is a size or rate > 0.
 MAY_BE_ZERO = frozenset(("reserved_bytes", "transfer_latency_s", "host_kv_bytes_per_gpu",
