@@ -47,8 +47,8 @@ import statistics
 import time
 from typing import Any
 
-from venusrl.sim.cost_model import CostModel, parse_overrides
-from venusrl.sim.executor import SimConfig, SimPolicy, sim_policies, simulate
+from venusrl.sim.cost_model import parse_overrides
+from venusrl.sim.executor import SimConfig, SimPolicy, sim_policies, simulate, workload_cost
 from venusrl.sim.report import over_seeds, parse_seeds, speedups
 from venusrl.workloads import SCENARIOS, Workload, load_workload
 
@@ -206,7 +206,7 @@ def main() -> None:
     try:
         cost = parse_overrides(args.cost)
         for w in workloads:
-            CostModel.preset(w.model, w.gpu, w.tp).overridden(cost)
+            workload_cost(w, cost)
     except ValueError as e:
         p.error(f"--cost: {e}")
     results = {

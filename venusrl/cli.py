@@ -572,8 +572,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _sim(args: argparse.Namespace) -> int:
-    from venusrl.sim.cost_model import CostModel, parse_overrides
-    from venusrl.sim.executor import SimConfig, sim_policies, simulate
+    from venusrl.sim.cost_model import parse_overrides
+    from venusrl.sim.executor import SimConfig, sim_policies, simulate, workload_cost
     from venusrl.sim.report import over_seeds, parse_seeds
     from venusrl.workloads import SCENARIOS, load_workload
 
@@ -594,7 +594,7 @@ def _sim(args: argparse.Namespace) -> int:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     try:
         cost = parse_overrides(args.cost)
-        CostModel.preset(workload.model, workload.gpu, workload.tp).overridden(cost)
+        workload_cost(workload, cost)  # refused now, not after the first policy's run
     except ValueError as e:
         raise ValueError(f"--cost: {e}") from None
     started = time.monotonic()

@@ -114,6 +114,7 @@ def test_a_bad_cost_constant_is_refused_before_simulating() -> None:
         ("gpu.pcie_h2d", "--cost: 'gpu.pcie_h2d' is not KEY=NUMBER"),
         ("gpu.pcie_h2d=fast", "--cost: 'gpu.pcie_h2d=fast' is not KEY=NUMBER"),
         ("gpu.pcie_h2d=0", "--cost: gpu.pcie_h2d: needs a number > 0, got 0.0"),
+        ("train_mfu=0.3,train_mfu=0.5", "--cost: train_mfu set twice"),
         ("model.layers=1.5", "--cost: model.layers: needs an integer > 0"),
         ("reserved_bytes=1e12", "--cost: qwen3-4b does not fit 1 x h200"),
     ]:

@@ -29,9 +29,12 @@ def parse_overrides(text: str) -> dict[str, float]:
         try:
             if not (key and eq):
                 raise ValueError
-            settings[key] = float(value)
+            number = float(value)
         except ValueError:
             raise ValueError(f"{setting!r} is not KEY=NUMBER") from None
+        if key in settings:  # the first would be lost without a word
+            raise ValueError(f"{key} set twice")
+        settings[key] = number
     return settings
 
 

@@ -326,7 +326,7 @@ class Simulation:
         w = self.workload = workload
         self.policy = policy
         self.config = config or SimConfig()
-        self.cost = cost or CostModel.preset(w.model, w.gpu, w.tp)
+        self.cost = cost or workload_cost(w)
         self.clock = Clock()
         self.sampler = WorkloadSampler(w, seed)
         bound = StalenessBound(
@@ -785,6 +785,12 @@ def quantile(sorted_values: list[float], q: float) -> float | None:
     return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
 
+def workload_cost(workload: Workload, cost: Mapping[str, float] | None = None) -> CostModel:
+    """The workload's model on its GPUs (`CostModel.preset`), with the constants `cost` sets
+    (`CostModel.overridden`; ValueError names a bad one)."""
+    return CostModel.preset(workload.model, workload.gpu, workload.tp).overridden(cost or {})
+
+
 def simulate(
     workload: Workload,
     policies: list[SimPolicy],
@@ -800,7 +806,7 @@ def simulate(
     so the figures do not depend on it. `cost`: constants of the workload's cost model set
     otherwise (`CostModel.overridden`)."""
     jobs = min(len(policies), jobs or len(policies))
-    model = CostModel.preset(workload.model, workload.gpu, workload.tp).overridden(cost or {})
+    model = workload_cost(workload, cost)
     if jobs > 1:
         fork = multiprocessing.get_context("fork")
         with ProcessPoolExecutor(jobs, mp_context=fork, initializer=_quiet_on_interrupt) as pool:
