@@ -109,7 +109,7 @@ def test_sim_names_a_bad_policy_scenario_or_job_count(capsys: pytest.CaptureFixt
     assert "venus@two" in err and "staleness bound" in err
     assert "--jobs must be >= 1, got 0" in refused("--scenario", "swe-long", "--jobs", "0")
     assert "listed twice" in refused("--scenario", "swe-long", "--seeds", "1,1")
-    assert "--cost: 'pcie' is not KEY=NUMBER" in refused("--scenario", "swe-long", "--cost", "pcie")
+    assert "--cost: 'pcie' is not KEY=VALUE" in refused("--scenario", "swe-long", "--cost", "pcie")
     err = refused("--scenario", "swe-long", "--policies", "venus[lane=3]")
     assert "venus[lane=3]" in err and "lane must be in (0, 1]" in err
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass, fields, replace
 from functools import cached_property
 from typing import Any
 
+from venusrl.sim.settings import key_values
+
 GB = 1e9
 TB = 1e12
 
@@ -24,17 +26,11 @@ def parse_overrides(text: str) -> dict[str, float]:
     """ "KEY=VALUE,..." (`--cost`) as numbers for `CostModel.overridden` (`inf` too);
     ValueError names a bad one."""
     settings: dict[str, float] = {}
-    for setting in filter(None, (part.strip() for part in text.split(","))):
-        key, eq, value = (part.strip() for part in setting.partition("="))
+    for key, value in key_values(text).items():
         try:
-            if not (key and eq):
-                raise ValueError
-            number = float(value)
+            settings[key] = float(value)
         except ValueError:
-            raise ValueError(f"{setting!r} is not KEY=NUMBER") from None
-        if key in settings:  # the first would be lost without a word
-            raise ValueError(f"{key} set twice")
-        settings[key] = number
+            raise ValueError(f"{key}: needs a number, got {value!r}") from None
     return settings
 
 

@@ -57,6 +57,7 @@ from venusrl.sim.cost_model import CostModel
 from venusrl.sim.engine import SPENT_ON, SimEngine
 from venusrl.sim.kv_windows import KvWindows
 from venusrl.sim.report import speedups
+from venusrl.sim.settings import key_values
 from venusrl.sim.types import Clock, Counters, SimConfig, SimRequest
 from venusrl.types import Progress
 from venusrl.workloads import PromptPlan, TrajectoryPlan, Workload, WorkloadSampler
@@ -196,13 +197,15 @@ def with_knobs(policy: SimPolicy, settings: str) -> SimPolicy:
     """`policy` with `settings` ("KNOB=VALUE,...") applied; ValueError names a bad one."""
     current = knobs(policy)
     pin, admission = policy.pin_s, dict[str, Any]()
-    for setting in settings.split(","):
-        key, eq, text = (part.strip() for part in setting.partition("="))
-        if key not in current or not eq:
+    given = key_values(settings)
+    if not given:
+        raise ValueError(
+            f"no KNOB=VALUE between the brackets; {policy.name}'s knobs: " + ", ".join(current)
+        )
+    for key, text in given.items():
+        if key not in current:
             listed = ", ".join(current)
-            raise ValueError(
-                f"{setting.strip()!r} is not KNOB=VALUE; {policy.name}'s knobs: {listed}"
-            )
+            raise ValueError(f"{key}: not a knob of {policy.name}; its knobs: {listed}")
         kind = type(current[key])
         value: float | int | bool
         try:
