@@ -40,8 +40,11 @@ engine's counters (`Engine.counters`: busy time, tokens computed and re-prefille
 and host hits, bytes offloaded), the mean wait of a tool's answer for the next turn's first token,
 the share of the groups' longest members' time spent at the engine (`critical_generation_share`:
 what no engine policy can beat, the rest being tool calls), and venus's ratio `speedup_vs_<policy>`
-to every other policy run. Targets (issue 5): >= 2.0 (fifo) and >= 1.3 (overlap) on a 2-core
-machine.
+to every other policy run. `later_batch_wait_s` is the loop's wait for batches after the first;
+`speedup_ceiling_vs_<policy>` the ratio venus would reach had it never waited after its first
+batch: with the trainer sharing the 2 cores, its own pace bounds what any engine policy gains.
+Targets: >= 2.0 (fifo) and >= 1.3 (overlap) on a 2-core machine (issue 5); >= 1.2 the best of
+fifo, overlap and their `+offload` forms (issue 40).
 
     python benchmarks/e2e_scheduler.py [--batches 4] [--groups-per-batch 2] [--seed 0]
                                        [--train-staleness 4] [--preset micro]
@@ -132,6 +135,9 @@ def run_policy(
         "step_wall_s": [round(s["wall_s"], 1) for s in steps],
         # The training loop's time over the steps: waiting for batches, training, publishing.
         **{k: round(sum(s[k] for s in steps), 1) for k in ("batch_wait_s", "train_s", "publish_s")},
+        # The part of that wait an engine policy could still take off once the first batch is
+        # in; without it the trainer's own pace sets the run.
+        "later_batch_wait_s": round(sum(s["batch_wait_s"] for s in steps[1:]), 1),
         "group_s_p50": round(quantile(groups, 0.5) or 0.0, 2),
         "group_s_p90": round(quantile(groups, 0.9) or 0.0, 2),
         "group_s_max": round(groups[-1], 2),
@@ -256,8 +262,12 @@ def main() -> None:
         },
         **results,
     }
+    unwaited = venus - results["venus"]["later_batch_wait_s"]
     for base in (p for p in policies if p != "venus"):
         report[f"speedup_vs_{base}"] = round(results[base]["time_to_batches_s"] / venus, 3)
+        report[f"speedup_ceiling_vs_{base}"] = round(
+            results[base]["time_to_batches_s"] / unwaited, 3
+        )
     print(json.dumps(report, indent=2))
 
 

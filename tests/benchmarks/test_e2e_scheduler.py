@@ -30,6 +30,7 @@ def test_it_runs_each_policy_to_the_same_number_of_batches_and_reports_ratios(
         spent = res["batch_wait_s"] + res["train_s"] + res["publish_s"]
         assert min(res["batch_wait_s"], res["train_s"], res["publish_s"]) >= 0
         assert spent <= res["time_to_batches_s"] + 0.2
+        assert 0 <= res["later_batch_wait_s"] <= res["batch_wait_s"]
         assert res["group_s_max"] >= res["group_s_p90"] >= res["group_s_p50"] > 0
         assert res["groups_started"] >= 2 + res["groups_running_at_end"]
         assert 0 <= res["staleness_mean"] <= res["staleness_max"] <= 4
@@ -43,6 +44,9 @@ def test_it_runs_each_policy_to_the_same_number_of_batches_and_reports_ratios(
     for base in ("fifo", "overlap"):
         ratio = out[base]["time_to_batches_s"] / out["venus"]["time_to_batches_s"]
         assert out[f"speedup_vs_{base}"] == round(ratio, 3)
+        unwaited = out["venus"]["time_to_batches_s"] - out["venus"]["later_batch_wait_s"]
+        ceiling = out[base]["time_to_batches_s"] / unwaited
+        assert out[f"speedup_ceiling_vs_{base}"] == round(ceiling, 3) >= out[f"speedup_vs_{base}"]
 
 
 def test_unknown_policies_and_bad_bounds_are_refused_by_name() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import statistics
 
 import pytest
 from hypothesis import given, settings
@@ -18,6 +19,7 @@ from venusrl.policy.critical_groups import (
     LengthPredictor,
     MemberView,
     Prediction,
+    RollingMedian,
     TurnRates,
     slowest_remaining_s,
 )
@@ -162,6 +164,18 @@ def test_turn_rates_follow_the_latest_turns() -> None:
     for _ in range(2):  # the engine got busier, the tools slower
         rates.observe(tokens=5, generation_s=1.0, tool_s=2.0)
     assert (rates.decode_tokens_per_s, rates.tool_s_per_turn) == (5.0, 2.0)
+
+
+@given(
+    window=st.integers(1, 8),
+    values=st.lists(st.floats(0.0, 1e6, allow_nan=False), min_size=1, max_size=40),
+)
+def test_the_rolling_median_is_the_median_of_the_latest_window_values(
+    window: int, values: list[float]
+) -> None:
+    rolling = RollingMedian(window)
+    for i, value in enumerate(values):
+        assert rolling.add(value) == statistics.median(values[max(0, i + 1 - window) : i + 1])
 
 
 @given(

@@ -37,6 +37,7 @@ that has run past it counts what it ran past.
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections import deque
@@ -221,8 +222,7 @@ class TurnRates:
         self, decode_tokens_per_s: float = 50.0, tool_s_per_turn: float = 0.5, window: int = 256
     ) -> None:
         self.decode_tokens_per_s, self.tool_s_per_turn = decode_tokens_per_s, tool_s_per_turn
-        self._decode: deque[float] = deque(maxlen=window)
-        self._tool: deque[float] = deque(maxlen=window)
+        self._decode, self._tool = RollingMedian(window), RollingMedian(window)
 
     def observe(self, tokens: int, generation_s: float, tool_s: float | None) -> None:
         """One turn: `tokens` generated in `generation_s`, then `tool_s` for the environment to
@@ -230,8 +230,25 @@ class TurnRates:
         that generated nothing in no time (replayed from a record) tells nothing of the decode
         speed."""
         if tokens > 0 and generation_s > 0:
-            self._decode.append(tokens / generation_s)
-            self.decode_tokens_per_s = statistics.median(self._decode)
+            self.decode_tokens_per_s = self._decode.add(tokens / generation_s)
         if tool_s is not None:
-            self._tool.append(max(tool_s, 0.0))
-            self.tool_s_per_turn = statistics.median(self._tool)
+            self.tool_s_per_turn = self._tool.add(max(tool_s, 0.0))
+
+
+class RollingMedian:
+    """The median of the latest `window` values, kept sorted as they come (`statistics.median`
+    of them, without sorting them again for each: the simulator asks once a turn)."""
+
+    def __init__(self, window: int) -> None:
+        self._latest: deque[float] = deque(maxlen=window)
+        self._sorted: list[float] = []
+
+    def add(self, value: float) -> float:
+        """Takes `value` in (the oldest out, if the window is full); returns the median."""
+        if len(self._latest) == self._latest.maxlen:
+            del self._sorted[bisect.bisect_left(self._sorted, self._latest[0])]
+        self._latest.append(value)
+        bisect.insort(self._sorted, value)
+        n = len(self._sorted)
+        middle = self._sorted[n // 2]
+        return middle if n % 2 else (self._sorted[n // 2 - 1] + middle) / 2

@@ -214,7 +214,8 @@ class CriticalWindow:
         self, engines: Sequence[EngineLoad], ahead: int, a: Agent, rival: Agent | None
     ) -> bool:
         """Does member `a`, at a turn boundary on its home engine, give its place up? `ahead`:
-        tokens the members ranked above it count; `rival`: the most critical waiting agent."""
+        tokens the members ranked above it count; `rival`: the most critical waiting agent (None
+        also where none outranks `a`: only one that does can take its place)."""
         assert a.home is not None, "only a member yields"
         e = engines[a.home]
         if ahead + a.context > self.keep * e.capacity:

@@ -61,7 +61,7 @@ class KvWindows(Generic[M]):
         self.ready: dict[str, list[M]] = {}  # agents waiting for a place, by group
         self.waiting = 0  # tokens of their contexts
         self.rank = GroupRanks()
-        self.critical_groups: set[str] = set()
+        self.critical_groups: list[str] = []  # in the ranking's order
         self.pauses = self.migrations = 0
         self.rates = TurnRates()  # the tool calls seen to return, for `leave_after_s`
 
@@ -71,12 +71,12 @@ class KvWindows(Generic[M]):
         """The ranking changed: members' critical shares are counted again if the critical
         groups changed."""
         self.rank = GroupRanks(self.ranking.order)
-        groups = {gid for gid, p in self.ranking.priorities.items() if critical(p)}
+        groups = [gid for gid, p in self.ranking.priorities.items() if critical(p)]
         if groups == self.critical_groups:
             return
-        self.critical_groups = groups
+        self.critical_groups, counted = groups, set(groups)
         for i, members in enumerate(self.members):
-            self.critical_load[i] = sum(m.counted for m in members if m.group_id in groups)
+            self.critical_load[i] = sum(m.counted for m in members if m.group_id in counted)
 
     def _critical(self, t: M) -> bool:
         return critical(self.ranking.priority(t.group_id))
@@ -116,8 +116,8 @@ class KvWindows(Generic[M]):
             me = self.agent(t)
             i = t.engine.index
             mine = self.key(t)
-            ahead = sum(m.counted for m in self.members[i] if m is not t and self.key(m) < mine)
-            rival = self._first_ready()
+            ahead = self._ahead(i, t, mine)
+            rival = self._rival(me.priority)
             rival_agent = self.agent(rival) if rival is not None else None
             if not policy.yields(loads, ahead, me, rival_agent):
                 lighter = policy.lighter(loads, me)
@@ -200,9 +200,41 @@ class KvWindows(Generic[M]):
         for _, started, gid in sorted(keys):
             yield started, gid
 
-    def _first_ready(self) -> M | None:
-        """The most critical waiting agent."""
-        return min((t for ready in self.ready.values() for t in ready), key=self.key, default=None)
+    def _ahead(self, i: int, t: M, key: tuple[int, ...]) -> int:
+        """Tokens counted by the members of engine `i` other than `t` whose `key` is below
+        `key` (each group ranked once)."""
+        priority, rank = self.ranking.priority, self.rank
+        groups: dict[str, tuple[int, int]] = {}
+        total = 0
+        for m in self.members[i]:
+            if m is t:
+                continue
+            gid = m.group_id
+            group = groups.get(gid)
+            if group is None:
+                group = groups[gid] = (priority(gid), rank(gid))
+            if admission_key(group[0], True, group[1], m.index) < key:
+                total += m.counted
+        return total
+
+    def _rival(self, above: int) -> M | None:
+        """The most critical waiting agent of a priority over `above` (None: none), whom a member
+        of that priority may make way for. Ranks each group once (its members share all of
+        `key` but whether they started and their index), and only the critical groups where
+        only their agents can outrank: the other groups may be hundreds, waiting behind them."""
+        priority, rank = self.ranking.priority, self.rank
+        groups = self.critical_groups if critical(above + 1) else self.ready
+        best: M | None = None
+        best_key: tuple[int, ...] = ()
+        for gid in groups:
+            ready = self.ready.get(gid)
+            if not ready or priority(gid) <= above:
+                continue
+            t = min(ready, key=lambda a: (a.engine is None, a.index))
+            key = admission_key(priority(gid), t.engine is not None, rank(gid), t.index)
+            if best is None or key < best_key:
+                best, best_key = t, key
+        return best
 
     def _count(self, t: M, tokens: int) -> None:
         assert t.engine is not None
