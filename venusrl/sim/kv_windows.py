@@ -87,10 +87,13 @@ class KvWindows(Generic[M]):
             self.ranking.priority(gid), t.engine is not None, self.rank(gid), t.index
         )
 
-    def agent(self, t: M) -> Agent:
+    def agent(self, t: M, group: Agent | None = None) -> Agent:
+        """`t` as the policy sees it; `group`: its group's priority and rank, if known."""
+        if group is None:
+            gid = t.group_id
+            group = Agent(0, self.ranking.priority(gid), rank=self.rank(gid))
         home = t.engine.index if t.engine is not None else None
-        gid = t.group_id
-        return Agent(t.context, self.ranking.priority(gid), home, t.counted, self.rank(gid))
+        return Agent(t.context, group.priority, home, t.counted, group.rank)
 
     def loads(self) -> list[EngineLoad]:
         return [
@@ -165,13 +168,15 @@ class KvWindows(Generic[M]):
             ready = self.ready.get(gid)
             if not ready:
                 continue
+            group = Agent(0, self.ranking.priority(gid), rank=self.rank(gid))
             for t in sorted(ready, key=lambda a: a.index):
                 if (t.engine is not None) != started:
                     continue
-                a = self.agent(t)
-                kind = (a.critical, policy.heads(a), None if policy.migrate else a.home)
-                if a.context >= refused.get(kind, a.context + 1):
+                home = t.engine.index if t.engine is not None else None
+                kind = (group.critical, policy.heads(group), None if policy.migrate else home)
+                if t.context >= refused.get(kind, t.context + 1):
                     continue
+                a = self.agent(t, group)
                 i = policy.place(loads, a)
                 if i is None:
                     refused[kind] = a.context
