@@ -203,3 +203,24 @@ def test_the_books_balance_whatever_happens(
             version += 1
         b.rank(version)
         b.check()
+
+
+@pytest.mark.parametrize("release", [False, True])
+def test_an_overtaken_straggler_frees_its_start_place_only_when_released(release: bool) -> None:
+    bound = StalenessBound(2, max_staleness=1, max_train_staleness=4, release_overtaken=release)
+    b: GroupBook[None] = GroupBook(bound, "critical")
+    g0, g1, g2, g3 = open_groups(b, b.startable(0))  # batches 0 and 1 of the start bound
+    for gid in (g1, g2):
+        assert finish(b, gid, scored=2)
+    batch = b.take_batch(0)  # g0 straggles: g2, started after it, takes its place
+    assert batch is not None and [g.group_id for g in batch] == [g1, g2]
+    # AReaL's count: g0 still holds one of batch 1's places until new weights are out.
+    assert b.startable(0) == (1 if release else 0)
+    if release:
+        (g4,) = open_groups(b, 1)
+        assert finish(b, g3, scored=2) and finish(b, g4, scored=2)
+        batch = b.take_batch(1)  # batch 1 completes before g0 does
+        assert batch is not None and [g.group_id for g in batch] == [g3, g4]
+    assert finish(b, g0, scored=2)  # once complete it counts again, as any group does
+    assert b.startable(0) == 0
+    b.check()

@@ -133,10 +133,10 @@ def test_a_train_bound_above_the_start_bound_lets_batches_overtake_stragglers() 
         ("venus@\u0661", "after '@' comes a staleness bound"),
         ("venus@99999999999", "staleness bounds go up to 64"),
         ("venus@1:65", "staleness bounds go up to 64"),
-        ("venus[foo=1]", "foo: not a knob of venus; its knobs: pin_s, fill, keep"),
+        ("venus[foo=1]", "foo: not a knob of venus; its knobs: pin_s, release_overtaken, fill"),
         ("venus[lane]", "'lane' is not KEY=VALUE"),
         ("venus[lane=]", "'lane=' is not KEY=VALUE"),
-        ("venus[]", "no KNOB=VALUE between the brackets; venus's knobs: pin_s, fill"),
+        ("venus[]", "no KNOB=VALUE between the brackets; venus's knobs: pin_s, release"),
         ("venus[lane=0.5,lane=0.6]", "lane set twice"),
         ("venus[lane=x]", "lane: needs float, got 'x'"),
         ("venus[lane=2]", "lane must be in (0, 1], got 2.0"),
@@ -165,6 +165,16 @@ def test_a_policy_s_knobs_are_set_in_its_name_and_reported_with_its_figures() ->
     result = run("venus[migrate=false,rebalance_tokens=0]")
     assert result["knobs"]["admission"]["migrate"] is False and result["migrations"] == 0
     assert run("venus[rebalance_tokens=0]")["migrations"] > 0  # the knob, not the workload
+
+
+def test_a_straggler_overtaken_by_the_batches_frees_its_start_place_when_released() -> None:
+    held, released = run("async", steps=6), run("async[release_overtaken=true]", steps=6)
+    assert released["knobs"]["release_overtaken"] is True
+    # Its replacement starts at once instead of at the next publish: the trainer waits less,
+    # and trains staler groups, never past the train bound.
+    assert released["batch_wait_s"] < held["batch_wait_s"]
+    assert released["staleness_mean"] > held["staleness_mean"]
+    assert released["staleness_max"] <= 4
 
 
 def test_a_policy_listed_twice_is_refused() -> None:

@@ -75,14 +75,17 @@ class GroupBook(Generic[T]):
         self.tool_calls_seen = 0  # members' returned tool calls the ranking learned of
         # The bound numbers groups from version 0: a resumed run's trained batches count.
         self._groups_before = start_version * bound.batch_groups
+        self._newest_trained = 0  # groups opened up to the latest that a batch took
 
     # --- groups ---------------------------------------------------------------------------------
 
     def startable(self, version: int) -> int:
         """How many groups may open now (`StalenessBound.startable`). A dropped group gives its
-        place in a batch back: with max_staleness=0 the batch could otherwise never fill."""
+        place in a batch back: with max_staleness=0 the batch could otherwise never fill. A group
+        still open though one opened after it was trained is overtaken."""
         placed = self._groups_before + self.groups_started - self.groups_dropped
-        return self.bound.startable(placed, version)
+        overtaken = sum(g.arrival < self._newest_trained for g in self.open.values())
+        return self.bound.startable(placed, version, overtaken)
 
     def start_group(
         self, group_id: str, prompt_id: str, size: int, version: int, data: T
@@ -172,6 +175,7 @@ class GroupBook(Generic[T]):
         if picked is None:
             return None
         batch = [self.ready[i] for i in picked]
+        self._newest_trained = max(self._newest_trained, *(g.arrival + 1 for g in batch))
         taken = set(picked)
         self.ready = [g for i, g in enumerate(self.ready) if i not in taken]
         return batch

@@ -21,6 +21,15 @@ minutes) be overtaken: the batches take later complete groups in its place and t
 completes, at most `max_train_staleness` versions after it started, instead of holding every batch
 for it. Its tokens are then that much staler; the trainer's importance ratio corrects them.
 
+A straggler still counts among the started groups after batches took later groups in its place,
+so under the start bound it holds one of the next batch's places until it completes: that batch
+cannot complete before new weights let one more group start (every step of the CPU example's
+`venusrl train` waited for exactly that group; BENCHMARKS.md 2026-12-06 (6)). With
+`release_overtaken` a group gives its place back once a group started after it has been
+trained: the straggler runs beside the pipeline, still trained within `max_train_staleness`, and
+its replacement starts at once. More groups are then in flight and the mean staleness rises; it
+is off by default, as AReaL counts.
+
 `max_staleness = 0` is synchronous on-policy training: only the groups of the batch the trainer is
 waiting for may run. Each token also records the version that produced it, and the trainer
 corrects what is stale with the behaviour logprobs (PPO-style importance ratio).
@@ -37,6 +46,7 @@ class StalenessBound:
     batch_groups: int
     max_staleness: int = 1
     max_train_staleness: int | None = None  # None: max_staleness
+    release_overtaken: bool = False  # an overtaken group stops counting against the start bound
 
     def __post_init__(self) -> None:
         if self.batch_groups < 1:
@@ -59,8 +69,12 @@ class StalenessBound:
         """May group number `started_groups` (0-based) start while weights are at this version?"""
         return started_groups // self.batch_groups <= weight_version + self.max_staleness
 
-    def startable(self, started_groups: int, weight_version: int) -> int:
-        """How many more groups may start now."""
+    def startable(self, started_groups: int, weight_version: int, overtaken: int = 0) -> int:
+        """How many more groups may start now; `overtaken`: of the started groups, those still
+        running after a group started later was trained (not counted with
+        `release_overtaken`)."""
+        if self.release_overtaken:
+            started_groups -= overtaken
         limit = (weight_version + self.max_staleness + 1) * self.batch_groups
         return max(limit - started_groups, 0)
 

@@ -74,6 +74,7 @@ class SimPolicy:
     pin_s: float = 5.0  # retention pin while a trajectory waits on a tool (trajectory retention)
     admission: AgentAdmission | CriticalWindow | None = None  # agent-level admission control
     max_train_staleness: int | None = None  # policy.staleness; None: max_staleness
+    release_overtaken: bool = False  # policy.staleness: an overtaken group frees its start place
 
 
 # Every policy that runs ahead of the trainer may train a straggling group up to this many
@@ -181,11 +182,16 @@ def sim_policy(name: str) -> SimPolicy:
     return policy
 
 
+# The policy's own knobs; the others are its admission control's.
+OWN_KNOBS = ("pin_s", "release_overtaken")
+
+
 def knobs(policy: SimPolicy) -> dict[str, float | int | bool]:
-    """What `NAME[KNOB=VALUE]` may set: the retention pin and the numeric fields of the
-    policy's admission control (its constants, chosen on swe-long: a user tunes them on their
-    own workload from the command line)."""
-    found: dict[str, float | int | bool] = {"pin_s": policy.pin_s}
+    """What `NAME[KNOB=VALUE]` may set: the retention pin, whether an overtaken group frees its
+    place under the start bound, and the numeric fields of the policy's admission control (its
+    constants, chosen on swe-long: a user tunes them on their own workload from the command
+    line)."""
+    found: dict[str, float | int | bool] = {k: getattr(policy, k) for k in OWN_KNOBS}
     if is_dataclass(policy.admission):  # every admission policy is one
         found.update(
             (k, v) for k, v in asdict(policy.admission).items() if isinstance(v, int | float)
@@ -196,7 +202,7 @@ def knobs(policy: SimPolicy) -> dict[str, float | int | bool]:
 def with_knobs(policy: SimPolicy, settings: str) -> SimPolicy:
     """`policy` with `settings` ("KNOB=VALUE,...") applied; ValueError names a bad one."""
     current = knobs(policy)
-    pin, admission = policy.pin_s, dict[str, Any]()
+    own, admission = dict[str, Any](), dict[str, Any]()
     given = key_values(settings)
     if not given:
         raise ValueError(
@@ -219,17 +225,14 @@ def with_knobs(policy: SimPolicy, settings: str) -> SimPolicy:
             raise ValueError(f"{key}: needs {kind.__name__}, got {text!r}") from None
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{key}: needs a finite number, got {text!r}")
-        if key == "pin_s":
-            pin = float(value)
-        else:
-            admission[key] = value
-    if pin < 0:
-        raise ValueError(f"pin_s must be >= 0, got {pin}")
+        (own if key in OWN_KNOBS else admission)[key] = value
+    if own.get("pin_s", 0) < 0:
+        raise ValueError(f"pin_s must be >= 0, got {own['pin_s']}")
     control = policy.admission
     if admission:
         assert is_dataclass(control) and not isinstance(control, type)  # (its knobs were found)
         control = replace(control, **admission)
-    return replace(policy, pin_s=pin, admission=control)
+    return replace(policy, admission=control, **own)
 
 
 def sim_policies(names: str) -> list[SimPolicy]:
@@ -333,7 +336,10 @@ class Simulation:
         self.clock = Clock()
         self.sampler = WorkloadSampler(w, seed)
         bound = StalenessBound(
-            w.prompts_per_batch, policy.max_staleness, policy.max_train_staleness
+            w.prompts_per_batch,
+            policy.max_staleness,
+            policy.max_train_staleness,
+            policy.release_overtaken,
         )
         if w.rollout_gpus % w.tp:
             raise ValueError(f"rollout_gpus {w.rollout_gpus} is not a multiple of tp {w.tp}")
@@ -655,6 +661,8 @@ class Simulation:
         batch = self.book.take_batch(self.version)
         if batch is None:
             return
+        if self.policy.release_overtaken:
+            self._launch()  # the groups it overtook free their places
         tokens = sum(g.data.tokens for g in batch)
         sequences = sum(g.data.sequences for g in batch)
         self.trainer_busy = True
