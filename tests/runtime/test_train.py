@@ -43,13 +43,22 @@ from venusrl.types import Finish
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes need root")
 
 
-@pytest.mark.parametrize(("start_bound", "train_bound"), [(0, None), (1, None), (1, 2)])
+@pytest.mark.parametrize(
+    ("start_bound", "train_bound", "release"),
+    [(0, None, False), (1, None, False), (1, 2, False), (1, 2, True)],
+)
 def test_train_writes_one_metrics_line_per_step_within_the_staleness_bound(
-    tmp_path: Path, warm_started_small: list[str], start_bound: int, train_bound: int | None
+    tmp_path: Path,
+    warm_started_small: list[str],
+    start_bound: int,
+    train_bound: int | None,
+    release: bool,
 ) -> None:
     overrides = [*warm_started_small, f"rollout.max_staleness={start_bound}"]
     if train_bound is not None:
         overrides.append(f"rollout.max_train_staleness={train_bound}")
+    if release:  # overtaken stragglers free their start places: still within the train bound
+        overrides.append("rollout.release_overtaken=true")
     staleness = start_bound if train_bound is None else train_bound
     cfg = load_config(None, overrides)
     metrics = asyncio.run(train(cfg, tmp_path))

@@ -100,6 +100,12 @@ class RolloutConfig(Section):
         " max_staleness. Larger lets batches take later groups in a straggler's place"
         " (policy.staleness)",
     )
+    release_overtaken: bool = Field(
+        False,
+        description="a group still running after one started later was trained stops counting"
+        " against max_staleness, so its replacement starts at once rather than at the next"
+        " publish; it is still trained within max_train_staleness (policy.staleness)",
+    )
     max_infra_retries: int = Field(2, ge=0, description="replacement members per group")
     priorities: Literal["critical", "fifo"] = Field(
         "critical",
@@ -184,8 +190,16 @@ class RolloutConfig(Section):
 
     @model_validator(mode="after")
     def _staleness_bound(self) -> RolloutConfig:
-        StalenessBound(self.batch_groups, self.max_staleness, self.max_train_staleness)
+        self.staleness_bound()
         return self
+
+    def staleness_bound(self) -> StalenessBound:
+        return StalenessBound(
+            self.batch_groups,
+            self.max_staleness,
+            self.max_train_staleness,
+            self.release_overtaken,
+        )
 
     @model_validator(mode="after")
     def _task_source(self) -> RolloutConfig:

@@ -37,7 +37,6 @@ from venusrl.coordinator.rollouts import GroupEpisodes, Rollouts
 from venusrl.envs.environment import Environment, Task
 from venusrl.envs.types import InfraFailure
 from venusrl.policy.critical_groups import TurnRates
-from venusrl.policy.staleness import StalenessBound
 from venusrl.types import Failure, FailureKind, Finish, Trajectory
 
 
@@ -116,9 +115,7 @@ class Coordinator:
         self.tasks, self.rollouts = tasks, rollouts
         self.config = config
         self.weight_version = weight_version
-        bound = StalenessBound(
-            config.batch_groups, config.max_staleness, config.max_train_staleness
-        )
+        bound = config.staleness_bound()
         # The ranking's decode speed and tool time: measured from the members' turns.
         self.book: GroupBook[_GroupRun] = GroupBook(
             bound, config.priorities, TurnRates(), start_version=weight_version()
