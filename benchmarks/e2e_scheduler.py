@@ -29,7 +29,9 @@ no priorities (what SGLang's HiCache or LMCache give a plain server).
 (`rollout.max_train_staleness`, default 4, the value AReaL's documentation gives as its example
 off-policyness bound): a batch takes later complete groups in a straggler's place instead of
 waiting for it. `--train-staleness 1` makes every batch wait for its due stragglers (the bound
-before 2026-12-03's fourth session).
+before 2026-12-03's fourth session). `--release-overtaken` sets `rollout.release_overtaken` for
+them too: a straggler overtaken by the batches stops holding a place under the start bound, so
+its replacement starts at once instead of when new weights are out.
 
 Prints one JSON object: per policy `time_to_batches_s` (the training loop's wall time when the last
 batch has trained) and of it the time the loop waited for batches, trained and published
@@ -172,9 +174,11 @@ def critical_generation_share(run_dir: Path) -> float:
     return round(sum(e for _, e in longest.values()) / spans, 3) if spans else 0.0
 
 
-def knobs(policy: str, train_staleness: int) -> list[str]:
+def knobs(policy: str, train_staleness: int, release_overtaken: bool = False) -> list[str]:
     base = policy.removesuffix(OFFLOAD)
     train = [f"rollout.max_train_staleness={train_staleness}"] if base in ASYNC else []
+    if train and release_overtaken:
+        train.append("rollout.release_overtaken=true")
     retention = ["engine.retention=trajectory"] if policy.endswith(OFFLOAD) else []
     return [*(k for k in POLICIES[base] if not retention or k != "engine.retention=lru"),
             *retention, *train]  # fmt: skip
@@ -205,6 +209,11 @@ def main() -> None:
         type=int,
         default=4,
         help="versions after its start a group may be trained (overlap, venus)",
+    )
+    parser.add_argument(
+        "--release-overtaken",
+        action="store_true",
+        help="an overtaken straggler frees its start place (overlap, venus)",
     )
     parser.add_argument("--policies", default="fifo,overlap,venus")
     parser.add_argument("--out", type=Path, help="run directories (default: a temporary one)")
@@ -244,7 +253,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = args.out or Path(tmp)
         results = {
-            name: run_policy(name, common, knobs(name, args.train_staleness), out, args.batches)
+            name: run_policy(
+                name,
+                common,
+                knobs(name, args.train_staleness, args.release_overtaken),
+                out,
+                args.batches,
+            )
             for name in policies
         }
     venus = results["venus"]["time_to_batches_s"]
@@ -256,6 +271,7 @@ def main() -> None:
             "seed": args.seed,
             "preset": args.preset,
             "train_staleness": args.train_staleness,
+            "release_overtaken": args.release_overtaken,
             "device_kv_pages": device,
             "host_kv_pages": host,
             "common_overrides": common,

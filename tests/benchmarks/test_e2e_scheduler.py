@@ -87,3 +87,12 @@ def test_an_offload_baseline_is_its_plain_form_with_the_host_tier_and_no_priorit
     assert "rollout.priorities=fifo" in offload and "rollout.max_train_staleness=4" in offload
     code, stderr = refused("e2e_scheduler.py", "--policies", "venus,venus+offload")
     assert code != 0 and "venus+offload" in stderr
+
+
+def test_released_start_places_go_to_every_policy_that_runs_ahead_and_to_no_other() -> None:
+    from benchmarks.e2e_scheduler import knobs
+
+    for policy in ("overlap", "overlap+offload", "venus"):
+        assert "rollout.release_overtaken=true" in knobs(policy, 4, release_overtaken=True)
+        assert "rollout.release_overtaken=true" not in knobs(policy, 4)
+    assert "rollout.release_overtaken=true" not in knobs("fifo", 4, release_overtaken=True)
