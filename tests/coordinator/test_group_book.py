@@ -224,3 +224,30 @@ def test_an_overtaken_straggler_frees_its_start_place_only_when_released(release
     assert finish(b, g0, scored=2)  # once complete it counts again, as any group does
     assert b.startable(0) == 0
     b.check()
+
+
+@given(
+    batch=st.integers(1, 3),
+    start=st.integers(0, 2),
+    slack=st.integers(0, 2),
+    events=st.lists(st.integers(0, 1_000), min_size=1, max_size=80),
+)
+@settings(max_examples=200, deadline=None)
+def test_released_places_never_push_a_group_past_its_train_bound(
+    batch: int, start: int, slack: int, events: list[int]
+) -> None:
+    """Groups open whenever they may and complete in an arbitrary order; every batch trained is
+    within the train bound, with overtaken stragglers' places given back."""
+    bound = StalenessBound(batch, start, start + slack, release_overtaken=True)
+    b: GroupBook[None] = GroupBook(bound, "critical")
+    version = 0
+    for pick in events:
+        open_groups(b, b.startable(version), version=version)
+        running = sorted(b.open)
+        if running:  # one group completes: any of those running
+            assert finish(b, running[pick % len(running)], scored=2)
+        taken = b.take_batch(version)
+        if taken is not None:
+            assert all(version - g.started_version <= start + slack for g in taken)
+            version += 1
+    b.check()

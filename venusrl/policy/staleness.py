@@ -27,8 +27,10 @@ cannot complete before new weights let one more group start (every step of the C
 `venusrl train` waited for exactly that group; BENCHMARKS.md 2026-12-06 (6)). With
 `release_overtaken` a group gives its place back once a group started after it has been
 trained: the straggler runs beside the pipeline, still trained within `max_train_staleness`, and
-its replacement starts at once. More groups are then in flight and the mean staleness rises; it
-is off by default, as AReaL counts.
+its replacement starts at once. At most (max_train_staleness - max_staleness) x B places are given
+back, so the groups started by any version still fit the batches up to their deadlines (with no
+slack in the train bound it gives none back). More groups are then in flight and the mean
+staleness rises; it is off by default, as AReaL counts.
 
 `max_staleness = 0` is synchronous on-policy training: only the groups of the batch the trainer is
 waiting for may run. Each token also records the version that produced it, and the trainer
@@ -74,7 +76,7 @@ class StalenessBound:
         running after a group started later was trained (not counted with
         `release_overtaken`)."""
         if self.release_overtaken:
-            started_groups -= overtaken
+            started_groups -= min(overtaken, (self.lag - self.max_staleness) * self.batch_groups)
         limit = (weight_version + self.max_staleness + 1) * self.batch_groups
         return max(limit - started_groups, 0)
 
