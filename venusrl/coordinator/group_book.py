@@ -84,7 +84,9 @@ class GroupBook(Generic[T]):
         place in a batch back: with max_staleness=0 the batch could otherwise never fill. A group
         still open though one opened after it was trained is overtaken."""
         placed = self._groups_before + self.groups_started - self.groups_dropped
-        overtaken = sum(g.arrival < self._newest_trained for g in self.open.values())
+        overtaken = 0
+        if self.bound.release_overtaken:  # else the bound counts every started group
+            overtaken = sum(g.arrival < self._newest_trained for g in self.open.values())
         return self.bound.startable(placed, version, overtaken)
 
     def start_group(

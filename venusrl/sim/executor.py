@@ -661,8 +661,7 @@ class Simulation:
         batch = self.book.take_batch(self.version)
         if batch is None:
             return
-        if self.policy.release_overtaken:
-            self._launch()  # the groups it overtook free their places
+        self._launch()  # as the coordinator does: the groups it overtook may free places
         tokens = sum(g.data.tokens for g in batch)
         sequences = sum(g.data.sequences for g in batch)
         self.trainer_busy = True

@@ -119,7 +119,7 @@ class KvWindows(Generic[M]):
             me = self.agent(t)
             i = t.engine.index
             mine = self.key(t)
-            ahead = self._ahead(i, t, mine)
+            ahead = sum(m.counted for m in self.members[i] if m is not t and self.key(m) < mine)
             rival = self._rival(me.priority)
             rival_agent = self.agent(rival) if rival is not None else None
             if not policy.yields(loads, ahead, me, rival_agent):
@@ -205,23 +205,6 @@ class KvWindows(Generic[M]):
         for _, started, gid in sorted(keys):
             yield started, gid
 
-    def _ahead(self, i: int, t: M, key: tuple[int, ...]) -> int:
-        """Tokens counted by the members of engine `i` other than `t` whose `key` is below
-        `key` (each group ranked once)."""
-        priority, rank = self.ranking.priority, self.rank
-        groups: dict[str, tuple[int, int]] = {}
-        total = 0
-        for m in self.members[i]:
-            if m is t:
-                continue
-            gid = m.group_id
-            group = groups.get(gid)
-            if group is None:
-                group = groups[gid] = (priority(gid), rank(gid))
-            if admission_key(group[0], True, group[1], m.index) < key:
-                total += m.counted
-        return total
-
     def _rival(self, above: int) -> M | None:
         """The most critical waiting agent of a priority over `above` (None: none), whom a member
         of that priority may make way for. Ranks each group once (its members share all of
@@ -232,11 +215,11 @@ class KvWindows(Generic[M]):
         best: M | None = None
         best_key: tuple[int, ...] = ()
         for gid in groups:
-            ready = self.ready.get(gid)
-            if not ready or priority(gid) <= above:
+            ready, p = self.ready.get(gid), priority(gid)
+            if not ready or p <= above:
                 continue
             t = min(ready, key=lambda a: (a.engine is None, a.index))
-            key = admission_key(priority(gid), t.engine is not None, rank(gid), t.index)
+            key = admission_key(p, t.engine is not None, rank(gid), t.index)
             if best is None or key < best_key:
                 best, best_key = t, key
         return best
