@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from venusrl.coordinator.group_book import GroupBook
+from venusrl.policy.critical_groups import HIGH
 from venusrl.policy.staleness import StalenessBound
 from venusrl.types import Progress
 
@@ -251,3 +252,16 @@ def test_released_places_never_push_a_group_past_its_train_bound(
             assert all(version - g.started_version <= start + slack for g in taken)
             version += 1
     b.check()
+
+
+def test_a_group_nearing_the_time_limit_from_its_opening_ranks_among_the_critical() -> None:
+    # Two groups alike but for when they opened: the older ranks first once its cut is near.
+    b: GroupBook[None] = GroupBook(StalenessBound(1, 1), "critical", time_limit_s=600.0)
+    b.start_group("old", "prompt-old", 2, 0, None, now=0.0)
+    b.start_group("new", "prompt-new", 2, 0, None, now=500.0)
+    b.member_finished("new", 0, scored=True, final=Progress(100, 2, 1, 1.0))
+    assert ranked(b, 0, now=500.0) == ("new", "old")  # the more complete first, while it can
+    assert ranked(b, 0, now=599.0) == ("old", "new")
+    assert b.priority("old") == HIGH
+    with pytest.raises(ValueError, match="time_limit_s"):
+        GroupBook(StalenessBound(1, 1), "critical", time_limit_s=0.0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import statistics
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from venusrl.policy.critical_groups import (
     BEST_EFFORT,
     HIGH,
+    LATE,
     CoordinatorSnapshot,
     CriticalGroups,
     FifoGroups,
@@ -211,6 +213,20 @@ def test_a_group_the_staleness_bound_makes_due_outranks_a_more_complete_one() ->
     decision = EXACT.decide(snapshot([group("almost", 7, arrival=1), due]))
     assert decision.order == ("due", "almost")
     assert decision.priority == {"due": HIGH, "almost": BEST_EFFORT}
+
+
+def test_a_group_that_would_run_into_the_time_limit_runs_among_the_critical_ones() -> None:
+    # Ranked by completion alone, a long group that has done nothing yet waits behind the groups
+    # opened after it until the harness cuts it; once less than LATE times its predicted path
+    # is left before the cut, it runs among the critical groups.
+    members = tuple(MemberView(done=i < 1) for i in range(8))
+    path = slowest_remaining_s(GroupView("g", "prompt-g", 0, members), EXACT.default, snapshot([]))
+    for cut_in, late in ((LATE * path * 1.01, False), (LATE * path * 0.99, True)):
+        long = GroupView("long", "prompt-long", 0, members, cut_at=100.0 + cut_in)
+        snap = replace(snapshot([group("almost", 7, arrival=1), long]), now=100.0)
+        decision = EXACT.decide(snap)
+        assert decision.order == (("long", "almost") if late else ("almost", "long"))
+        assert decision.priority["long"] == (HIGH if late else BEST_EFFORT)
 
 
 def test_the_batch_takes_due_groups_first_and_waits_for_a_running_due_group() -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -116,9 +117,12 @@ class Coordinator:
         self.config = config
         self.weight_version = weight_version
         bound = config.staleness_bound()
-        # The ranking's decode speed and tool time: measured from the members' turns.
+        # The ranking's decode speed and tool time are measured from the members' turns; a
+        # group about to run into the episode or the group time limit ranks among the critical.
+        episode = config.episode_timeout_s
+        limit = min(config.group_timeout_s, math.inf if episode is None else episode)
         self.book: GroupBook[_GroupRun] = GroupBook(
-            bound, config.priorities, TurnRates(), start_version=weight_version()
+            bound, config.priorities, TurnRates(), weight_version(), limit
         )
         self._infra_failures = self._env_failures = self._masked = 0
         self._changed = asyncio.Event()  # a group completed or was dropped
@@ -207,7 +211,7 @@ class Coordinator:
         # Named by the order groups start in, which the task stream fixes (not by when their
         # members happen to start): a trajectory's id seeds its sampling (`agent_loop`).
         gid = f"g{self.book.groups_started}"
-        return self.book.start_group(gid, work.task.id, k, version, run)
+        return self.book.start_group(gid, work.task.id, k, version, run, run.opened_s)
 
     def _spawn(self, coro: object) -> None:
         task = asyncio.ensure_future(coro)  # type: ignore[call-overload]

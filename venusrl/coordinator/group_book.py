@@ -10,6 +10,7 @@ and `policy.critical_groups`; it reads no clock and runs nothing. Each group car
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Generic, Literal, TypeVar
 
@@ -39,6 +40,7 @@ class Group(Generic[T]):
     started_version: int  # the weight version when it opened: the staleness bound's
     members: list[MemberView]  # the ranking's view of each, turn by turn
     data: T
+    cut_at: float  # when the harness's time limit cuts its members (inf: no limit)
     scored: int = 0  # members finished with a reward
     masked: int = 0  # members given up on: the platform failed them past their retries
     # The ranking's view, at the weight version it was built for: a re-ranking follows every
@@ -59,11 +61,15 @@ class GroupBook(Generic[T]):
         priorities: Literal["critical", "fifo"],
         rates: TurnRates | None = None,
         start_version: int = 0,
+        time_limit_s: float = math.inf,
     ) -> None:
         """`rates`: the decode speed and tool time the ranking assumes, as their keeper observes
         turns into them; `start_version`: the weight version the run starts at (a resumed one
-        trained batches before)."""
-        self.bound = bound
+        trained batches before); `time_limit_s`: the harness's limit on an episode, from its
+        start (the ranking runs a group that would run into it among the critical ones)."""
+        if not time_limit_s > 0:
+            raise ValueError(f"time_limit_s must be > 0, got {time_limit_s}")
+        self.bound, self.time_limit_s = bound, time_limit_s
         self.policy = CriticalGroups() if priorities == "critical" else FifoGroups()
         self.rates = rates or TurnRates()
         self.lengths = LengthPredictor()
@@ -90,16 +96,17 @@ class GroupBook(Generic[T]):
         return self.bound.startable(placed, version, overtaken)
 
     def start_group(
-        self, group_id: str, prompt_id: str, size: int, version: int, data: T
+        self, group_id: str, prompt_id: str, size: int, version: int, data: T, now: float = 0.0
     ) -> Group[T]:
-        """A group of `size` members opens at weight `version`; call `rank` once the groups that
-        open together have."""
+        """A group of `size` members opens at weight `version` and time `now` (its members'
+        time limit counts from then); call `rank` once the groups that open together have."""
         if not self.startable(version):
             raise ValueError(f"group {group_id}: the staleness bound lets no group open now")
         if group_id in self.open:
             raise ValueError(f"group {group_id} is open already")
         members = [MemberView(False)] * size
-        group = Group(group_id, prompt_id, self.groups_started, version, members, data)
+        cut_at = now + self.time_limit_s
+        group = Group(group_id, prompt_id, self.groups_started, version, members, data, cut_at)
         self.groups_started += 1
         self.open[group_id] = group
         return group
@@ -199,7 +206,9 @@ class GroupBook(Generic[T]):
         for g in self.open.values():
             if g.view is None or g.view[0] != version:
                 due = self.bound.due(g.started_version, version)
-                view = GroupView(g.group_id, g.prompt_id, g.arrival, tuple(g.members), due)
+                view = GroupView(
+                    g.group_id, g.prompt_id, g.arrival, tuple(g.members), due, g.cut_at
+                )
                 g.view = (version, view)
             groups.append(g.view[1])
         return CoordinatorSnapshot(

@@ -51,6 +51,10 @@ TOOL_PRIOR = 8.0
 # A member past its predicted length has at least this share of what it did still ahead of it
 # (long trajectories run long: without it, a member past its prediction looks nearly done).
 OVERRUN = 0.25
+# A group is late when the time left before the harness cuts it is less than this many times its
+# predicted remaining path: it runs among the critical groups from then, with that path's worth
+# of time to spare for the prediction's error and for waiting behind the others.
+LATE = 2.0
 HIGH = 1  # priority sent with the requests of critical groups
 BEST_EFFORT = 0
 
@@ -79,6 +83,7 @@ class GroupView:
     arrival: int  # order in which the group was opened (lower = older)
     members: tuple[MemberView, ...]
     due: bool = False  # the staleness bound requires it in the next batch
+    cut_at: float = math.inf  # when the harness's time limit cuts its members (inf: no limit)
 
     @cached_property  # a view is ranked over and over while its group does not change
     def completion(self) -> float:
@@ -148,13 +153,17 @@ class CriticalGroups:
             g.group_id: slowest_remaining_s(g, predictions.get(g.prompt_id, default), snap)
             for g in snap.groups
         }
+        urgent = {
+            g.group_id: g.due or snap.now + LATE * left[g.group_id] >= g.cut_at for g in snap.groups
+        }
         ranked = sorted(
-            snap.groups, key=lambda g: (not g.due, -g.completion, left[g.group_id], g.arrival)
+            snap.groups,
+            key=lambda g: (not urgent[g.group_id], -g.completion, left[g.group_id], g.arrival),
         )
         needed = max(snap.batch_groups - snap.complete_groups_waiting, 0)
         # The batch is complete when the last group it needs is: those run longest path first.
         ranked[:needed] = sorted(
-            ranked[:needed], key=lambda g: (not g.due, -left[g.group_id], g.arrival)
+            ranked[:needed], key=lambda g: (not urgent[g.group_id], -left[g.group_id], g.arrival)
         )
         order = tuple(g.group_id for g in ranked)
         high = needed + math.ceil(self.spares * snap.batch_groups) if needed else 0

@@ -381,7 +381,9 @@ class Simulation:
         step_s = self.cost.decode_step_s(batch, batch * statistics.fmean(contexts))
         tools = [t.tool_s for p in plans for t in p.turns[:-1]]
         rates = TurnRates(1.0 / step_s, statistics.median(tools) if tools else 0.0)
-        self.book: GroupBook[SimGroup] = GroupBook(bound, policy.priorities, rates)
+        self.book: GroupBook[SimGroup] = GroupBook(
+            bound, policy.priorities, rates, time_limit_s=w.trajectory_limit_s
+        )
         # Admission by count (Concur's window, the AIMD start window) or by KV (ours).
         self.windows: KvWindows[SimTrajectory] | None = None
         self.counting: AgentAdmission | None = None
@@ -446,7 +448,7 @@ class Simulation:
     def _open_group(self) -> None:
         prompt, k = self.sampler.next_prompt(), self.workload.group_size
         g = SimGroup(f"g{self.book.groups_started}", prompt, self.clock.now, [0] * k)
-        self.book.start_group(g.gid, prompt.prompt_id, k, self.version, g)
+        self.book.start_group(g.gid, prompt.prompt_id, k, self.version, g, self.clock.now)
         for i in range(k):
             self._start_member(g, i)
 
