@@ -10,6 +10,12 @@ and `token_speedup_vs_<policy>` in seconds per token trained), and per policy th
 the seeds of each figure and, for its step time and its speedups, each seed's, the median and the
 worst (`venusrl.sim.report`). `--markdown` prints the table instead.
 
+Each run also says the least step its trained samples allow where rollout sets the pace,
+`work_floor_step_s` (`venusrl.sim.work_floor`: their decode and prefill GPU work, nothing
+computed twice, moved or waited for, divided among the engines, plus the weight load), and each
+policy its `floor_headroom`, its step over that floor by seed (the worst: the largest): no
+schedule of the engines can take more than that off a step the GPUs are busy for.
+
     python benchmarks/sim_scenarios.py [--scenarios swe-short,search-short] [--seeds 0,1,2]
                                        [--policies sync,async,concur,venus] [--steps 4]
                                        [--markdown] [--json-out FILE] [--workload FILE] [--jobs N]
@@ -59,6 +65,7 @@ FIGURES = (  # their means over the seeds; the step time and speedups by seed
     "staleness_mean",
     "train_s_per_step",
     "cut_share_trained",
+    "work_floor_step_s",
 )
 
 

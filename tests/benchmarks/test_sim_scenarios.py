@@ -40,6 +40,9 @@ def test_it_prints_every_policy_per_seed_with_sources_medians_and_worst(tmp_path
     assert res["summary"]["sync"]["mean_step_s"]["worst"] == max(
         res["runs"][s][0]["mean_step_s"] for s in ("0", "1")
     )
+    # How far each step is above the GPU work its samples need: the largest is the worst.
+    headroom = [r[1]["mean_step_s"] / r[1]["work_floor_step_s"] for r in res["runs"].values()]
+    assert res["summary"]["venus"]["floor_headroom"]["worst"] == max(headroom) > 1
     table = bench(*common, "--steps", "2", "--markdown")
     assert table.startswith("| scenario | policy |") and "| small | venus |" in table
 

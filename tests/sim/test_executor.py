@@ -331,6 +331,12 @@ def test_a_trajectory_past_the_harness_limit_ends_as_a_failure_and_the_run_goes_
     assert unlimited["trajectory_timeouts"] == 0
 
 
+@pytest.mark.parametrize("policy", ["sync", "async", "concur+offload", "venus"])
+def test_no_policy_steps_faster_than_the_gpu_work_its_samples_need(policy: str) -> None:
+    r = run(policy, cost=TIGHT)
+    assert 0 < r["work_floor_step_s"] < r["mean_step_s"]
+
+
 def test_the_time_per_trained_sample_not_cut_counts_the_cut_samples_as_lost() -> None:
     slow_tools = dataclasses.replace(SMALL.tool_s, body=LogNormal(20, 0.3))
     limited = dataclasses.replace(SMALL, tool_s=slow_tools, trajectory_limit_s=120.0)

@@ -59,6 +59,7 @@ from venusrl.sim.kv_windows import KvWindows
 from venusrl.sim.report import speedups
 from venusrl.sim.settings import key_values
 from venusrl.sim.types import Clock, Counters, SimConfig, SimRequest
+from venusrl.sim.work_floor import floor_step_s, trajectory_work_s
 from venusrl.types import Progress
 from venusrl.workloads import PromptPlan, TrajectoryPlan, Workload, WorkloadSampler
 
@@ -257,6 +258,7 @@ class TrainedBatch:
     tokens: int
     sequences: int
     cut: int
+    work_s: float  # the least rollout GPU time its samples need (`work_floor`)
 
 
 @dataclass(eq=False)
@@ -271,6 +273,7 @@ class SimGroup:
     tokens: int = 0  # of the finished trajectories, for the trainer's cost
     sequences: int = 0
     cut: int = 0  # of them, those the harness cut at its time limit
+    work_s: float = 0.0  # of them, the least rollout GPU time they need (`work_floor`)
 
 
 @dataclass(eq=False)
@@ -640,6 +643,9 @@ class Simulation:
         self._end_trajectory(t)
         t.group.tokens += t.context
         t.group.sequences += 1
+        w = self.workload
+        t.group.work_s += trajectory_work_s(t.plan, t.turn + 1, self.cost, w.template_tokens,
+                                            w.group_size, self.config.max_running)  # fmt: skip
         self._member_finished(t, scored=True)
 
     def _member_finished(self, t: SimTrajectory, scored: bool) -> None:
@@ -674,7 +680,8 @@ class Simulation:
         # of its steps.
         staleness = [self.version - g.started_version for g in batch]
         cut = sum(g.data.cut for g in batch)
-        self._training = TrainedBatch(seconds, staleness, tokens, sequences, cut)
+        work_s = sum(g.data.work_s for g in batch)
+        self._training = TrainedBatch(seconds, staleness, tokens, sequences, cut, work_s)
         self.clock.at(self.clock.now + seconds, self._sync_weights)
 
     def _sync_weights(self) -> None:
@@ -756,6 +763,16 @@ class Simulation:
             # Where the trainer sets the pace, a step is as long as its batch's tokens take:
             # which groups fill the batches moves it, not only how fast rollout is.
             "s_per_trained_mtoken": span / (tokens / 1e6) if span and tokens else None,
+            # The step if the engines did only the GPU work the measured steps' samples need
+            # (`work_floor`): no schedule's throughput-bound step is shorter.
+            "work_floor_step_s": floor_step_s(
+                sum(b.work_s for b in trained),
+                len(trained),
+                len(self.engines),
+                self.cost.weight_sync_s(),
+            )
+            if trained
+            else None,
             "gpu_busy": sum(e.busy_s for e in self.engines) / engine_s,
             # The fullest any engine's device KV was when an iteration was planned.
             "kv_peak_occupancy": max(e.peak_pages / e.capacity for e in self.engines),

@@ -36,13 +36,18 @@ def over_seeds(runs: Mapping[Any, Sequence[dict[str, Any]]]) -> dict[str, dict[s
     """Per policy, from `runs` (seed -> `simulate`'s results, the policies in the same order):
     its mean step time (the worst: the longest) and its speedup over every other policy (the
     worst: the smallest), for each seed, with the median and the worst; so for each of
-    `SPEEDUPS`."""
+    `SPEEDUPS`; and its `floor_headroom`."""
     seeds = list(runs)
     names = [r["policy"] for r in runs[seeds[0]]]
     summary: dict[str, dict[str, Any]] = {}
     for i, name in enumerate(names):
         per_seed = [runs[s][i] for s in seeds]
         row = {"mean_step_s": spread([r["mean_step_s"] for r in per_seed], max)}
+        if all(r["mean_step_s"] and r["work_floor_step_s"] for r in per_seed):
+            # Its step over the GPU work its samples need (`work_floor`): the most a schedule
+            # could gain where rollout sets the pace (the worst: the largest, most to gain).
+            ratios = [r["mean_step_s"] / r["work_floor_step_s"] for r in per_seed]
+            row["floor_headroom"] = spread(ratios, max)
         for other in names:
             for key in (prefix + other for prefix in SPEEDUPS):
                 if other != name and all(key in r for r in per_seed):
