@@ -79,8 +79,8 @@ class SimPolicy:
 
 
 # Every policy that runs ahead of the trainer may train a straggling group up to this many
-# versions after it started, rather than wait for it (AReaL's documented example bound, and the
-# runtime's `rollout.max_train_staleness` default); `NAME@N:L` sets another.
+# versions after it started, rather than wait for it (AReaL's documented example bound; in
+# `venusrl train`, `rollout.max_train_staleness`, default the start bound); `NAME@N:L` sets another.
 TRAIN_BOUND = 4
 
 POLICIES = {
