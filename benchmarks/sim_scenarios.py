@@ -15,6 +15,8 @@ Each run also says the least step its trained samples allow where rollout sets t
 computed twice, moved or waited for, divided among the engines, plus the weight load), and each
 policy its `floor_headroom`, its step over that floor by seed (the worst: the largest): no
 schedule of the engines can take more than that off a step the GPUs are busy for.
+`gpu_s_per_floor_s` reads the same over the whole run, whatever the steps' window: the rollout
+GPU seconds busy per second of floor work of every trajectory finished, trained or not.
 
     python benchmarks/sim_scenarios.py [--scenarios swe-short,search-short] [--seeds 0,1,2]
                                        [--policies sync,async,concur,venus] [--steps 4]
@@ -66,6 +68,7 @@ FIGURES = (  # their means over the seeds; the step time and speedups by seed
     "train_s_per_step",
     "cut_share_trained",
     "work_floor_step_s",
+    "gpu_s_per_floor_s",
 )
 
 

@@ -137,6 +137,13 @@ def test_the_kv_window_is_the_default_on_the_in_process_engine_only() -> None:
     assert load_config(None, ["run.engine_url=http://x"]).rollout.admission == "none"
 
 
+def test_the_ranking_s_time_limit_is_the_episode_s_or_the_group_s_whichever_is_shorter() -> None:
+    assert load_config(None, []).rollout.time_limit_s == 900.0  # the group's, by default
+    for group, limit in ((120, 60.0), (30, 30.0)):
+        both = ["rollout.episode_timeout_s=60", f"rollout.group_timeout_s={group}"]
+        assert load_config(None, both).rollout.time_limit_s == limit
+
+
 def test_an_empty_api_key_is_refused_rather_than_turning_auth_off() -> None:
     """`--api-key "$KEY"` with KEY unset must not serve without a key."""
     with pytest.raises(ConfigError, match=r"server\.api_key"):

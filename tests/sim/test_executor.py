@@ -335,6 +335,7 @@ def test_a_trajectory_past_the_harness_limit_ends_as_a_failure_and_the_run_goes_
 def test_no_policy_steps_faster_than_the_gpu_work_its_samples_need(policy: str) -> None:
     r = run(policy, cost=TIGHT)
     assert 0 < r["work_floor_step_s"] < r["mean_step_s"]
+    assert r["gpu_s_per_floor_s"] > 1  # busy for more than the work its finished samples need
 
 
 def test_the_time_per_trained_sample_not_cut_counts_the_cut_samples_as_lost() -> None:

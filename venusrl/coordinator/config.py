@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -192,6 +193,13 @@ class RolloutConfig(Section):
     def _staleness_bound(self) -> RolloutConfig:
         self.staleness_bound()
         return self
+
+    @property
+    def time_limit_s(self) -> float:
+        """How long after a group opens its members may run at most: the episode's limit or the
+        group's, whichever is shorter (the ranking runs a group nearing it among the critical)."""
+        episode = math.inf if self.episode_timeout_s is None else self.episode_timeout_s
+        return min(episode, self.group_timeout_s)
 
     def staleness_bound(self) -> StalenessBound:
         return StalenessBound(

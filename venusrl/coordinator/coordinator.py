@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -117,12 +116,9 @@ class Coordinator:
         self.config = config
         self.weight_version = weight_version
         bound = config.staleness_bound()
-        # The ranking's decode speed and tool time are measured from the members' turns; a
-        # group about to run into the episode or the group time limit ranks among the critical.
-        episode = config.episode_timeout_s
-        limit = min(config.group_timeout_s, math.inf if episode is None else episode)
+        # The ranking's decode speed and tool time: measured from the members' turns.
         self.book: GroupBook[_GroupRun] = GroupBook(
-            bound, config.priorities, TurnRates(), weight_version(), limit
+            bound, config.priorities, TurnRates(), weight_version(), config.time_limit_s
         )
         self._infra_failures = self._env_failures = self._masked = 0
         self._changed = asyncio.Event()  # a group completed or was dropped

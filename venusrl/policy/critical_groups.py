@@ -17,6 +17,13 @@ so they run longest remaining path first (the longest-processing-time rule for a
 KV window admits by this order. Under a start bound of one version the groups in flight are exactly
 the next batch, and its step waits for the slowest of them (BENCHMARKS.md, swe-long).
 
+Two kinds of group rank before all others: the *due* ones, which the staleness bound makes the
+next batch take, and the *late* ones, with less than `LATE` times their predicted remaining path
+left before the harness's time limit cuts their members (`GroupView.cut_at`). Ranked by how soon
+it completes alone, a long group waits behind every group opened after it until it is cut: with
+overtaken groups released (`policy.staleness`) ours ran 12.8 % of its trained samples on
+swe-long into the 90-minute limit (seed 1, BENCHMARKS.md 2026-12-06 (8)).
+
 Why spares: under a train bound the batch takes whichever open groups complete first, and the
 guess of which those are is poorest right after new weights are out, when it matters most. The
 groups ranked first then are the last step's stragglers, often waiting on a tool call no engine

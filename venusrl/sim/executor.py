@@ -364,6 +364,7 @@ class Simulation:
         self.sandbox_gb_s = 0.0
         self.infra_failures = 0
         self.timeouts = 0  # trajectories cut at the workload's trajectory_limit_s
+        self.finished_work_s = 0.0  # the least GPU time of every trajectory finished (`work_floor`)
         self._arrivals = itertools.count()
         # First turns held back by admission control, and per engine the trajectories it paused
         # at a turn boundary (oldest first).
@@ -644,8 +645,10 @@ class Simulation:
         t.group.tokens += t.context
         t.group.sequences += 1
         w = self.workload
-        t.group.work_s += trajectory_work_s(t.plan, t.turn + 1, self.cost, w.template_tokens,
-                                            w.group_size, self.config.max_running)  # fmt: skip
+        work_s = trajectory_work_s(t.plan, t.turn + 1, self.cost, w.template_tokens, w.group_size,
+                                   self.config.max_running)  # fmt: skip
+        t.group.work_s += work_s
+        self.finished_work_s += work_s
         self._member_finished(t, scored=True)
 
     def _member_finished(self, t: SimTrajectory, scored: bool) -> None:
@@ -774,6 +777,12 @@ class Simulation:
             if trained
             else None,
             "gpu_busy": sum(e.busy_s for e in self.engines) / engine_s,
+            # Rollout GPU seconds busy per second of the work floor of every trajectory finished
+            # in the run, trained or not: how much a policy's engines add to the work, whatever
+            # the steps' window (work in flight at the end counts against it).
+            "gpu_s_per_floor_s": sum(e.busy_s for e in self.engines) / self.finished_work_s
+            if self.finished_work_s
+            else None,
             # The fullest any engine's device KV was when an iteration was planned.
             "kv_peak_occupancy": max(e.peak_pages / e.capacity for e in self.engines),
             "rollout_gpu_time": breakdown,
