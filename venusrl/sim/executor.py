@@ -743,7 +743,8 @@ class Simulation:
         # Where rollout GPU time went, as shares of all of it: busy (`SPENT_ON`) or idle
         # (waiting on tools, on admission control, on the trainer's new weights).
         breakdown = {w: sum(e.spent[w] for e in self.engines) / engine_s for w in SPENT_ON}
-        breakdown["idle"] = 1 - sum(e.busy_s for e in self.engines) / engine_s
+        busy_s = sum(e.busy_s for e in self.engines)
+        breakdown["idle"] = 1 - busy_s / engine_s
         steps = max(len(ends), 1)
         staleness = [s for b in self.trained for s in b.staleness]  # of every group trained
         trained = self.trained[warm:]
@@ -776,13 +777,11 @@ class Simulation:
             )
             if trained
             else None,
-            "gpu_busy": sum(e.busy_s for e in self.engines) / engine_s,
+            "gpu_busy": busy_s / engine_s,
             # Rollout GPU seconds busy per second of the work floor of every trajectory finished
             # in the run, trained or not: how much a policy's engines add to the work, whatever
             # the steps' window (work in flight at the end counts against it).
-            "gpu_s_per_floor_s": sum(e.busy_s for e in self.engines) / self.finished_work_s
-            if self.finished_work_s
-            else None,
+            "gpu_s_per_floor_s": busy_s / self.finished_work_s if self.finished_work_s else None,
             # The fullest any engine's device KV was when an iteration was planned.
             "kv_peak_occupancy": max(e.peak_pages / e.capacity for e in self.engines),
             "rollout_gpu_time": breakdown,
