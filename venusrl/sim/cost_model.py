@@ -179,13 +179,11 @@ class CostModel:
         fixed, kv_bytes, kv_rate, per_request = self._decode_terms
         return fixed + context_tokens * kv_bytes / kv_rate + batch * per_request
 
-    def decode_floor_s(self, context_tokens: float, tokens: int, max_batch: int) -> float:
-        """The least decode time of one request's `tokens` generated after `context_tokens`,
-        whatever the batch: each token reads the KV before it, and shares an iteration's fixed
-        cost with at most `max_batch` requests."""
+    def decode_s(self, iterations: float, tokens: float, reads: float) -> float:
+        """`iterations` decode iterations that generate `tokens` tokens in all, reading `reads`
+        KV tokens in all (`decode_step_s` summed, in the terms that add up)."""
         fixed, kv_bytes, kv_rate, per_request = self._decode_terms
-        reads = tokens * context_tokens + tokens * (tokens - 1) / 2
-        return tokens * (fixed / max_batch + per_request) + reads * kv_bytes / kv_rate
+        return iterations * fixed + reads * kv_bytes / kv_rate + tokens * per_request
 
     @cached_property  # the simulator costs every iteration: what does not change, once
     def _decode_terms(self) -> tuple[float, float, float, float]:

@@ -31,7 +31,7 @@ import statistics
 from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, is_dataclass, replace
+from dataclasses import asdict, dataclass, field, is_dataclass, replace
 from typing import Any, Literal
 
 from venusrl.coordinator.group_book import GroupBook
@@ -59,7 +59,7 @@ from venusrl.sim.kv_windows import KvWindows
 from venusrl.sim.report import speedups
 from venusrl.sim.settings import key_values
 from venusrl.sim.types import Clock, Counters, SimConfig, SimRequest
-from venusrl.sim.work_floor import floor_step_s, trajectory_work_s
+from venusrl.sim.work_floor import Work, floor_step_s, trajectory_work
 from venusrl.types import Progress
 from venusrl.workloads import PromptPlan, TrajectoryPlan, Workload, WorkloadSampler
 
@@ -258,7 +258,7 @@ class TrainedBatch:
     tokens: int
     sequences: int
     cut: int
-    work_s: float  # the least rollout GPU time its samples need (`work_floor`)
+    work: Work  # the least rollout GPU work its samples need (`work_floor`)
 
 
 @dataclass(eq=False)
@@ -273,7 +273,7 @@ class SimGroup:
     tokens: int = 0  # of the finished trajectories, for the trainer's cost
     sequences: int = 0
     cut: int = 0  # of them, those the harness cut at its time limit
-    work_s: float = 0.0  # of them, the least rollout GPU time they need (`work_floor`)
+    work: Work = field(default_factory=Work)  # of them, the least GPU work (`work_floor`)
 
 
 @dataclass(eq=False)
@@ -364,7 +364,7 @@ class Simulation:
         self.sandbox_gb_s = 0.0
         self.infra_failures = 0
         self.timeouts = 0  # trajectories cut at the workload's trajectory_limit_s
-        self.finished_work_s = 0.0  # the least GPU time of every trajectory finished (`work_floor`)
+        self.finished_work = Work()  # of every trajectory finished (`work_floor`)
         self._arrivals = itertools.count()
         # First turns held back by admission control, and per engine the trajectories it paused
         # at a turn boundary (oldest first).
@@ -645,10 +645,9 @@ class Simulation:
         t.group.tokens += t.context
         t.group.sequences += 1
         w = self.workload
-        work_s = trajectory_work_s(t.plan, t.turn + 1, self.cost, w.template_tokens, w.group_size,
-                                   self.config.max_running)  # fmt: skip
-        t.group.work_s += work_s
-        self.finished_work_s += work_s
+        work = trajectory_work(t.plan, t.turn + 1, w.template_tokens, w.group_size, self.cost)
+        t.group.work += work
+        self.finished_work += work
         self._member_finished(t, scored=True)
 
     def _member_finished(self, t: SimTrajectory, scored: bool) -> None:
@@ -683,8 +682,8 @@ class Simulation:
         # of its steps.
         staleness = [self.version - g.started_version for g in batch]
         cut = sum(g.data.cut for g in batch)
-        work_s = sum(g.data.work_s for g in batch)
-        self._training = TrainedBatch(seconds, staleness, tokens, sequences, cut, work_s)
+        work = sum((g.data.work for g in batch), Work())
+        self._training = TrainedBatch(seconds, staleness, tokens, sequences, cut, work)
         self.clock.at(self.clock.now + seconds, self._sync_weights)
 
     def _sync_weights(self) -> None:
@@ -750,6 +749,7 @@ class Simulation:
         trained = self.trained[warm:]
         tokens = sum(b.tokens for b in trained)
         sequences, cut = sum(b.sequences for b in trained), sum(b.cut for b in trained)
+        floor_s = self.finished_work.gpu_s(self.cost, self.config.max_running)
         return {
             "policy": self.policy.name,
             "knobs": asdict(self.policy),
@@ -770,7 +770,7 @@ class Simulation:
             # The step if the engines did only the GPU work the measured steps' samples need
             # (`work_floor`): no schedule's throughput-bound step is shorter.
             "work_floor_step_s": floor_step_s(
-                sum(b.work_s for b in trained),
+                sum((b.work for b in trained), Work()).gpu_s(self.cost, self.config.max_running),
                 len(trained),
                 len(self.engines),
                 self.cost.weight_sync_s(),
@@ -781,7 +781,7 @@ class Simulation:
             # Rollout GPU seconds busy per second of the work floor of every trajectory finished
             # in the run, trained or not: how much a policy's engines add to the work, whatever
             # the steps' window (work in flight at the end counts against it).
-            "gpu_s_per_floor_s": busy_s / self.finished_work_s if self.finished_work_s else None,
+            "gpu_s_per_floor_s": busy_s / floor_s if floor_s else None,
             # The fullest any engine's device KV was when an iteration was planned.
             "kv_peak_occupancy": max(e.peak_pages / e.capacity for e in self.engines),
             "rollout_gpu_time": breakdown,

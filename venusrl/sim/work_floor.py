@@ -11,41 +11,72 @@ path: a policy's step over its floor is the most any schedule of its engines cou
 rollout sets the pace.
 
 Counted here, per trajectory, from its plan and the turns it ran: the decode of each action after
-its context, at most `max_batch` requests sharing an iteration (`CostModel.decode_floor_s`); the
-prefill of each observation after the context before it; its group's prompt once, shared by its
-members (the radix cache's best). Left out, so the floor stays below what any schedule reaches:
-the attempts the platform failed, and the context lost to a cut.
+its context; the prefill of each observation after the context before it; its group's prompt
+once, shared by its members (the radix cache's best). Left out, so the floor stays below what any
+schedule reaches: the attempts the platform failed, and the context lost to a cut.
+
+How many decode iterations the work takes is where batching counts, and two things bound it from
+below whatever the schedule: an iteration decodes at most `max_batch` requests, and the KV it
+reads must all be on one engine's device at once. Reads beyond a group's prompt are each
+trajectory's own KV (the prompt may be shared, so it is not counted against the device), so the
+iterations are at least the larger of the tokens over `max_batch` and those reads over the
+device's KV: on long contexts the second, far more than the first.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from venusrl.sim.cost_model import CostModel
 from venusrl.workloads import TrajectoryPlan
 
 
-def trajectory_work_s(
-    plan: TrajectoryPlan,
-    turns: int,
-    cost: CostModel,
-    template_tokens: int,
-    group_size: int,
-    max_batch: int,
-) -> float:
-    """GPU seconds of the first `turns` turns of `plan` (the actions decoded, the observations
+@dataclass(frozen=True)
+class Work:
+    """The GPU work of some trajectories, in the terms that add up across them."""
+
+    prefill_s: float = 0.0  # prompts (a group's once) and observations, each prefilled once
+    tokens: int = 0  # decoded
+    reads: float = 0.0  # KV tokens the decodes read
+    own_reads: float = 0.0  # of them, beyond the group's prompt: never shared on a device
+
+    def __add__(self, other: Work) -> Work:
+        return Work(
+            self.prefill_s + other.prefill_s,
+            self.tokens + other.tokens,
+            self.reads + other.reads,
+            self.own_reads + other.own_reads,
+        )
+
+    def gpu_s(self, cost: CostModel, max_batch: int) -> float:
+        """Its least GPU time: the prefills, and the decodes in as few iterations as the batch
+        limit and the device's KV allow."""
+        iterations = max(self.tokens / max_batch, self.own_reads / cost.kv_capacity_tokens)
+        return self.prefill_s + cost.decode_s(iterations, self.tokens, self.reads)
+
+
+def trajectory_work(plan: TrajectoryPlan, turns: int, template_tokens: int, group_size: int,
+                    cost: CostModel) -> Work:  # fmt: skip
+    """The work of the first `turns` turns of `plan` (the actions decoded, the observations
     between them prefilled), and its share of its group's prompt."""
-    seconds = cost.prefill_s(plan.prompt_tokens, 0) / group_size
+    prefill_s = cost.prefill_s(plan.prompt_tokens, 0) / group_size
+    tokens = reads = own_reads = 0.0
     context = plan.prompt_tokens
     for i, turn in enumerate(plan.turns[:turns]):
-        seconds += cost.decode_floor_s(context, turn.action_tokens, max_batch)
-        context += turn.action_tokens
+        n = turn.action_tokens
+        read = n * context + n * (n - 1) / 2  # its jth token reads the context and j before it
+        tokens += n
+        reads += read
+        own_reads += read - n * plan.prompt_tokens
+        context += n
         if i < turns - 1:  # the observation the next turn reads
             observed = turn.observation_tokens + template_tokens
-            seconds += cost.prefill_s(observed, context)
+            prefill_s += cost.prefill_s(observed, context)
             context += observed
-    return seconds
+    return Work(prefill_s, int(tokens), reads, own_reads)
 
 
-def floor_step_s(work_s: float, steps: int, engines: int, weight_sync_s: float) -> float:
-    """The step time if `engines` did nothing but the `work_s` GPU seconds that `steps` trained
+def floor_step_s(gpu_s: float, steps: int, engines: int, weight_sync_s: float) -> float:
+    """The step time if `engines` did nothing but the `gpu_s` GPU seconds that `steps` trained
     batches need, each step also pausing them `weight_sync_s` to load new weights."""
-    return work_s / (steps * engines) + weight_sync_s
+    return gpu_s / (steps * engines) + weight_sync_s
