@@ -127,10 +127,11 @@ def test_a_best_effort_member_over_the_lane_yields_beside_critical_members() -> 
 
 def test_a_member_moves_to_an_engine_lighter_by_the_margin() -> None:
     me = Agent(50_000, BEST_EFFORT, home=0, counted=50_000)
-    # home without it: 550K; the other with it must stay 100K below: under 450K
-    assert WINDOW.lighter([engine(600_000), engine(399_000)], me) == 1
-    assert WINDOW.lighter([engine(600_000), engine(400_000)], me) is None
-    assert CriticalWindow(migrate=False).lighter([engine(600_000), engine(0)], me) is None
+    # home without it: 850K; the other with it must stay 400K below: under 450K
+    assert WINDOW.lighter([engine(900_000), engine(399_000)], me) == 1
+    assert WINDOW.lighter([engine(900_000), engine(400_000)], me) is None
+    assert CriticalWindow(rebalance_tokens=0).lighter([engine(900_000), engine(790_000)], me) == 1
+    assert CriticalWindow(migrate=False).lighter([engine(900_000), engine(0)], me) is None
 
 
 def test_waiting_agents_are_admitted_critical_first_then_started_then_by_rank() -> None:

@@ -54,9 +54,11 @@ calls leaves; a lane of 0.3:
 with the ranking's spares (`critical_groups`) the critical groups once new weights are out are
 the ones that complete the batch, and the lane keeps their engines light; only while KV is short,
 since where every agent has room (swe-short) the lane starved best-effort work the next batch
-soon needed (4 % lost with the spares, 7 % without; BENCHMARKS.md); a rebalance
-margin of 100K tokens, a few members' contexts; a head of 8 groups, an eighth of swe-long's batch
-(16 gave the same step on seed 1).
+soon needed (4 % lost with the spares, 7 % without; BENCHMARKS.md); a rebalance margin of 400K
+tokens, half an engine's device KV on swe-long, so that a member moves only off an engine far
+heavier than the lightest (100K, a few members' contexts, spent 3.5 % of the GPU on copies
+against 2.3 % and was 2-3.5 % slower there; search-long, seed 0, 1 % faster with it); a head of 8
+groups, an eighth of swe-long's batch (16 gave the same step on seed 1).
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ class CriticalWindow:
     keep: float = 0.97
     leave_after_calls: float = 12.0
     lane: float = 0.3
-    rebalance_tokens: int = 100_000
+    rebalance_tokens: int = 400_000
     migrate: bool = True
     head: int = 8
 
