@@ -55,12 +55,13 @@ class Work:
         return self.prefill_s + cost.decode_s(iterations, self.tokens, self.reads)
 
 
-def trajectory_work(plan: TrajectoryPlan, turns: int, template_tokens: int, group_size: int,
-                    cost: CostModel) -> Work:  # fmt: skip
+def trajectory_work(
+    plan: TrajectoryPlan, turns: int, template_tokens: int, group_size: int, cost: CostModel
+) -> Work:
     """The work of the first `turns` turns of `plan` (the actions decoded, the observations
     between them prefilled), and its share of its group's prompt."""
     prefill_s = cost.prefill_s(plan.prompt_tokens, 0) / group_size
-    tokens = reads = own_reads = 0.0
+    tokens, reads, own_reads = 0, 0.0, 0.0
     context = plan.prompt_tokens
     for i, turn in enumerate(plan.turns[:turns]):
         n = turn.action_tokens
@@ -73,7 +74,7 @@ def trajectory_work(plan: TrajectoryPlan, turns: int, template_tokens: int, grou
             observed = turn.observation_tokens + template_tokens
             prefill_s += cost.prefill_s(observed, context)
             context += observed
-    return Work(prefill_s, int(tokens), reads, own_reads)
+    return Work(prefill_s, tokens, reads, own_reads)
 
 
 def floor_step_s(gpu_s: float, steps: int, engines: int, weight_sync_s: float) -> float:
