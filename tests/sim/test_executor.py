@@ -338,6 +338,18 @@ def test_no_policy_steps_faster_than_the_gpu_work_its_samples_need(policy: str) 
     assert r["gpu_s_per_floor_s"] > 1  # busy for more than the work its finished samples need
 
 
+def test_the_floor_s_decode_is_the_engines_own_where_nothing_is_computed_twice() -> None:
+    # Iterations free of fixed costs and KV for every agent: a synchronous run (nothing in flight
+    # when it ends) decodes exactly its finished trajectories' decode work, no more, no less.
+    free = {"gpu.t_fix": 0.0, "gpu.bw_weights": math.inf, "gpu.t_per_request": 0.0}
+    cost = CostModel.preset("qwen3-4b", "h200").overridden(free)
+    sim = Simulation(SMALL, sim_policy("sync"), 0, SimConfig(steps=3), cost)
+    result = sim.run()
+    assert result["preemptions"] == 0 and result["reprefill_tokens"] == 0
+    decode = dataclasses.replace(sim.finished_work, prefill_s=0.0).gpu_s(cost, max_batch=256)
+    assert decode == pytest.approx(sum(e.spent["decode"] for e in sim.engines), rel=1e-9)
+
+
 def test_the_time_per_trained_sample_not_cut_counts_the_cut_samples_as_lost() -> None:
     slow_tools = dataclasses.replace(SMALL.tool_s, body=LogNormal(20, 0.3))
     limited = dataclasses.replace(SMALL, tool_s=slow_tools, trajectory_limit_s=120.0)

@@ -36,13 +36,14 @@ def test_a_trajectory_s_work_decodes_each_action_after_its_context_and_prefills_
     template, k = 10, 8
     first = trajectory_work(p, 1, template, k, COST)
     assert first.prefill_s == pytest.approx(COST.prefill_s(1000, 0) / k)
-    assert (first.tokens, first.reads) == (100, 100 * 1000 + 100 * 99 / 2)
-    assert first.own_reads == 100 * 99 / 2  # the prompt is not the trajectory's own
+    # The prompt's prefill samples the first token; the 99 after it are decoded.
+    assert (first.tokens, first.reads) == (99, 99 * 1000 + 99 * 98 / 2)
+    assert first.own_reads == 99 * 98 / 2  # the prompt is not the trajectory's own
     both = trajectory_work(p, 2, template, k, COST)
     assert both.prefill_s == pytest.approx(first.prefill_s + COST.prefill_s(410, 1100))
-    assert both.tokens == 150
-    assert both.reads == first.reads + 50 * 1510 + 50 * 49 / 2
-    assert both.own_reads == first.own_reads + 50 * 510 + 50 * 49 / 2
+    assert both.tokens == 99 + 49
+    assert both.reads == first.reads + 49 * 1510 + 49 * 48 / 2
+    assert both.own_reads == first.own_reads + 49 * 510 + 49 * 48 / 2
 
 
 def test_short_contexts_share_an_iteration_s_fixed_cost_among_a_full_batch() -> None:

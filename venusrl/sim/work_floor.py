@@ -4,16 +4,17 @@ Where the engines are never idle, a step cannot be shorter than the GPU work of 
 trains divided among the engines, and no scheduler can take that work away: every generated token
 reads the KV of the tokens before it, every prompt and observation is prefilled once. A schedule
 only adds to it (KV computed again after an eviction, copies to and from the host tier, engines
-idle while agents wait on tools) or saves on the iteration's fixed cost by batching more. So
-`floor_step_s` is a lower bound on a throughput-bound step, the complement of the `--unloaded`
-run (`benchmarks/sim_scenarios.py`), which bounds a latency-bound one by the batches' critical
-path: a policy's step over its floor is the most any schedule of its engines could gain where
-rollout sets the pace.
+idle while agents wait on tools), and batching saves no more than the fewest iterations below
+allow. So `floor_step_s` is a lower bound on a throughput-bound step, the complement of the
+`--unloaded` run (`benchmarks/sim_scenarios.py`), which bounds a latency-bound one by the
+batches' critical path: a policy's step over its floor is the most any schedule of its engines
+could gain where rollout sets the pace.
 
 Counted here, per trajectory, from its plan and the turns it ran: the decode of each action after
-its context; the prefill of each observation after the context before it; its group's prompt
-once, shared by its members (the radix cache's best). Left out, so the floor stays below what any
-schedule reaches: the attempts the platform failed, and the context lost to a cut.
+its context (its first token sampled by the prefill before it, as the engine does); the prefill
+of each observation after the context before it; its group's prompt once, shared by its members
+(the radix cache's best). Left out, so the floor stays below what any schedule reaches: the
+attempts the platform failed, and the context lost to a cut.
 
 How many decode iterations the work takes is where batching counts, and two things bound it from
 below whatever the schedule: an iteration decodes at most `max_batch` requests, and the KV it
@@ -64,12 +65,14 @@ def trajectory_work(
     tokens, reads, own_reads = 0, 0.0, 0.0
     context = plan.prompt_tokens
     for i, turn in enumerate(plan.turns[:turns]):
-        n = turn.action_tokens
-        read = n * context + n * (n - 1) / 2  # its jth token reads the context and j before it
+        # The prefill before an action samples its first token; each later one is decoded
+        # reading the context and the action's tokens before it.
+        n = max(turn.action_tokens - 1, 0)
+        read = n * context + n * (n - 1) / 2
         tokens += n
         reads += read
         own_reads += read - n * plan.prompt_tokens
-        context += n
+        context += turn.action_tokens
         if i < turns - 1:  # the observation the next turn reads
             observed = turn.observation_tokens + template_tokens
             prefill_s += cost.prefill_s(observed, context)
