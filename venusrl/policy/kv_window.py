@@ -57,7 +57,7 @@ since where every agent has room (swe-short) the lane starved best-effort work t
 soon needed (4 % lost with the spares, 7 % without; BENCHMARKS.md); a rebalance margin of 400K
 tokens, half an engine's device KV on swe-long, so that a member moves only off an engine far
 heavier than the lightest (100K, a few members' contexts, spent 3.5 % of the GPU on copies
-against 2.3 % and was 2-3.5 % slower there; search-long, seed 0, 1 % faster with it); a head of 8
+against 2.3 % and was 2-3.5 % slower there, 1 % faster on search-long's seed 0); a head of 8
 groups, an eighth of swe-long's batch (16 gave the same step on seed 1).
 """
 

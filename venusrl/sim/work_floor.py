@@ -21,7 +21,7 @@ below whatever the schedule: an iteration decodes at most `max_batch` requests, 
 reads must all be on one engine's device at once. Reads beyond a group's prompt are each
 trajectory's own KV (the prompt may be shared, so it is not counted against the device), so the
 iterations are at least the larger of the tokens over `max_batch` and those reads over the
-device's KV: on long contexts the second, far more than the first.
+device's KV (on swe-long's long contexts the second: the floor 5-6 % higher than with the first).
 """
 
 from __future__ import annotations
