@@ -127,11 +127,23 @@ def test_a_best_effort_member_over_the_lane_yields_beside_critical_members() -> 
 
 def test_a_member_moves_to_an_engine_lighter_by_the_margin() -> None:
     me = Agent(50_000, BEST_EFFORT, home=0, counted=50_000)
-    # home without it: 850K; the other with it must stay 400K below: under 450K
-    assert WINDOW.lighter([engine(900_000), engine(399_000)], me) == 1
-    assert WINDOW.lighter([engine(900_000), engine(400_000)], me) is None
-    assert CriticalWindow(rebalance_tokens=0).lighter([engine(900_000), engine(790_000)], me) == 1
+    # home without it: 850K of 1M; the other with it must stay half a device below: under 350K
+    assert WINDOW.lighter([engine(900_000), engine(299_000)], me) == 1
+    assert WINDOW.lighter([engine(900_000), engine(300_000)], me) is None
+    assert CriticalWindow(rebalance=0).lighter([engine(900_000), engine(790_000)], me) == 1
     assert CriticalWindow(migrate=False).lighter([engine(900_000), engine(0)], me) is None
+
+
+def test_the_rebalance_margin_is_a_share_of_each_device_s_kv() -> None:
+    """The same loads as shares move a member alike on a small device and a large one, and
+    between devices of different sizes the shares decide, not the tokens."""
+    me = Agent(5_000, BEST_EFFORT, home=0, counted=5_000)
+    small = [EngineLoad(100_000, 90_000, 0), EngineLoad(100_000, 29_000, 0)]
+    assert WINDOW.lighter(small, me) == 1  # 0.34 + 0.5 < 0.85
+    unequal = [EngineLoad(100_000, 90_000, 0), EngineLoad(1_000_000, 300_000, 0)]
+    assert WINDOW.lighter(unequal, me) == 1  # more tokens than home, but 0.305 of its device
+    unequal_full = [EngineLoad(100_000, 90_000, 0), EngineLoad(1_000_000, 350_000, 0)]
+    assert WINDOW.lighter(unequal_full, me) is None  # 0.355 + 0.5 > 0.85
 
 
 def test_waiting_agents_are_admitted_critical_first_then_started_then_by_rank() -> None:

@@ -162,9 +162,9 @@ def test_a_policy_s_knobs_are_set_in_its_name_and_reported_with_its_figures() ->
     assert (ours.max_staleness, ours.max_train_staleness) == (1, 4)
     assert concur.admission == ConcurAdmission(high_water=0.9)
     assert concur.retention == "trajectory"  # still the +offload form
-    result = run("venus[migrate=false,rebalance_tokens=0]")
+    result = run("venus[migrate=false,rebalance=0]")
     assert result["knobs"]["admission"]["migrate"] is False and result["migrations"] == 0
-    assert run("venus[rebalance_tokens=0]")["migrations"] > 0  # the knob, not the workload
+    assert run("venus[rebalance=0]")["migrations"] > 0  # the knob, not the workload
 
 
 def test_a_straggler_overtaken_by_the_batches_frees_its_start_place_when_released() -> None:

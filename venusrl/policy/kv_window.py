@@ -41,9 +41,11 @@ of critical (HIGH) groups:
 - **New agents** go to the engine with the fewest members (then the least loaded): every
   member's context grows to about the same, so a new agent's share of an engine's work to come is
   one member's, whatever the members hold now.
-- **Rebalance.** At a turn boundary a member moves to the least loaded engine when its load,
-  with the member, stays `rebalance_tokens` below the home's without it; its KV moves with it
-  over the host link (`migrate`).
+- **Rebalance.** At a turn boundary a member moves to the engine with the least of its device
+  KV counted when that engine's share, with the member, stays `rebalance` of a device below the
+  home's without it; its KV moves with it over the host link (`migrate`). A share, not tokens,
+  so that the margin means the same on every device (400K tokens is half an H200's KV for
+  Qwen3-4B, all of an H100's: there a margin in tokens would never move anyone).
 - **Order.** Waiting agents are admitted by `admission_key`: critical groups first, then those
   already started (their KV exists) before new ones, then by the group ranking, then member.
 
@@ -54,11 +56,11 @@ calls leaves; a lane of 0.3:
 with the ranking's spares (`critical_groups`) the critical groups once new weights are out are
 the ones that complete the batch, and the lane keeps their engines light; only while KV is short,
 since where every agent has room (swe-short) the lane starved best-effort work the next batch
-soon needed (4 % lost with the spares, 7 % without; BENCHMARKS.md); a rebalance margin of 400K
-tokens, half an engine's device KV on swe-long, so that a member moves only off an engine far
-heavier than the lightest (100K, a few members' contexts, spent 3.5 % of the GPU on copies
-against 2.3 % and was 2-3.5 % slower there, 1 % faster on search-long's seed 0); a head of 8
-groups, an eighth of swe-long's batch (16 gave the same step on seed 1).
+soon needed (4 % lost with the spares, 7 % without; BENCHMARKS.md); a rebalance margin of half
+a device's KV (383K tokens on swe-long), so that a member moves only off an engine far heavier
+than the lightest (100K tokens, a few members' contexts, spent 3.5 % of the GPU on copies
+against 2.3 % with 400K and was 2-3.5 % slower there, 1 % faster on search-long's seed 0); a
+head of 8 groups, an eighth of swe-long's batch (16 gave the same step on seed 1).
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ class CriticalWindow:
     keep: float = 0.97
     leave_after_calls: float = 12.0
     lane: float = 0.3
-    rebalance_tokens: int = 400_000
+    rebalance: float = 0.5  # of a device's KV
     migrate: bool = True
     head: int = 8
 
@@ -126,8 +128,8 @@ class CriticalWindow:
             raise ValueError(f"need 0 < fill <= keep <= 1, got {self.fill}, {self.keep}")
         if not 0 < self.lane <= 1:
             raise ValueError(f"lane must be in (0, 1], got {self.lane}")
-        if self.leave_after_calls < 0 or self.rebalance_tokens < 0 or self.head < 0:
-            raise ValueError("leave_after_calls, rebalance_tokens and head must be >= 0")
+        if self.leave_after_calls < 0 or self.rebalance < 0 or self.head < 0:
+            raise ValueError("leave_after_calls, rebalance and head must be >= 0")
 
     def lanes(self, engines: Sequence[EngineLoad], waiting: int) -> CriticalWindow:
         """The window to decide with now: this one while the members' KV and the contexts of
@@ -238,12 +240,15 @@ class CriticalWindow:
         return ahead + rival.context <= room
 
     def lighter(self, engines: Sequence[EngineLoad], a: Agent) -> int | None:
-        """An engine `a` would decode faster on, or None: the least loaded, if its load with `a`
-        stays `rebalance_tokens` below the home's without it."""
+        """An engine `a` would decode faster on, or None: the one with the least of its device KV
+        counted, if its share with `a` stays `rebalance` below the home's without it."""
         if not self.migrate or a.home is None:
             return None
-        home = engines[a.home].load - a.counted
-        i = min(range(len(engines)), key=lambda j: engines[j].load)
-        if engines[i].load + a.context + self.rebalance_tokens < home:
+        home = engines[a.home]
+        i = min(range(len(engines)), key=lambda j: engines[j].load / engines[j].capacity)
+        light = engines[i]
+        if (light.load + a.context) / light.capacity + self.rebalance < (
+            home.load - a.counted
+        ) / home.capacity:
             return i
         return None
