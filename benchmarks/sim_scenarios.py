@@ -69,6 +69,9 @@ FIGURES = (  # their means over the seeds; the step time and speedups by seed
     "cut_share_trained",
     "work_floor_step_s",
     "gpu_s_per_floor_s",
+    "sandbox_gb_s",
+    "sandbox_idle_before_first_turn",
+    "sandbox_idle_between_turns",
 )
 
 

@@ -24,7 +24,7 @@ from venusrl.sim.executor import (
     simulate,
 )
 from venusrl.sim.kv import SimKV
-from venusrl.workloads import SCENARIOS, LogNormal, Turns
+from venusrl.workloads import SCENARIOS, Constant, LogNormal, Turns
 
 # swe-short's shape, small enough to simulate in a fraction of a second.
 SMALL = SCENARIOS["swe-short"].scaled_for(
@@ -288,6 +288,43 @@ def test_concur_pauses_agents_over_its_window_at_turn_boundaries_and_resumes_the
     # Every paused trajectory came back: the run trained every step's groups.
     assert concur["steps"] == 3 and concur["groups_dropped"] == 0
     assert concur["reprefill_evicted_tokens"] < window["reprefill_evicted_tokens"]
+
+
+def test_sandbox_memory_counts_every_sandbox_open_until_the_run_ends() -> None:
+    """GB s held is each sandbox's memory over the time it is open, those of trajectories still
+    running when the last step is published included (counted from the engines' own record:
+    with no admission control and sandboxes up at once, a trajectory is open from its first
+    request to the end of its last turn)."""
+    rss = 2.0
+    workload = SMALL.scaled_for(
+        sandbox_start_s=Constant(0.0),
+        sandbox_rss_gb=Constant(rss),
+        reward_s=Constant(0.0),
+        trajectory_limit_s=math.inf,
+    )
+    sim = Simulation(workload, POLICIES["async"], 0, SimConfig(steps=2), record=True)
+    result = sim.run()
+    assert sim.submissions is not None and sim.finishes is not None
+    finished = {rid: time for time, rid in sim.finishes}
+    opened: dict[str, float] = {}
+    closed: dict[str, float] = {}
+    for s in sim.submissions:
+        opened.setdefault(s.trajectory_id, s.time)
+        if s.expected_wait_s is None and s.request_id in finished:  # its last turn ended
+            closed[s.trajectory_id] = finished[s.request_id]
+    end = result["simulated_s"]
+    assert len(closed) < len(opened)  # some were still running
+    expected = sum(rss * (closed.get(t, end) - start) for t, start in opened.items())
+    assert result["sandbox_gb_s"] == pytest.approx(expected, rel=1e-9)
+    assert result["sandbox_idle_before_first_turn"] == result["sandbox_idle_between_turns"] == 0
+
+
+@pytest.mark.parametrize("policy", ["concur", "venus"])
+def test_sandbox_memory_idle_while_a_turn_waits_for_admission_is_reported(policy: str) -> None:
+    held = run(policy, cost=TIGHT)
+    before, between = held["sandbox_idle_before_first_turn"], held["sandbox_idle_between_turns"]
+    assert before > 0 and between > 0 and before + between < 1
+    assert held["admission_pauses"] > 0  # the waits between turns are these pauses
 
 
 def test_the_kv_window_pauses_agents_instead_of_thrashing_the_cache() -> None:

@@ -261,6 +261,22 @@ class TrainedBatch:
     work: Work  # the least rollout GPU work its samples need (`work_floor`)
 
 
+@dataclass
+class SandboxTime:
+    """Sandbox memory held over the run, GB s: in all, and of it idle while a turn waited for a
+    place in admission control, before a trajectory's first turn and between later ones."""
+
+    held: float = 0.0
+    before_first_turn: float = 0.0
+    paused: float = 0.0
+
+    def waited(self, turn: int, gb_s: float) -> None:
+        if turn == 0:
+            self.before_first_turn += gb_s
+        else:
+            self.paused += gb_s
+
+
 @dataclass(eq=False)
 class SimGroup:
     """What the simulator keeps of a GRPO group beside its books (`GroupBook`): the prompt and
@@ -296,6 +312,7 @@ class SimTrajectory:
     counted: int = 0  # its context as that window counts it
     # When its latest turn went to the engine, and in which `Simulation._phase`.
     submitted: tuple[float, str] = (0.0, "")
+    asked_at: float | None = None  # when its next turn asked for a place (None: it has one)
 
     @property
     def group_id(self) -> str:
@@ -361,7 +378,8 @@ class Simulation:
         # Turns by when and for whom they ran (`_phase`): count, seconds and tokens.
         self.turn_speed: dict[str, list[float]] = {}
         self.group_completion_s: list[float] = []
-        self.sandbox_gb_s = 0.0
+        self.sandboxes = SandboxTime()
+        self._open: dict[str, SimTrajectory] = {}  # trajectories started and not ended, by id
         self.infra_failures = 0
         self.timeouts = 0  # trajectories cut at the workload's trajectory_limit_s
         self.finished_work = Work()  # of every trajectory finished (`work_floor`)
@@ -464,9 +482,12 @@ class Simulation:
         t = SimTrajectory(
             f"{g.gid}-m{index}-a{g.attempts[index]}", g, index, plan, now, 0, plan.prompt_tokens
         )
+        self._open[t.tid] = t
         self.clock.at(now + plan.sandbox_start_s, lambda: self._request_turn(t))
 
     def _request_turn(self, t: SimTrajectory) -> None:
+        if t.asked_at is None:  # not when admission control asks it again
+            t.asked_at = self.clock.now
         if self.windows is not None:
             self.windows.turn(t)
             return
@@ -502,6 +523,7 @@ class Simulation:
         """The turn's request goes to its engine (`resumed`: after admission control paused
         its trajectory)."""
         assert t.engine is not None
+        self._admitted(t)
         action = t.plan.turns[t.turn].action_tokens
         priority = self.book.priority(t.group.gid)
         t.submitted = (self.clock.now, self._phase(priority))
@@ -573,7 +595,32 @@ class Simulation:
             self.windows.admit()
         else:
             self._admit_waiting()
-        self.sandbox_gb_s += t.plan.sandbox_rss_gb * (self.clock.now - t.started_at)
+        self._admitted(t)  # a turn waiting for a place waits no longer
+        self.sandboxes.held += t.plan.sandbox_rss_gb * (self.clock.now - t.started_at)
+        del self._open[t.tid]
+
+    def _admitted(self, t: SimTrajectory) -> None:
+        """`t`'s turn has a place (or `t` ended): its wait for it was sandbox memory held idle."""
+        if t.asked_at is not None:
+            self.sandboxes.waited(t.turn, t.plan.sandbox_rss_gb * (self.clock.now - t.asked_at))
+            t.asked_at = None
+
+    def _sandbox_figures(self) -> dict[str, float]:
+        """The sandbox memory held, the trajectories still open at the end of the run included
+        (a policy that keeps more of them waiting would look cheaper without), and the shares of
+        it idle while a turn waited for a place: before the first turn (what opening a
+        sandbox only once its trajectory is admitted would save) and between turns."""
+        now, books = self.clock.now, replace(self.sandboxes)
+        for t in self._open.values():
+            books.held += t.plan.sandbox_rss_gb * (now - t.started_at)
+            if t.asked_at is not None:
+                books.waited(t.turn, t.plan.sandbox_rss_gb * (now - t.asked_at))
+        held = books.held
+        return {
+            "sandbox_gb_s": held,
+            "sandbox_idle_before_first_turn": books.before_first_turn / held if held else 0.0,
+            "sandbox_idle_between_turns": books.paused / held if held else 0.0,
+        }
 
     def _active(self, engine: SimEngine) -> int:
         """Trajectories routed to `engine`, not finished and not paused."""
@@ -801,7 +848,7 @@ class Simulation:
             "group_completion_p99_s": quantile(completion, 0.99),
             "staleness_mean": statistics.fmean(staleness) if staleness else 0.0,
             "staleness_max": max(staleness, default=0),
-            "sandbox_gb_s": self.sandbox_gb_s,
+            **self._sandbox_figures(),
             "infra_failures": self.infra_failures,
             "trajectory_timeouts": self.timeouts,
             "groups_dropped": self.book.groups_dropped,
