@@ -144,3 +144,12 @@ def test_a_workload_file_sets_the_caps_and_refuses_a_cap_above_one(tmp_path: Pat
     f.write_text("tool_s: {body: 1, hang_p_max: 1.5}\n")
     with pytest.raises(ValueError, match="hang_p_max are probabilities"):
         load_workload(f)
+
+
+def test_the_benchmarks_workload_files_load_and_differ_from_their_base_as_they_say() -> None:
+    """`benchmarks/workloads/swe-long-h100.yaml` is swe-long on H100s: the same workload, the
+    device's KV halved, nothing else."""
+    files = sorted((Path(__file__).parents[1] / "benchmarks" / "workloads").glob("*.yaml"))
+    assert files
+    h100 = {f.stem: load_workload(f) for f in files}["swe-long-h100"]
+    assert h100 == dataclasses.replace(SCENARIOS["swe-long"], name="swe-long-h100", gpu="h100")
