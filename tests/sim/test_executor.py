@@ -24,7 +24,7 @@ from venusrl.sim.executor import (
     simulate,
 )
 from venusrl.sim.kv import SimKV
-from venusrl.workloads import SCENARIOS, Constant, LogNormal, Turns
+from venusrl.workloads import SCENARIOS, Constant, LogNormal, ToolLatency, Turns
 
 # swe-short's shape, small enough to simulate in a fraction of a second.
 SMALL = SCENARIOS["swe-short"].scaled_for(
@@ -320,11 +320,36 @@ def test_sandbox_memory_counts_every_sandbox_open_until_the_run_ends() -> None:
 
 
 @pytest.mark.parametrize("policy", ["concur", "venus"])
-def test_sandbox_memory_idle_while_a_turn_waits_for_admission_is_reported(policy: str) -> None:
-    held = run(policy, cost=TIGHT)
-    before, between = held["sandbox_idle_before_first_turn"], held["sandbox_idle_between_turns"]
-    assert before > 0 and between > 0 and before + between < 1
-    assert held["admission_pauses"] > 0  # the waits between turns are these pauses
+def test_sandbox_memory_idle_between_turns_is_each_turn_s_wait_for_a_place(policy: str) -> None:
+    """A turn asks for a place when its tool call returns (the engines' record: its previous
+    turn's end, plus a tool call of a known length) and waits until it is submitted; the share
+    idle between turns is those waits' memory, the waits still pending at the end included."""
+    rss, tool_s = 2.0, 3.0
+    workload = SMALL.scaled_for(
+        sandbox_rss_gb=Constant(rss),
+        tool_s=ToolLatency(Constant(tool_s)),
+        trajectory_limit_s=math.inf,
+    )
+    sim = Simulation(workload, POLICIES[policy], 0, SimConfig(steps=3), TIGHT, record=True)
+    result = sim.run()
+    assert sim.submissions is not None and sim.finishes is not None
+    end, finished = result["simulated_s"], {rid: time for time, rid in sim.finishes}
+    submitted = {s.request_id: s for s in sim.submissions}
+    waited = 0.0
+    for s in sim.submissions:
+        if s.expected_wait_s is None or s.request_id not in finished:
+            continue  # its trajectory's last turn, or still running
+        tid, turn = s.request_id.rsplit("-t", 1)
+        asked = finished[s.request_id] + tool_s
+        after = submitted.get(f"{tid}-t{int(turn) + 1}")
+        if asked < end:
+            waited += rss * ((after.time if after else end) - asked)
+    assert waited > 0  # admission control held turns back
+    assert result["sandbox_idle_between_turns"] == pytest.approx(
+        waited / result["sandbox_gb_s"], rel=1e-9
+    )
+    before = result["sandbox_idle_before_first_turn"]
+    assert 0 < before < 1 - result["sandbox_idle_between_turns"]
 
 
 def test_the_kv_window_pauses_agents_instead_of_thrashing_the_cache() -> None:

@@ -268,13 +268,13 @@ class SandboxTime:
 
     held: float = 0.0
     before_first_turn: float = 0.0
-    paused: float = 0.0
+    between_turns: float = 0.0
 
     def waited(self, turn: int, gb_s: float) -> None:
         if turn == 0:
             self.before_first_turn += gb_s
         else:
-            self.paused += gb_s
+            self.between_turns += gb_s
 
 
 @dataclass(eq=False)
@@ -312,7 +312,7 @@ class SimTrajectory:
     counted: int = 0  # its context as that window counts it
     # When its latest turn went to the engine, and in which `Simulation._phase`.
     submitted: tuple[float, str] = (0.0, "")
-    asked_at: float | None = None  # when its next turn asked for a place (None: it has one)
+    asked_at: float | None = None  # when its turn asked for a place (None: not asking now)
 
     @property
     def group_id(self) -> str:
@@ -595,12 +595,12 @@ class Simulation:
             self.windows.admit()
         else:
             self._admit_waiting()
-        self._admitted(t)  # a turn waiting for a place waits no longer
+        assert t.asked_at is None, "a trajectory ends at a turn it ran, never while it asks"
         self.sandboxes.held += t.plan.sandbox_rss_gb * (self.clock.now - t.started_at)
         del self._open[t.tid]
 
     def _admitted(self, t: SimTrajectory) -> None:
-        """`t`'s turn has a place (or `t` ended): its wait for it was sandbox memory held idle."""
+        """`t`'s turn has a place: its wait for it was sandbox memory held idle."""
         if t.asked_at is not None:
             self.sandboxes.waited(t.turn, t.plan.sandbox_rss_gb * (self.clock.now - t.asked_at))
             t.asked_at = None
@@ -619,7 +619,7 @@ class Simulation:
         return {
             "sandbox_gb_s": held,
             "sandbox_idle_before_first_turn": books.before_first_turn / held if held else 0.0,
-            "sandbox_idle_between_turns": books.paused / held if held else 0.0,
+            "sandbox_idle_between_turns": books.between_turns / held if held else 0.0,
         }
 
     def _active(self, engine: SimEngine) -> int:
