@@ -81,6 +81,10 @@ class EngineLoad:
     critical: int  # of them, members of HIGH groups
     members: int = 0  # agents holding a place
 
+    def share(self, more: int = 0) -> float:
+        """Its device KV counted, with `more` tokens (fewer where negative), as a share."""
+        return (self.load + more) / self.capacity
+
 
 @dataclass(frozen=True)
 class Agent:
@@ -244,11 +248,7 @@ class CriticalWindow:
         counted, if its share with `a` stays `rebalance` below the home's without it."""
         if not self.migrate or a.home is None:
             return None
-        home = engines[a.home]
-        i = min(range(len(engines)), key=lambda j: engines[j].load / engines[j].capacity)
-        light = engines[i]
-        if (light.load + a.context) / light.capacity + self.rebalance < (
-            home.load - a.counted
-        ) / home.capacity:
+        i = min(range(len(engines)), key=lambda j: engines[j].share())
+        if engines[i].share(a.context) + self.rebalance < engines[a.home].share(-a.counted):
             return i
         return None
