@@ -114,3 +114,35 @@ def stand_in() -> Iterator[StandIn]:
     yield found
     server.shutdown()
     server.server_close()
+
+
+@dataclass(frozen=True)
+class BuiltImages:
+    """Images built once per session (tests/images/built.py), and a layer cache for them."""
+
+    layout: Path  # an OCI image layout holding both
+    python: str  # busybox, Debian's python3 with pytest, git; WorkingDir /work, Env PROBE=1
+    busybox: str  # busybox only; User agent, WorkingDir /home/agent
+    cache: Path
+
+    def store(self) -> Any:
+        from venusrl.envs.templates import IMAGE_ID_BASE
+        from venusrl.images.store import ImageStore
+
+        return ImageStore(self.cache, 8 << 30, IMAGE_ID_BASE)
+
+
+@pytest.fixture(scope="session")
+def test_images(tmp_path_factory: pytest.TempPathFactory) -> BuiltImages:
+    from tests.images.built import busybox_spec, python_spec
+    from venusrl.images.build import write_oci
+
+    where = tmp_path_factory.mktemp("images")
+    layout = where / "layout"
+    write_oci(
+        python_spec(where, working_dir="/work", env={"PATH": "/usr/bin:/bin", "PROBE": "1"}),
+        layout,
+        "python",
+    )
+    write_oci(busybox_spec(where, user="agent", working_dir="/home/agent"), layout, "busybox")
+    return BuiltImages(layout, f"oci:{layout}:python", f"oci:{layout}:busybox", where / "cache")

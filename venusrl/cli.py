@@ -1,4 +1,5 @@
-"""`venusrl` command line: train | eval | serve | sim | plot | show | model init | generate."""
+"""`venusrl` command line: train | eval | serve | sim | plot | show | model init | generate |
+swe validate."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="venusrl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_train, _add_eval, _add_serve, _add_model, _add_generate, _add_plot,
-                _add_show, _add_sim):  # fmt: skip
+                _add_show, _add_sim, _add_swe):  # fmt: skip
         add(sub)
     return parser
 
@@ -247,6 +248,76 @@ def _add_sim(sub: Subcommands) -> None:
     )
     sim.add_argument("--json", action="store_true", help="print one JSON object")
     sim.set_defaults(run=_sim)
+
+
+def _add_swe(sub: Subcommands) -> None:
+    swe = sub.add_parser("swe", help="SWE task files: check them before training")
+    swe_sub = swe.add_subparsers(dest="swe_command", required=True)
+    check = swe_sub.add_parser(
+        "validate",
+        help="for each row: the image loads, FAIL_TO_PASS fails without the gold patch and"
+        " passes with it, PASS_TO_PASS passes both ways",
+    )
+    check.add_argument("tasks", help="the task file (JSONL or Parquet, any SWE format)")
+    check.add_argument("--jobs", type=int, default=2, help="rows checked at a time")
+    check.add_argument("--limit", type=int, default=None, help="the first N rows only")
+    check.add_argument("--timeout", type=float, default=900.0, help="seconds per test run")
+    check.add_argument("--json", action="store_true", help="one JSON object per row instead")
+    check.add_argument(
+        "--field", action="append", default=[], metavar="NAME=COLUMN",
+        help="read a task field from another column (id=instance_id)",
+    )  # fmt: skip
+    _config_args(check)
+    check.set_defaults(run=_swe_validate)
+
+
+def _swe_validate(args: argparse.Namespace) -> int:
+    import asyncio
+    from dataclasses import asdict
+
+    from venusrl.envs.builtin.swe import Swe
+    from venusrl.envs.pool import SandboxPool
+    from venusrl.envs.swe.tasks import SweTask
+    from venusrl.envs.swe.validate import validate
+    from venusrl.envs.task_file import parse_fields, read_task_file
+
+    if args.jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+    cfg = load_config(args.config, args.overrides)
+    rows = read_task_file(Path(args.tasks), Swe, parse_fields(args.field))
+    tasks = [SweTask.from_reference(t.reference) for t in rows[: args.limit]]
+
+    async def run() -> list[Any]:
+        async with SandboxPool.from_config(cfg.sandbox) as pool:
+            return await validate(pool, tasks, args.jobs, args.timeout)
+
+    checks = asyncio.run(run())
+    if args.json:
+        for c in checks:
+            print(json.dumps({**asdict(c), "valid": c.valid}))
+    else:
+        _print_validation(checks, args.tasks)
+    return 0 if all(c.valid for c in checks) else 1
+
+
+def _print_validation(checks: list[Any], source: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def frac(pair: tuple[int, int] | None) -> str:
+        return "-" if pair is None else f"{pair[0]}/{pair[1]}"
+
+    table = Table(title=f"{source}: {sum(c.valid for c in checks)} of {len(checks)} rows valid")
+    for name in ("row", "instance", "image", "F2P fail before", "F2P pass after",
+                 "P2P pass before", "P2P pass after", "s", "problem"):  # fmt: skip
+        table.add_column(name, overflow="fold")
+    for c in checks:
+        table.add_row(
+            str(c.row), c.instance_id, "ok" if c.image else "no", frac(c.fail_before),
+            frac(c.pass_after), frac(c.p2p_before), frac(c.p2p_after), f"{c.seconds:.1f}",
+            "; ".join(c.problems) or "valid",
+        )  # fmt: skip
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:

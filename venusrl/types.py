@@ -210,6 +210,7 @@ class Trajectory:
     failure: Failure | None = None  # what went wrong, for INFRA
     turn_times: list[TurnTimes] = field(default_factory=list)  # one per turn the environment ran
     cut_turns: list[int] = field(default_factory=list)  # turns the engine stopped at max_tokens
+    output: str | None = None  # what the episode produced beyond its transcript (a diff)
     # sum(mask), kept as turns are added: asked for at every turn (budgets, progress reports),
     # where a sum over a long record would cost a pass over its whole context each time.
     _model_tokens: int = field(init=False, repr=False, compare=False)

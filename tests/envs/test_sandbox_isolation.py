@@ -14,7 +14,7 @@ import pytest
 import venusrl
 from tests.processes import our_processes, wait_for_no_new_processes
 from venusrl.envs import Sandbox, SandboxCrashed, SandboxError, SandboxPool, TemplateSpec
-from venusrl.envs.isolation import seccomp_available
+from venusrl.envs.syscalls import seccomp_available
 
 from .conftest import requires_root
 
@@ -289,10 +289,14 @@ def test_disk_fill_ends_in_a_clear_error() -> None:
 
 # --- a hostile sandbox against the pool ----------------------------------------------------------
 
-FIND_SOCKET = (
+FIND_SOCKET = (  # listdir's own descriptor is gone by the time it is read: skip what is gone
     "import os, struct\n"
-    "fd = next(int(f) for f in os.listdir('/proc/self/fd')\n"
-    "          if os.readlink(f'/proc/self/fd/{f}').startswith('socket:'))\n"
+    "def link(f):\n"
+    "    try:\n"
+    "        return os.readlink(f'/proc/self/fd/{f}')\n"
+    "    except FileNotFoundError:\n"
+    "        return ''\n"
+    "fd = next(int(f) for f in os.listdir('/proc/self/fd') if link(f).startswith('socket:'))\n"
 )
 
 

@@ -53,7 +53,13 @@ class InProcessSandbox:
             return ExecResult(124, b"", b"", timed_out=True)
 
     async def exec(
-        self, command: str | Sequence[str], /, *, timeout_s: float, max_output_bytes: int
+        self,
+        command: str | Sequence[str],
+        /,
+        *,
+        timeout_s: float,
+        max_output_bytes: int,
+        stdin: bytes = b"",
     ) -> ExecResult:
         raise NotImplementedError
 

@@ -219,6 +219,7 @@ async def run_episode(
             traj.finish = finish or await _turns(
                 env, generate, fmt, sampling, rollout, traj, priority, on_progress, deadline
             )
+            traj.output = await _environment(env, "output", env.output())
             reward = _environment(env, "reward", env.reward())
             limit = rollout.reward_timeout_s
             traj.reward = _checked_reward(

@@ -119,7 +119,7 @@ class LocalRollouts:
         self, group_id: str, env: type[Environment], task: Task, priority: int
     ) -> LocalGroup:
         handle = await self.pool.open_group(
-            env.template.name, priority=priority, setup=task.setup, files=task.files
+            env.template_for(task), priority=priority, setup=task.setup, files=task.files
         )
         self.groups[group_id] = handle
         return LocalGroup(self, handle, group_id, env, task)

@@ -23,3 +23,21 @@ class SandboxConfig(Section):
     share_pages: bool = Field(
         True, description="fork a group's sandboxes from one warm zygote, sharing its pages"
     )
+    image_cache_dir: str = Field(
+        "/var/cache/venusrl/images",
+        min_length=1,
+        description="where container images' layers are unpacked, once, for every run on the"
+        " machine (a filesystem with xattrs: ext4, xfs, btrfs)",
+    )
+    image_cache_gib: float = Field(
+        50.0, gt=0, description="the layer cache's bound: unused layers are evicted past it"
+    )
+    registry_auth_file: str | None = Field(
+        None,
+        description="registry credentials, a Docker config.json (what `docker login` writes);"
+        " none: pulls are anonymous",
+    )
+    insecure_registries: list[str] = Field(
+        default_factory=list,
+        description="registries (HOST[:PORT]) pulled from over plain HTTP (loopback ones are)",
+    )

@@ -74,7 +74,13 @@ class SandboxVerbs(Protocol):
     """The sandbox verbs that tools and rewards use; `venusrl.envs` sandboxes provide them."""
 
     async def exec(
-        self, command: str | Sequence[str], /, *, timeout_s: float, max_output_bytes: int
+        self,
+        command: str | Sequence[str],
+        /,
+        *,
+        timeout_s: float,
+        max_output_bytes: int,
+        stdin: bytes = b"",
     ) -> ExecResult: ...
 
     async def run_python(self, source: str, /, *, timeout_s: float) -> ExecResult: ...
@@ -222,6 +228,9 @@ class Environment(ABC):
     # `reference` keys a file's task may give, read when its row has them (a worked solution
     # the demonstrator plays): a file without them still trains.
     optional_fields: ClassVar[tuple[str, ...]] = ()
+    # Where a file's row holds the task's id and prompt, when not in `id` and `prompt` (SWE
+    # datasets: instance_id, problem_statement); `task_fields` overrides it.
+    default_columns: ClassVar[Mapping[str, str]] = {}
 
     def __init__(self, task: Task, sandbox: SandboxVerbs) -> None:
         self.task = task
@@ -263,6 +272,17 @@ class Environment(ABC):
         `files` of its workspace, defaults of optional fields. An environment whose `tasks(seed)`
         builds its tasks through it plays a file's tasks exactly as its own."""
         return Task(task_id, prompt, reference=dict(reference))
+
+    @classmethod
+    def template_for(cls, task: Task) -> TemplateSpec:
+        """The template `task`'s sandboxes start from: `template`, unless the environment's
+        tasks each bring their own (an SWE task's container image)."""
+        return cls.template
+
+    async def output(self) -> str | None:
+        """What the episode produced, kept in its record beside the transcript (an SWE
+        episode's diff); None when there is nothing beyond the transcript."""
+        return None
 
     @classmethod
     def demonstrator(cls, task: Task, seed: int) -> Callable[[str], str] | None:

@@ -1,282 +1,177 @@
 """Turn a freshly forked process into the init of an isolated sandbox.
 
-Called in a child the zygote just forked (root, host namespaces, the template already in memory).
-The sequence, and why each step is there (MEASURED.md, and the environment-service issue):
+Called in a child a zygote just forked. The sequence, and why each step is there (MEASURED.md, and
+the environment-service and image issues):
 
-1. join the sandbox's cgroups first, so every page it touches from now on is charged to it;
-2. new mount, pid, net, ipc, uts and cgroup namespaces; fork so the child is pid 1 of the new pid
-   namespace (when it exits the kernel kills everything left in the sandbox); the parent exits;
-3. build a minimal root on a tmpfs: read-only binds of /usr and the Python installation only (the
-   host's /etc, /root, /home and the project are never mounted, so no secret is reachable even by
-   path), a private writable /workspace (an overlay of the template's files on a size-limited
-   tmpfs, so writes are copy-on-write and never reach a sibling), a size-limited /tmp, a fresh
-   /proc that shows only the sandbox's pids, a tiny /dev; then pivot_root and detach the old root;
-4. no network: the new net namespace has only a loopback that stays down, and it is not the host's;
-5. drop to an unprivileged host uid, enter a user namespace where that uid is 1000, drop every
-   capability (bounding set included), set no_new_privs and load a seccomp deny-list.
+1. join the sandbox's cgroups first (through files the pool opened), so every page it touches
+   from now on is charged to it;
+2. a user namespace of its own, unless the zygote is in one already: the host's root becomes
+   root of a namespace that maps only the sandbox's ids (a range of unprivileged host ids), so
+   nothing it does afterwards has any power over the host, and its mounts need no host
+   privilege;
+3. new mount, pid, net, ipc, uts and cgroup namespaces, owned by that user namespace; fork so
+   the child is pid 1 of the new pid namespace (when it exits the kernel kills everything left
+   in the sandbox); the parent exits;
+4. build the root on a tmpfs and pivot into it. A host root: read-only binds of /usr and the
+   Python installation only (the host's /etc, /root, /home and the project are never mounted),
+   a private writable /workspace (an overlay of the template's files on a size-limited tmpfs).
+   An image root: an overlay of the image's layers with a private, size-limited upper, so the
+   whole image is writable and no write reaches a sibling or the layer cache. Both get a
+   size-limited /tmp, a fresh /proc that shows only the sandbox's pids and a tiny /dev;
+5. no network: the new net namespace has only a loopback that stays down;
+6. become the sandbox's user, drop every capability (bounding set included), lock the securebits
+   so that exec as uid 0 gains none, set no_new_privs and load the seccomp deny-list.
+
+This module also runs on an image's own Python (Python 3.8 syntax, standard library only).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
-import errno
 import os
-import platform
+import signal
 import socket
-import sys
-from collections.abc import Mapping, Sequence
+import stat
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
-CLONE_NEWNS = 0x00020000
-CLONE_NEWCGROUP = 0x02000000
-CLONE_NEWUTS = 0x04000000
-CLONE_NEWIPC = 0x08000000
-CLONE_NEWUSER = 0x10000000
-CLONE_NEWPID = 0x20000000
-CLONE_NEWNET = 0x40000000
-
-MS_RDONLY = 1
-MS_NOSUID = 2
-MS_NODEV = 4
-MS_NOEXEC = 8
-MS_REMOUNT = 32
-MS_BIND = 4096
-MS_REC = 16384
-MS_PRIVATE = 1 << 18
-MNT_DETACH = 2
-
-PR_SET_PDEATHSIG = 1
-PR_SET_DUMPABLE = 4
-PR_CAPBSET_DROP = 24
-PR_SET_NO_NEW_PRIVS = 38
-PR_SET_CHILD_SUBREAPER = 36
-
-SANDBOX_UID = 1000  # the uid sandboxed code sees
-WORKSPACE = "/workspace"
-
-_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
-_SYS_CAPSET = {"x86_64": 126, "aarch64": 91}
-
-libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-
-
-def _check(ret: int, what: str) -> int:
-    if ret < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-    return ret
-
-
-def unshare(flags: int) -> None:
-    _check(libc.unshare(flags), f"unshare({flags:#x})")
-
-
-def prctl(option: int, arg: int = 0) -> int:
-    return _check(libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0), f"prctl({option})")
-
-
-def mount(source: str | None, target: str, fstype: str | None, flags: int, data: str = "") -> None:
-    ret = libc.mount(
-        source.encode() if source else None,
-        target.encode(),
-        fstype.encode() if fstype else None,
-        ctypes.c_ulong(flags),
-        data.encode() if data else None,
-    )
-    _check(ret, f"mount {source} on {target} ({fstype}, {data})")
-
-
-def umount(target: str) -> None:
-    _check(libc.umount2(target.encode(), MNT_DETACH), f"umount {target}")
-
-
-def _syscall_nr(table: Mapping[str, int]) -> int:
-    machine = platform.machine()
-    if machine not in table:
-        raise OSError(errno.ENOSYS, f"sandboxes are not supported on {machine}")
-    return table[machine]
-
-
-def pivot_root(new_root: str, put_old: str) -> None:
-    nr = _syscall_nr(_SYS_PIVOT_ROOT)
-    _check(libc.syscall(nr, new_root.encode(), put_old.encode()), "pivot_root")
-
-
-def last_cap() -> int:
-    return int(Path("/proc/sys/kernel/cap_last_cap").read_text())
-
-
-def drop_bounding_set(cap_last: int) -> None:
-    """No capability can ever be gained again, even by executing a file that has some."""
-    for cap in range(cap_last + 1):
-        with contextlib.suppress(OSError):  # caps the kernel does not know
-            prctl(PR_CAPBSET_DROP, cap)
-
-
-def clear_capabilities() -> None:
-    """Empty the permitted, effective and inheritable sets."""
-
-    class Header(ctypes.Structure):
-        _fields_ = (("version", ctypes.c_uint32), ("pid", ctypes.c_int))
-
-    class Data(ctypes.Structure):
-        _fields_ = (
-            ("effective", ctypes.c_uint32),
-            ("permitted", ctypes.c_uint32),
-            ("inheritable", ctypes.c_uint32),
-        )
-
-    header = Header(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3: two 32-bit words
-    data = (Data * 2)()
-    _check(libc.syscall(_syscall_nr(_SYS_CAPSET), ctypes.byref(header), data), "capset")
-
-
-# --- seccomp -------------------------------------------------------------------------------------
-
-# Syscalls no tool needs and many kernel exploits start from (after Docker's default profile):
-# mounting and namespaces, kernel modules and keyrings, tracing other processes, BPF, io_uring.
-SECCOMP_DENY = (
-    "mount",
-    "umount2",
-    "pivot_root",
-    "chroot",
-    "unshare",
-    "setns",
-    "open_tree",
-    "move_mount",
-    "fsopen",
-    "fsconfig",
-    "fsmount",
-    "fspick",
-    "mount_setattr",
-    "keyctl",
-    "add_key",
-    "request_key",
-    "bpf",
-    "perf_event_open",
-    "ptrace",
-    "process_vm_readv",
-    "process_vm_writev",
-    "kexec_load",
-    "kexec_file_load",
-    "init_module",
-    "finit_module",
-    "delete_module",
-    "reboot",
-    "swapon",
-    "swapoff",
-    "acct",
-    "settimeofday",
-    "clock_settime",
-    "clock_adjtime",
-    "adjtimex",
-    "syslog",
-    "open_by_handle_at",
-    "name_to_handle_at",
-    "userfaultfd",
-    "io_uring_setup",
-    "io_uring_enter",
-    "io_uring_register",
-    "quotactl",
-    "lookup_dcookie",
-    "vhangup",
-    "personality",
+from venusrl.envs.syscalls import (
+    CLONE_NEWCGROUP,
+    CLONE_NEWIPC,
+    CLONE_NEWNET,
+    CLONE_NEWNS,
+    CLONE_NEWPID,
+    CLONE_NEWUSER,
+    CLONE_NEWUTS,
+    MS_BIND,
+    MS_NODEV,
+    MS_NOEXEC,
+    MS_NOSUID,
+    MS_PRIVATE,
+    MS_RDONLY,
+    MS_REC,
+    MS_REMOUNT,
+    PR_SET_DUMPABLE,
+    PR_SET_NO_NEW_PRIVS,
+    PR_SET_PDEATHSIG,
+    PR_SET_SECUREBITS,
+    SECBITS_LOCKED_NOROOT,
+    clear_capabilities,
+    drop_bounding_set,
+    last_cap,
+    load_seccomp,
+    mount,
+    move_mount_fd,
+    open_tree_clone,
+    pivot_root,
+    prctl,
+    umount,
+    unshare,
 )
-_SCMP_ACT_ALLOW = 0x7FFF0000
-_SCMP_CMP_MASKED_EQ = 7
 
-
-def _scmp_errno(err: int) -> int:
-    return 0x00050000 | err
-
-
-class _ArgCmp(ctypes.Structure):
-    _fields_ = (
-        ("arg", ctypes.c_uint),
-        ("op", ctypes.c_int),
-        ("datum_a", ctypes.c_uint64),
-        ("datum_b", ctypes.c_uint64),
-    )
-
-
-def seccomp_available() -> bool:
-    return ctypes.util.find_library("seccomp") is not None
-
-
-def load_seccomp_denylist() -> None:
-    """EPERM for `SECCOMP_DENY`; clone() creating namespaces is refused; clone3 answers ENOSYS so
-    the C library falls back to clone(), whose flags a filter can read."""
-    lib = ctypes.CDLL(ctypes.util.find_library("seccomp") or "libseccomp.so.2")
-    lib.seccomp_init.restype = ctypes.c_void_p
-    lib.seccomp_init.argtypes = (ctypes.c_uint32,)
-    lib.seccomp_rule_add_array.argtypes = (
-        ctypes.c_void_p,
-        ctypes.c_uint32,
-        ctypes.c_int,
-        ctypes.c_uint,
-        ctypes.POINTER(_ArgCmp),
-    )
-    lib.seccomp_syscall_resolve_name.argtypes = (ctypes.c_char_p,)
-    lib.seccomp_load.argtypes = (ctypes.c_void_p,)
-    lib.seccomp_release.argtypes = (ctypes.c_void_p,)
-    ctx = lib.seccomp_init(_SCMP_ACT_ALLOW)
-    if not ctx:
-        raise OSError("seccomp_init failed")
-    try:
-
-        def rule(name: str, action: int, args: Sequence[_ArgCmp] = ()) -> None:
-            nr = lib.seccomp_syscall_resolve_name(name.encode())
-            if nr < 0:
-                return  # not a syscall on this architecture
-            arr = (_ArgCmp * max(1, len(args)))(*args)
-            ret = lib.seccomp_rule_add_array(ctx, action, nr, len(args), arr)
-            if ret < 0:
-                raise OSError(-ret, f"seccomp rule for {name}")
-
-        for name in SECCOMP_DENY:
-            rule(name, _scmp_errno(errno.EPERM))
-        rule("clone3", _scmp_errno(errno.ENOSYS))
-        for flag in (CLONE_NEWUSER, CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWNET, CLONE_NEWCGROUP):
-            rule("clone", _scmp_errno(errno.EPERM), [_ArgCmp(0, _SCMP_CMP_MASKED_EQ, flag, flag)])
-        ret = lib.seccomp_load(ctx)
-        if ret < 0:
-            raise OSError(-ret, "seccomp_load")
-    finally:
-        lib.seccomp_release(ctx)
-
-
-# --- the sandbox -------------------------------------------------------------------------------
+SANDBOX_UID = 1000  # the uid code in a host-root sandbox runs as
+WORKSPACE = "/workspace"  # a host-root sandbox's working directory
+HIDDEN = "/.venusrl"  # in an image zygote's root: the layers, the runtime's code, members' roots
+# Mount flags a remount must repeat: a mount from a more privileged namespace keeps them locked.
+_LOCKED = (
+    (MS_NOSUID, 2),
+    (MS_NODEV, 4),
+    (MS_NOEXEC, 8),
+    (1024, 1024),
+    (2048, 2048),
+    (1 << 21, 4096),
+)
+_DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 
 
 @dataclass(frozen=True)
 class IsolationConfig:
     """Everything `enter` needs; built by the pool, sent through the zygote as JSON."""
 
-    cgroup_procs: list[str]
-    root_dir: str  # an empty host directory to build the sandbox's root on
-    host_uid: int  # unprivileged host uid the sandbox runs as (uid 1000 inside)
-    lower_dirs: list[str] = field(default_factory=list)  # read-only workspace layers, top first
-    workspace_bytes: int = 256 << 20
+    root_dir: str  # an empty directory to build the sandbox's root on
+    id_map: tuple[int, int, int]  # (first id inside, first host id, count) of the user namespace
+    uid: int  # the sandbox's user and group, inside
+    gid: int
+    enter_userns: bool = True  # False: the zygote is in the sandboxes' user namespace already
+    image_layers: list[str] = field(default_factory=list)  # an image root's lowers, top first
+    lower_dirs: list[str] = field(default_factory=list)  # a host root's workspace layers
+    workspace: str = WORKSPACE  # where relative paths and commands start
+    workspace_bytes: int = 256 << 20  # the host root's /workspace, an image root's upper
     tmp_bytes: int = 64 << 20
-    ro_binds: list[str] = field(default_factory=list)  # extra host paths, mounted read-only
+    ro_binds: list[str] = field(default_factory=list)  # a host root: extra host paths
+    host_binds: list[str] = field(default_factory=list)  # a host root: /usr, the Python
     env: dict[str, str] = field(default_factory=dict)
-    seccomp: bool = True
+    passwd: str = ""  # a host root's /etc/passwd and /etc/group
+    group: str = ""
+    seccomp_bpf: str = ""  # hex of a compiled filter; "" for none
 
 
-def python_binds() -> list[str]:
-    """The host paths the sandbox needs to run this Python with its installed packages."""
-    paths = {sys.base_prefix, sys.prefix, str(Path(sys.executable).resolve().parent.parent)}
-    return sorted(p for p in paths if not p.startswith("/usr/"))
+# --- the user namespace ------------------------------------------------------------------------
 
 
-def _bind_ro(src: str, dst: str) -> None:
+def enter_user_namespace(inside: int, host: int, count: int) -> None:
+    """Move this process (the host's root) into a new user namespace where ids inside..+count
+    are host ids host..+count, with every capability over what the namespace owns and none
+    over the host. A range needs CAP_SETUID in the parent namespace, which the process itself
+    loses by entering: a helper that stays outside writes the map."""
+    os.setgroups([])
+    me = os.getpid()
+    go_r, go_w = os.pipe()
+    done_r, done_w = os.pipe()
+    helper = os.fork()
+    if helper == 0:
+        code = 1
+        try:
+            os.close(go_w)
+            os.close(done_r)
+            if os.read(go_r, 1) == b"y":
+                id_map = f"{inside} {host} {count}"
+                for name, text in (("uid_map", id_map), ("setgroups", "deny"), ("gid_map", id_map)):
+                    with open(f"/proc/{me}/{name}", "w") as f:
+                        f.write(text)
+                os.write(done_w, b"y")
+                code = 0
+        finally:
+            os._exit(code)
+    os.close(go_r)
+    os.close(done_w)
+    try:
+        unshare(CLONE_NEWUSER)
+    except BaseException:
+        os.write(go_w, b"n")
+        raise
+    os.write(go_w, b"y")
+    written = os.read(done_r, 1) == b"y"
+    for fd in (go_w, done_r):
+        os.close(fd)
+    with contextlib.suppress(ChildProcessError):  # a zygote's children are reaped by the kernel
+        os.waitpid(helper, 0)
+    if not written:
+        raise OSError(f"could not write the user namespace's id map ({inside} {host} {count})")
+
+
+def _build_ids(cfg: IsolationConfig) -> tuple[int, int]:
+    """Who builds the root: the namespace's root where it maps one, else the sandbox's user."""
+    inside, _, count = cfg.id_map
+    if inside == 0 and count > 0:
+        return 0, 0
+    return cfg.uid, cfg.gid
+
+
+# --- mounting ----------------------------------------------------------------------------------
+
+
+def bind_ro(src: str, dst: str) -> None:
     mount(src, dst, None, MS_BIND | MS_REC)
-    # Keep the flags the source mount already has locked (nosuid, nodev, ...), add read-only.
-    st = os.statvfs(src)
-    locked = st.f_flag & (MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    _read_only(dst)
+
+
+def _read_only(dst: str) -> None:
+    flags = os.statvfs(dst).f_flag
+    locked = 0
+    for ms_flag, st_flag in _LOCKED:
+        if flags & st_flag:
+            locked |= ms_flag
     mount(None, dst, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | locked)
 
 
@@ -291,55 +186,133 @@ def _touch(path: str) -> None:
         pass
 
 
-def _build_root(cfg: IsolationConfig) -> None:
+def overlay(
+    target: str, lowers: Sequence[str | int], scratch: str, upper: str | None = None
+) -> None:
+    """An overlay of `lowers` (top first: paths, or detached trees `clone_trees` made) at
+    `target`, with `upper` (a directory on the same filesystem as `scratch`, which holds its
+    work directory) or read-only without. The layers are named by short names in `scratch`:
+    mount(2) cuts its options at a page, ~43 long cache paths."""
+    links = f"{scratch}/l"
+    os.mkdir(links)
+    for i, layer in enumerate(lowers):
+        if isinstance(layer, int):
+            os.mkdir(f"{links}/{i}")
+            move_mount_fd(layer, f"{links}/{i}")
+            os.close(layer)
+        else:
+            os.symlink(layer, f"{links}/{i}")
+    opts = "lowerdir=" + ":".join(str(i) for i in range(len(lowers)))
+    if upper is not None:
+        os.mkdir(f"{scratch}/w")
+        opts += f",upperdir={upper},workdir={scratch}/w"
+    here = os.open(".", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.chdir(links)
+        mount("overlay", target, "overlay", MS_NOSUID | MS_NODEV, opts + ",userxattr")
+    finally:
+        os.fchdir(here)
+        os.close(here)
+    for i, layer in enumerate(lowers):  # the overlay holds its own references to its layers
+        if isinstance(layer, int):
+            umount(f"{links}/{i}")
+            os.rmdir(f"{links}/{i}")
+        else:
+            os.unlink(f"{links}/{i}")
+    os.rmdir(links)
+
+
+def mount_dev(dev: str, shm_bytes: int) -> None:
+    """A tiny /dev: the harmless character devices bound from the host, links, a private shm."""
+    mount("tmpfs", dev, "tmpfs", MS_NOSUID, "size=64k,mode=755")
+    for name in _DEVICES:
+        if os.path.exists(f"/dev/{name}"):
+            _touch(f"{dev}/{name}")
+            mount(f"/dev/{name}", f"{dev}/{name}", None, MS_BIND)
+    for name, target in (
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+        ("ptmx", "pts/ptmx"),
+    ):
+        os.symlink(target, f"{dev}/{name}")
+    shm = _mkdirs(dev, "/shm")
+    mount("tmpfs", shm, "tmpfs", MS_NOSUID | MS_NODEV, f"size={shm_bytes},mode=1777")
+
+
+def pivot_into(root: str) -> None:
+    """Make `root` this mount namespace's root and detach the old one."""
+    os.chdir(root)
+    pivot_root(".", ".")  # the old root stays stacked under the new one until detached
+    umount(".")
+    os.chdir("/")
+
+
+_HOST_TOPS = ("bin", "sbin", "lib", "lib64", "lib32", "libx32")
+_HOST_ETC = ("ld.so.cache", "alternatives", "localtime")
+
+
+def clone_trees(paths: list[str]) -> list[int]:
+    """Detached copies of the trees at `paths`, made while this process is the host's root in
+    the host's mount namespace: from its own user namespace it could not reach a cache under a
+    directory closed to others (/root/.cache), nor bind a mount of another namespace."""
+    return [open_tree_clone(path) for path in paths]
+
+
+def open_host_sources(cfg: IsolationConfig) -> dict[str, int | str]:
+    """What a host root binds, cloned while this process is still the host's root and in the
+    host's mount namespace: from its own namespaces it could neither reach the host's
+    root-owned directories (a Python under /root) nor bind a mount of another namespace. Path
+    -> a detached mount tree (`open_tree_clone`), or a link's target for a top directory that
+    is a link."""
+    sources: dict[str, int | str] = {}
+    paths = [f"/{top}" for top in _HOST_TOPS] + [*cfg.host_binds, *cfg.ro_binds]
+    paths += [f"/etc/{name}" for name in _HOST_ETC]
+    for path in paths:
+        if path in sources or not os.path.lexists(path):
+            continue
+        if path.count("/") == 1 and os.path.islink(path):
+            sources[path] = os.readlink(path)
+        elif path.startswith("/etc/") or os.path.isdir(path):
+            sources[path] = open_tree_clone(path)
+    return sources
+
+
+def _host_root(cfg: IsolationConfig, sources: dict[str, int | str]) -> None:
     root = cfg.root_dir
-    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    uid, gid = _build_ids(cfg)
     mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,mode=755")
     # /tmp first: a Python installation under /tmp (a venv in a temporary checkout) is bound
     # below it next, and must not be hidden by it.
     tmp = _mkdirs(root, "/tmp")
     mount("tmpfs", tmp, "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg.tmp_bytes},mode=1777")
-    for top in ("bin", "sbin", "lib", "lib64", "lib32", "libx32"):
-        host = f"/{top}"
-        if os.path.islink(host):
-            os.symlink(os.readlink(host), f"{root}/{top}")
-        elif os.path.isdir(host):
-            _bind_ro(host, _mkdirs(root, host))
-    for path in ["/usr", *python_binds(), *cfg.ro_binds]:
-        if os.path.isdir(path):
-            _bind_ro(path, _mkdirs(root, path))
     etc = _mkdirs(root, "/etc")
-    for name in ("ld.so.cache", "alternatives", "localtime"):
-        if os.path.exists(f"/etc/{name}"):
-            target = f"{etc}/{name}"
-            if os.path.isdir(f"/etc/{name}"):
-                os.makedirs(target)
-            else:
-                _touch(target)
-            _bind_ro(f"/etc/{name}", target)
-    Path(etc, "passwd").write_text(
-        f"root:x:0:0::/:/bin/false\nsandbox:x:{SANDBOX_UID}:{SANDBOX_UID}::{WORKSPACE}:/bin/sh\n"
-    )
-    Path(etc, "group").write_text(f"root:x:0:\nsandbox:x:{SANDBOX_UID}:\n")
-    Path(etc, "hosts").write_text("127.0.0.1 localhost sandbox\n")
-    Path(etc, "hostname").write_text("sandbox\n")
-
-    dev = _mkdirs(root, "/dev")
-    mount("tmpfs", dev, "tmpfs", MS_NOSUID, "size=64k,mode=755")
-    for name in ("null", "zero", "full", "random", "urandom"):
-        _touch(f"{dev}/{name}")
-        mount(f"/dev/{name}", f"{dev}/{name}", None, MS_BIND)
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0")):
-        os.symlink(target, f"{dev}/{name}")
-    os.symlink("/proc/self/fd/1", f"{dev}/stdout")
-    os.symlink("/proc/self/fd/2", f"{dev}/stderr")
-    shm = _mkdirs(root, "/dev/shm")
-    mount("tmpfs", shm, "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg.tmp_bytes},mode=1777")
-
+    for path, source in sources.items():
+        if isinstance(source, str):
+            os.symlink(source, root + path)
+            continue
+        dst = root + path
+        if stat.S_ISDIR(os.fstat(source).st_mode):
+            os.makedirs(dst, exist_ok=True)
+        else:
+            _touch(dst)
+        move_mount_fd(source, dst)
+        os.close(source)
+        _read_only(dst)
+    for name, text in (
+        ("passwd", cfg.passwd),
+        ("group", cfg.group),
+        ("hosts", "127.0.0.1 localhost sandbox\n"),
+        ("hostname", "sandbox\n"),
+    ):
+        with open(f"{etc}/{name}", "w") as f:
+            f.write(text)
+    mount_dev(_mkdirs(root, "/dev"), cfg.tmp_bytes)
     mount("proc", _mkdirs(root, "/proc"), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
 
-    workspace = _mkdirs(root, WORKSPACE)
-    ws_opts = f"size={cfg.workspace_bytes},mode=755,uid={cfg.host_uid},gid={cfg.host_uid}"
+    workspace = _mkdirs(root, cfg.workspace)
+    ws_opts = f"size={cfg.workspace_bytes},mode=755,uid={uid},gid={gid}"
     if not cfg.lower_dirs:
         mount("tmpfs", workspace, "tmpfs", MS_NOSUID | MS_NODEV, ws_opts)
     else:
@@ -347,37 +320,98 @@ def _build_root(cfg: IsolationConfig) -> None:
         # size-limited tmpfs of the sandbox's own.
         data = _mkdirs(root, "/.wsdata")
         mount("tmpfs", data, "tmpfs", MS_NOSUID | MS_NODEV, ws_opts)
-        for sub in ("upper", "work"):
-            os.mkdir(f"{data}/{sub}")
-            os.chown(f"{data}/{sub}", cfg.host_uid, cfg.host_uid)
-        opts = f"lowerdir={':'.join(cfg.lower_dirs)},upperdir={data}/upper,workdir={data}/work"
-        mount("overlay", workspace, "overlay", MS_NOSUID | MS_NODEV, opts)
+        os.mkdir(f"{data}/upper")
+        overlay(workspace, cfg.lower_dirs, data, upper=f"{data}/upper")
         umount(data)  # the overlay keeps its own reference; nothing inside can reach it
         os.rmdir(data)
-
-    os.chdir(root)
-    os.mkdir(".oldroot")
-    pivot_root(".", ".oldroot")
-    os.chdir("/")
-    umount("/.oldroot")
-    os.rmdir("/.oldroot")
+    pivot_into(root)
     mount(None, "/dev", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID)
     mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
-def _drop_privileges(host_uid: int) -> None:
+def _image_root(cfg: IsolationConfig, trees: list[int]) -> None:
+    """The image's layers under a private upper: the whole tree writable, copy-on-write.
+
+    The image's names are not followed before the pivot: a link in it would resolve against
+    this process's root, not the image's. The mountpoints are the skeleton layer's (the top
+    lower: real directories over whatever the image has there); everything deeper is made
+    after the pivot, where the image's links can only point into the sandbox itself."""
+    scratch = cfg.root_dir
+    mount("tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg.workspace_bytes},mode=700")
+    for sub in ("upper", "root"):
+        os.mkdir(f"{scratch}/{sub}", 0o755)
+    root = f"{scratch}/root"
+    overlay(root, trees or cfg.image_layers, scratch, upper=f"{scratch}/upper")
+    for path in ("/tmp", "/proc", "/dev"):
+        if not stat.S_ISDIR(os.lstat(root + path).st_mode):
+            raise OSError(f"{path} of the sandbox's root is not a directory (no skeleton layer?)")
+    mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg.tmp_bytes},mode=1777")
+    mount_dev(root + "/dev", cfg.tmp_bytes)
+    mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    pivot_into(root)
+    mount(None, "/dev", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID)
+    if not os.path.isdir(cfg.workspace):
+        os.makedirs(cfg.workspace, 0o755)
+        os.chown(cfg.workspace, cfg.uid, cfg.gid)
+
+
+def zygote_root(root_dir: str, layers: list[int], hidden: dict[str, int], tmp_bytes: int) -> None:
+    """An image zygote's root at `root_dir`: its layers read-only (top first, the skeleton
+    among them), and under `HIDDEN` the trees `hidden` names (name -> detached tree: each
+    layer again, for the members' own roots; the runtime's code; the groups' files) plus an
+    empty `mnt` where each member builds its root in a mount namespace of its own."""
+    mount("tmpfs", root_dir, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=700")
+    root = f"{root_dir}/root"
+    os.mkdir(root, 0o755)
+    overlay(root, layers, root_dir)
+    hidden_dir = root + HIDDEN
+    mount("tmpfs", hidden_dir, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    for name, tree in hidden.items():
+        dst = _mkdirs(hidden_dir, "/" + name)
+        move_mount_fd(tree, dst)
+        os.close(tree)
+        _read_only(dst)
+    os.mkdir(hidden_dir + "/mnt", 0o755)
+    mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={tmp_bytes},mode=1777")
+    mount_dev(root + "/dev", tmp_bytes)
+    mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    pivot_into(root)
+
+
+def enter_image_zygote(
+    id_map: tuple[int, int, int],
+    root_dir: str,
+    layers: list[str],
+    hidden: dict[str, str],
+    tmp_bytes: int,
+) -> None:
+    """This process (the host's root, in the zygote's cgroups) becomes pid 1 of an image
+    zygote: root of the sandboxes' user namespace, in mount, pid, net, ipc and uts namespaces
+    of its own, its root the image (read-only). It keeps its capabilities over what that
+    namespace owns, to make sandboxes; it has none over the host. The caller then execs the
+    image's Python."""
+    trees = clone_trees(layers)
+    hidden_trees = dict(zip(hidden, clone_trees(list(hidden.values()))))
+    enter_user_namespace(*id_map)
+    os.setresgid(0, 0, 0)
+    os.setresuid(0, 0, 0)
+    unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS)
+    if os.fork() != 0:
+        os._exit(0)  # the zygote is known by its socket; the kernel adopts and reaps it
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    zygote_root(root_dir, trees, hidden_trees, tmp_bytes)
+    socket.sethostname("zygote")
+
+
+# --- the sequence ------------------------------------------------------------------------------
+
+
+def _drop_privileges(cfg: IsolationConfig) -> None:
     cap_last = last_cap()
-    os.setgroups([])
-    drop_bounding_set(cap_last)  # while we still hold CAP_SETPCAP
-    os.setresgid(host_uid, host_uid, host_uid)
-    os.setresuid(host_uid, host_uid, host_uid)  # leaving uid 0 clears the remaining sets
-    prctl(PR_SET_DUMPABLE, 1)  # changing uid made /proc/self root-owned; we must write our maps
-    unshare(CLONE_NEWUSER)
-    Path("/proc/self/setgroups").write_text("deny")
-    Path("/proc/self/uid_map").write_text(f"{SANDBOX_UID} {host_uid} 1")
-    Path("/proc/self/gid_map").write_text(f"{SANDBOX_UID} {host_uid} 1")
-    # A new user namespace hands out a full set again (over nothing the host owns): drop it.
+    prctl(PR_SET_SECUREBITS, SECBITS_LOCKED_NOROOT)  # while we still hold CAP_SETPCAP
     drop_bounding_set(cap_last)
+    os.setresgid(cfg.gid, cfg.gid, cfg.gid)
+    os.setresuid(cfg.uid, cfg.uid, cfg.uid)
     clear_capabilities()
     # Non-dumpable: sandboxed processes (same uid) cannot read or write the init's memory or
     # environment through /proc/1, so they cannot tamper with what it reports to the pool.
@@ -385,42 +419,43 @@ def _drop_privileges(host_uid: int) -> None:
     prctl(PR_SET_NO_NEW_PRIVS, 1)
 
 
-def sandbox_env(extra: Mapping[str, str]) -> dict[str, str]:
-    path = [str(Path(sys.executable).parent), "/usr/local/bin", "/usr/bin", "/bin"]
-    return {
-        "PATH": ":".join(dict.fromkeys(path)),
-        "HOME": WORKSPACE,
-        "USER": "sandbox",
-        "LANG": "C.UTF-8",
-        "TMPDIR": "/tmp",
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONDONTWRITEBYTECODE": "1",  # same-size edits within a second would run stale .pyc
-        **extra,
-    }
+def join_cgroups(fds: list[int]) -> None:
+    for fd in fds:
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
 
 
-def enter(cfg: IsolationConfig, keep_fds: Sequence[int]) -> None:
+def enter(cfg: IsolationConfig, cgroup_fds: list[int], keep_fds: list[int]) -> None:
     """Returns in the sandbox's init process, fully isolated; the calling process never returns.
 
     Errors before the fork propagate to the caller's handler; errors inside the new init are
     raised there too (the caller reports them on its socket), and the init then exits, which
     takes the whole sandbox down with it.
     """
-    for procs in cfg.cgroup_procs:
-        Path(procs).write_text(str(os.getpid()))
+    join_cgroups(cgroup_fds)
+    # Zygotes are shielded from the OOM killer; the sandbox must be a fair victim again.
+    with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as f:
+        f.write("0")
+    sources = {} if cfg.image_layers else open_host_sources(cfg)
+    trees = clone_trees(cfg.image_layers) if cfg.image_layers and cfg.enter_userns else []
+    if cfg.enter_userns:
+        enter_user_namespace(*cfg.id_map)
+    uid, gid = _build_ids(cfg)
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)  # a uid the namespace maps: files it makes have an owner
     unshare(
         CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWCGROUP
     )
     if os.fork() != 0:
         os._exit(0)  # the init is adopted by the zygote, which reaps it
     # pid 1 of the sandbox from here on.
-    import signal
-
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     prctl(PR_SET_PDEATHSIG, 0)
-    # Zygotes are shielded from the OOM killer; the sandbox must be a fair victim again.
-    Path("/proc/self/oom_score_adj").write_text("0")
-    _build_root(cfg)
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    if cfg.image_layers:
+        _image_root(cfg, trees)
+    else:
+        _host_root(cfg, sources)
     socket.sethostname("sandbox")
     keep = set(keep_fds)
     for fd in os.listdir("/proc/self/fd"):
@@ -431,9 +466,9 @@ def enter(cfg: IsolationConfig, keep_fds: Sequence[int]) -> None:
     for std in (0, 1, 2):
         os.dup2(devnull, std)
     os.close(devnull)
-    _drop_privileges(cfg.host_uid)
-    if cfg.seccomp:
-        load_seccomp_denylist()
+    _drop_privileges(cfg)
+    if cfg.seccomp_bpf:
+        load_seccomp(bytes.fromhex(cfg.seccomp_bpf))
     os.environ.clear()
-    os.environ.update(sandbox_env(cfg.env))
-    os.chdir(WORKSPACE)
+    os.environ.update(cfg.env)
+    os.chdir(cfg.workspace)

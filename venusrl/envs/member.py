@@ -29,8 +29,13 @@ import types
 from typing import Any
 
 from venusrl.envs import wire
-from venusrl.envs.isolation import PR_SET_CHILD_SUBREAPER, WORKSPACE, prctl
+from venusrl.envs.syscalls import PR_SET_CHILD_SUBREAPER, prctl
 
+# Where relative paths and commands start: set once by `serve` (the member is a process of its own).
+workspace = "/workspace"
+# False in an image sandbox whose image has no Python: the member is a host interpreter that
+# cannot import anything more once inside the image.
+python_ok = True
 _EXIT_GRACE_S = 0.2  # after the command exits, how long to wait for its pipes to drain
 # A process stuck in the kernel may not die at once; past this the sandbox's close kills its
 # cgroup, and the leader answers rather than hold the call.
@@ -57,7 +62,7 @@ def _parts(path: str) -> list[str]:
 def _open_beneath(path: str, flags: int, create_dirs: bool = False) -> int:
     """Open `path` under the workspace, refusing any symlink on the way (O_NOFOLLOW per step)."""
     parts = _parts(path)
-    dir_fd = os.open(WORKSPACE, os.O_RDONLY | os.O_DIRECTORY)
+    dir_fd = os.open(workspace, os.O_RDONLY | os.O_DIRECTORY)
     try:
         for name in parts[:-1]:
             if create_dirs:
@@ -156,7 +161,7 @@ def _start_command(req: dict[str, Any]) -> tuple[int, int, int, int]:
             for src, dst in ((in_r, 0), (out_w, 1), (err_w, 2)):
                 os.dup2(src, dst)
             os.closerange(3, 1 << 16)
-            os.chdir(req.get("cwd") or WORKSPACE)
+            os.chdir(os.path.join(workspace, req.get("cwd") or ""))
             os.execvpe(argv[0], argv, env)
         except BaseException as e:
             os.write(2, f"cannot run {argv[0]!r}: {e}\n".encode())
@@ -247,7 +252,7 @@ def _run_leader(req: dict[str, Any], stdin: bytes) -> bytes:
     else:
         if status is None:
             _, status = os.waitpid(pid, 0)
-        code = os.waitstatus_to_exitcode(status)
+        code = _exit_code(status)
     return wire.encode(
         {
             "id": req["id"],
@@ -339,10 +344,10 @@ def _export(
     tar_buf = io.BytesIO()
     paths = []
     with tarfile.open(fileobj=tar_buf, mode="w") as tar:
-        for root, dirs, files in os.walk(WORKSPACE):
+        for root, dirs, files in os.walk(workspace):
             for name in dirs + files:
                 full = os.path.join(root, name)
-                rel = os.path.relpath(full, WORKSPACE)
+                rel = os.path.relpath(full, workspace)
                 paths.append(rel)
                 tar.add(full, arcname=rel, recursive=False)
     state, dropped = {}, []
@@ -365,10 +370,10 @@ def _export(
 
 def _import(header: dict[str, Any], blobs: list[bytes], env: dict[str, Any]) -> None:
     keep = set(header["paths"])
-    for root, dirs, files in os.walk(WORKSPACE, topdown=False):
+    for root, dirs, files in os.walk(workspace, topdown=False):
         for name in files + dirs:
             full = os.path.join(root, name)
-            if os.path.relpath(full, WORKSPACE) not in keep:
+            if os.path.relpath(full, workspace) not in keep:
                 if os.path.isdir(full) and not os.path.islink(full):
                     os.rmdir(full)
                 else:
@@ -376,7 +381,10 @@ def _import(header: dict[str, Any], blobs: list[bytes], env: dict[str, Any]) -> 
     with tarfile.open(fileobj=io.BytesIO(blobs[0]), mode="r") as tar:
         # "tar" rather than "data": symlinks to absolute paths (venvs have them) are fine here,
         # they resolve inside this sandbox.
-        tar.extractall(WORKSPACE, filter="tar")
+        if hasattr(tarfile, "tar_filter"):
+            tar.extractall(workspace, filter="tar")
+        else:  # a Python before the extraction filters (an image's): the same, minus the check
+            tar.extractall(workspace)
     # Unpickling runs inside this sandbox only: the data came from a sibling sandbox.
     for name, raw in pickle.loads(blobs[1]).items():
         env[name] = pickle.loads(raw)
@@ -385,7 +393,17 @@ def _import(header: dict[str, Any], blobs: list[bytes], env: dict[str, Any]) -> 
 # --- the serving loop ----------------------------------------------------------------------------
 
 
-def serve(sock: socket.socket, env: dict[str, Any]) -> None:
+def _exit_code(status: int) -> int:
+    """`os.waitstatus_to_exitcode`, which an image's Python may predate (3.9)."""
+    if os.WIFSIGNALED(status):
+        return -os.WTERMSIG(status)
+    return os.WEXITSTATUS(status)
+
+
+def serve(sock: socket.socket, env: dict[str, Any], where: str, has_python: bool) -> None:
+    """Serve the pool on `sock` until it hangs up; `where` is the workspace."""
+    global workspace, python_ok
+    workspace, python_ok = where, has_python
     signal.signal(signal.SIGALRM, signal.SIG_IGN)
     baseline = {name: id(value) for name, value in env.items()}
     sel = selectors.DefaultSelector()
@@ -448,6 +466,8 @@ def _handle(
     op = req.get("op")
     try:
         if op == "python":
+            if not python_ok:
+                raise ValueError("this sandbox's image has no Python: run_python needs one")
             return _run_python(req, env)
         if op == "read":
             return {}, (_read_file(str(req["path"]), int(req["max_bytes"])),)

@@ -21,17 +21,27 @@ import logging
 import os
 import shutil
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Literal
 
-from venusrl.envs import isolation
+from venusrl.envs import syscalls
 from venusrl.envs.accounts import PoolAccounts, PoolStats, SandboxRecord
 from venusrl.envs.admission import ZYGOTE_PRIORITY, Admission, Entry
 from venusrl.envs.cgroups import Cgroup, detect_version
-from venusrl.envs.orphans import CGROUP_BASE, RUNTIME_BASE, private_dir, reap_orphans
+from venusrl.envs.config import SandboxConfig
+from venusrl.envs.orphans import (
+    CGROUP_BASE,
+    RUNTIME_BASE,
+    private_dir,
+    reap_orphans,
+    watch_process,
+)
 from venusrl.envs.sandbox import Sandbox
-from venusrl.envs.templates import Group, Template, WarmStarts
+from venusrl.envs.templates import IMAGE_ID_BASE, Group, Template, WarmStarts
 from venusrl.envs.types import (
+    GiB,
     InfraFailure,
     SandboxError,
     SandboxExpired,
@@ -40,6 +50,8 @@ from venusrl.envs.types import (
     TemplateSpec,
 )
 from venusrl.envs.zygote import ZygoteError
+from venusrl.images.oci import ImageError
+from venusrl.images.store import ImageStore
 from venusrl.policy.sandbox_admission import AdmissionDecision, PeakEstimator
 
 log = logging.getLogger(__name__)
@@ -51,6 +63,20 @@ PYTHON_TEMPLATE = TemplateSpec(
     expected_memory_bytes=64 << 20,
 )
 _pool_ids = itertools.count()
+# Image templates made for a task's image and no longer used by any group: the newest few stay
+# warm (SWE-smith's and R2E-Gym's tasks share an image per repository), the rest are dropped.
+IDLE_IMAGE_TEMPLATES = 4
+
+
+def image_store(cfg: SandboxConfig) -> ImageStore:
+    """The machine's layer cache and registry access as `sandbox.*` gives them."""
+    return ImageStore(
+        Path(cfg.image_cache_dir),
+        int(cfg.image_cache_gib * GiB),
+        IMAGE_ID_BASE,
+        Path(cfg.registry_auth_file) if cfg.registry_auth_file else None,
+        tuple(cfg.insecure_registries),
+    )
 
 
 class SandboxGroup(list[Sandbox]):
@@ -99,6 +125,7 @@ class SandboxPool:
         estimator: PeakEstimator | None = None,
         sandbox_uid: int = 60_999,
         seccomp: bool | None = None,
+        images: ImageStore | None = None,
     ) -> None:
         if memory_budget_bytes < 64 << 20:
             raise ValueError(f"memory_budget_bytes must be >= 64 MiB, got {memory_budget_bytes}")
@@ -116,9 +143,14 @@ class SandboxPool:
         self.start_timeout_s = start_timeout_s
         self.poll_interval_s = poll_interval_s
         self.ttl_s = ttl_s
-        self.seccomp = isolation.seccomp_available() if seccomp is None else seccomp
+        self.seccomp = syscalls.seccomp_available() if seccomp is None else seccomp
         self.name = f"pool-{os.getpid()}-{next(_pool_ids)}"
-        self._warm = WarmStarts(RUNTIME_BASE / self.name, share_pages, sandbox_uid, self.seccomp)
+        bpf = syscalls.compile_seccomp() if self.seccomp else None
+        self._warm = WarmStarts(RUNTIME_BASE / self.name, share_pages, sandbox_uid, bpf)
+        self._images = images
+        self._preparing: dict[str, asyncio.Lock] = {}
+        self._users: dict[str, int] = {}  # on-demand template -> groups and sandboxes using it
+        self._idle: OrderedDict[str, None] = OrderedDict()  # on-demand templates nobody uses
         self._accounts = PoolAccounts(memory_budget_bytes)
         self._admission = Admission(
             memory_budget_bytes,
@@ -142,6 +174,13 @@ class SandboxPool:
         self._closed = False
         self._cgroup: Cgroup | None = None
 
+    @classmethod
+    def from_config(cls, cfg: SandboxConfig, budget_bytes: int | None = None) -> SandboxPool:
+        """The pool `sandbox.*` describes (`budget_bytes` instead of its memory budget: a
+        node's share)."""
+        budget = budget_bytes or int(cfg.memory_budget_gib * GiB)
+        return cls(budget, cfg.admission, cfg.share_pages, images=image_store(cfg))
+
     @property
     def records(self) -> list[SandboxRecord]:
         """Every sandbox asked of the pool, in the order asked."""
@@ -163,6 +202,7 @@ class SandboxPool:
             )
         version = detect_version()
         reap_orphans(version)
+        watch_process(version)
         self._cgroup = Cgroup(f"{CGROUP_BASE}/{self.name}", version)
         self._cgroup.create()
         self._cgroup.limit(self.budget_bytes, None, None)
@@ -189,35 +229,106 @@ class SandboxPool:
         for group in list(self._warm.groups.values()):
             self._release_group(group)
         await self._warm.close()
+        for t in self._warm.templates.values():
+            if t.root is not None and self._images is not None:
+                self._images.put(t.root.image.ref)
         if self._cgroup is not None:
             await asyncio.to_thread(self._cgroup.remove)
         shutil.rmtree(self._warm.runtime, ignore_errors=True)
 
     # --- templates and groups -----------------------------------------------------------------
 
+    @property
+    def images(self) -> ImageStore:
+        if self._images is None:  # made on first use: most pools run no image
+            self._images = image_store(SandboxConfig())
+        return self._images
+
     async def prepare_template(self, spec: TemplateSpec) -> None:
-        """Write the template's files; with page sharing, start its zygote and run its setup."""
+        """Write the template's files; with page sharing, start its zygote and run its setup.
+        A template with an image pulls it first (`SandboxStartError` when it cannot)."""
         self._check_open()
-        template = self._warm.add_template(spec)
+        image = None
+        if spec.image is not None:
+            try:
+                image = await self.images.get(spec.image)
+            except ImageError as e:
+                raise SandboxStartError(f"template {spec.name!r}: {e}") from None
+        try:
+            template = self._warm.add_template(spec, image)
+        except (SandboxError, ImageError) as e:
+            if image is not None:
+                self.images.put(image.ref)
+            raise SandboxStartError(f"template {spec.name!r}: {e}") from None
         if not self.share_pages:
             return
         assert self._cgroup is not None
-        cgroup = self._cgroup.child(f"t-{spec.name}")
+        # Numbered: a dropped template's cgroup may still be going when it is prepared again.
+        cgroup = self._cgroup.child(f"t{next(self._ids)}-{spec.name}")
         entry = self._admission.new_entry(
             f"{spec.name}:template", ZYGOTE_PRIORITY, spec, cgroup, zygote=True
         )
         self._admission.running[entry.record.sandbox_id] = entry  # set-up cost, not admitted
+        template.zygote_entry = entry.record.sandbox_id
         try:
             await self._warm.start_template_zygote(template, cgroup)
         except (ZygoteError, OSError) as e:
             self._finish(entry, "failed")
             await self._warm.drop_template(template, cgroup)
+            if image is not None:
+                self.images.put(image.ref)
             raise SandboxStartError(f"template {spec.name!r}: setup failed:\n{e}") from None
         self._admission.settle(entry)
 
-    async def _ensure_template(self, name: str) -> None:
-        if name == PYTHON_TEMPLATE.name and name not in self._warm.templates:
-            await self.prepare_template(PYTHON_TEMPLATE)
+    async def _ensure_template(self, template: str | TemplateSpec) -> str:
+        """The template's name, prepared: the built-in python one, or one given whole (a
+        task's own image) the first time it is asked for."""
+        if isinstance(template, str):
+            if template == PYTHON_TEMPLATE.name and template not in self._warm.templates:
+                await self.prepare_template(PYTHON_TEMPLATE)
+            return template
+        name = template.name
+        async with self._preparing.setdefault(name, asyncio.Lock()):
+            known = self._warm.templates.get(name)
+            if known is None:
+                await self.prepare_template(template)
+                self._users[name] = 0
+            elif known.spec != template:
+                raise SandboxError(f"template {name!r} is prepared with another spec")
+        if name in self._users:
+            self._users[name] += 1
+            self._idle.pop(name, None)
+        return name
+
+    def _template_done(self, name: str) -> None:
+        """A group or sandbox of an on-demand template is gone; past the idle few, the least
+        recently used unused template is dropped with its zygote and its hold on the image."""
+        if name not in self._users:
+            return
+        self._users[name] -= 1
+        if self._users[name] > 0:
+            return
+        self._idle[name] = None
+        while len(self._idle) > IDLE_IMAGE_TEMPLATES:
+            oldest, _ = self._idle.popitem(last=False)
+            self._drop_template(oldest)
+
+    def _drop_template(self, name: str) -> None:
+        t = self._warm.templates.pop(name)
+        self._users.pop(name, None)
+        self._preparing.pop(name, None)
+        entry = self._admission.running.get(t.zygote_entry or "")
+        if entry is not None:
+            self._finish(entry, "closed")
+        if t.zygote is not None:
+            t.zygote.close()
+        if t.cgroup is not None:
+            self._warm.in_background(t.cgroup.remove)
+        self._warm.in_background(
+            lambda: shutil.rmtree(self._warm.runtime / "templates" / name, ignore_errors=True)
+        )
+        if t.root is not None:
+            self.images.put(t.root.image.ref)
 
     async def _start_group_zygote(self, t: Template, group: Group) -> None:
         assert self._cgroup is not None
@@ -241,26 +352,33 @@ class SandboxPool:
         if zygote is not None:
             self._finish(zygote, "closed")
         self._warm.release_group(group)
+        if not self._closed:
+            self._template_done(group.template)
 
     # --- creating sandboxes -------------------------------------------------------------------
 
     async def create(
         self,
-        template: str,
+        template: str | TemplateSpec,
         priority: int = 0,
         setup: str | None = None,
         files: Mapping[str, bytes] | None = None,
     ) -> Sandbox:
-        """One sandbox. `setup`/`files` add a task's own setup on top of the template's."""
+        """One sandbox of a prepared template (by name), or of one given whole, prepared the
+        first time. `setup`/`files` add a task's own setup on top of the template's."""
         if setup or files:
             (sb,) = await self.create_group(template, 1, priority, setup, files)
             return sb
-        await self._ensure_template(template)
-        return await self._create_member(self._warm.template(template), None, priority)
+        name = await self._ensure_template(template)
+        try:
+            return await self._create_member(self._warm.template(name), None, priority)
+        except BaseException:
+            self._template_done(name)
+            raise
 
     async def create_group(
         self,
-        template: str,
+        template: str | TemplateSpec,
         k: int,
         priority: int = 0,
         setup: str | None = None,
@@ -281,17 +399,21 @@ class SandboxPool:
 
     async def open_group(
         self,
-        template: str,
+        template: str | TemplateSpec,
         priority: int = 0,
         setup: str | None = None,
         files: Mapping[str, bytes] | None = None,
     ) -> SandboxGroup:
         """A group with no member yet: runs the task's setup once (in the group's zygote, with
-        page sharing); members come with `SandboxGroup.add`."""
-        await self._ensure_template(template)
-        t = self._warm.template(template)
+        page sharing); members come with `SandboxGroup.add`. `template` as for `create`."""
+        name = await self._ensure_template(template)
+        t = self._warm.template(name)
         gid = f"g{next(self._ids)}"
-        group = self._warm.add_group(gid, template, priority, setup or "", files or {})
+        try:
+            group = self._warm.add_group(gid, name, priority, setup or "", files or {})
+        except BaseException:
+            self._template_done(name)
+            raise
         if self.share_pages:
             await self._start_group_zygote(t, group)
         return SandboxGroup(self, group)
@@ -331,6 +453,17 @@ class SandboxPool:
         sid, cgroup = entry.record.sandbox_id, entry.cgroup
         sock, entry.private_zygote = await self._warm.spawn(t, group, sid, cgroup)
         return await Sandbox.connect(self, sid, t.spec.name, cgroup, sock, self.start_timeout_s)
+
+    async def fresh_sandbox(self, sibling: Sandbox) -> Sandbox:
+        entry = self._admission.running.get(sibling.id)
+        if entry is None:
+            raise SandboxError(f"sandbox {sibling.id} is not running")
+        t = self._warm.template(sibling.template)
+        if entry.group is None:
+            self._users[t.spec.name] = self._users.get(t.spec.name, 0) + (
+                t.spec.name in self._users
+            )
+        return await self._create_member(t, entry.group, entry.priority)
 
     async def fork_sandbox(self, parent: Sandbox) -> Sandbox:
         entry = self._admission.running.get(parent.id)
@@ -437,6 +570,8 @@ class SandboxPool:
             group.members -= 1
             if group.members == 0 and group.release_when_empty:
                 self._release_group(group)
+        elif not entry.is_zygote and not self._closed:
+            self._template_done(entry.record.template)  # a sandbox of its own
 
     # --- reading ------------------------------------------------------------------------------
 

@@ -50,6 +50,10 @@ class SandboxOwner(Protocol):
         """A new sandbox with `parent`'s files and interpreter state (`Sandbox.fork`)."""
         ...
 
+    async def fresh_sandbox(self, sibling: Sandbox) -> Sandbox:
+        """A new sandbox as `sibling` started: its group's, in its initial state."""
+        ...
+
     async def kill_sandbox(self, sb: Sandbox, error: InfraFailure) -> None:
         """Take `sb` down now (it stopped answering); its callers see `error`."""
         ...
@@ -203,7 +207,7 @@ class Sandbox:
             "cmd": wire_cmd,
             "timeout_s": timeout_s,
             "max_output_bytes": max_output_bytes,
-            "cwd": f"/workspace/{check_path(cwd)}" if cwd else None,
+            "cwd": check_path(cwd) if cwd else None,
             "env": dict(env or {}),
         }
         async with self._member_busy:  # wait until the member reads requests again
@@ -258,6 +262,12 @@ class Sandbox:
         changed since the template; others are listed in `child.dropped_state`), forked from the
         same warm template. Running processes are not carried over. Admitted like any create."""
         return await self._owner.fork_sandbox(self)
+
+    async def fresh(self) -> Sandbox:
+        """A new sandbox of this one's template and group as it started, none of this one's
+        changes in it (where an episode is graded: SWE tests run in a clean copy of the
+        task's image). Admitted like any create."""
+        return await self._owner.fresh_sandbox(self)
 
     async def export_state(self, max_bytes: int) -> Reply:
         """The workspace as a tar and the changed picklable globals, for `fork`."""

@@ -28,13 +28,14 @@ class GroupHandle(Protocol):
 
 
 class SandboxSource(Protocol):
-    """Templates and single sandboxes."""
+    """Templates and single sandboxes; a template is a prepared one's name, or a spec that is
+    prepared the first time it is asked for (a task's own image)."""
 
     async def prepare_template(self, spec: TemplateSpec) -> None: ...
 
     async def create(
         self,
-        template: str,
+        template: str | TemplateSpec,
         priority: int = 0,
         setup: str | None = None,
         files: Mapping[str, bytes] | None = None,
@@ -48,7 +49,7 @@ class SandboxService(SandboxSource, Protocol):
 
     async def open_group(
         self,
-        template: str,
+        template: str | TemplateSpec,
         priority: int = 0,
         setup: str | None = None,
         files: Mapping[str, bytes] | None = None,

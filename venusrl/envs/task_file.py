@@ -57,7 +57,7 @@ def read_task_file(
     check_fields(env, fields)
     assert env.reference_fields is not None  # check_fields refused None
     columns = {
-        name: fields.get(name, name)
+        name: fields.get(name, env.default_columns.get(name, name))
         for name in ("id", "prompt", *env.reference_fields, *env.optional_fields)
     }
     # A field the mapping names must be there; an id may be left to the line number.

@@ -11,6 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from venusrl.images.oci import ImageError
+from venusrl.images.reference import parse_ref
+
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -24,6 +27,12 @@ class TemplateSpec:
     `Sandbox.run_python` sees. `files` seed the workspace (relative path -> content). Setup is the
     environment author's code, trusted like the rest of the training job; model output never runs
     there.
+
+    `image` roots the sandboxes in a container image instead of this machine's /usr and Python
+    (`venusrl.images.reference`: `oci:DIR`, `docker-archive:FILE`, `NAME:TAG` from a registry):
+    the whole image is writable, copy-on-write, and `workspace_bytes` bounds what is written.
+    Its config's Env, WorkingDir and User apply; `workdir` and `user` override the last two.
+    The setup then runs on the image's own Python (an image without one takes no setup).
 
     `declared_memory_bytes` is what the sandbox says it may use: quota admission reserves exactly
     that, and it is also the sandbox's hard memory limit (its own cgroup). Footprint admission
@@ -43,6 +52,9 @@ class TemplateSpec:
     tmp_bytes: int = 64 * MiB
     setup_timeout_s: float = 120.0
     env: Mapping[str, str] = field(default_factory=dict)
+    image: str | None = None
+    workdir: str | None = None
+    user: str | None = None
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():
@@ -64,6 +76,15 @@ class TemplateSpec:
             raise ValueError(f"TemplateSpec.max_pids must be >= 4, got {self.max_pids}")
         if not 0 < self.cpus <= 64:
             raise ValueError(f"TemplateSpec.cpus must be in (0, 64], got {self.cpus}")
+        if self.image is not None:
+            try:
+                parse_ref(self.image)
+            except ImageError as e:
+                raise ValueError(f"TemplateSpec.image: {e}") from None
+        elif self.workdir is not None or self.user is not None:
+            raise ValueError("TemplateSpec.workdir and user are for a template with an image")
+        if self.workdir is not None and not self.workdir.startswith("/"):
+            raise ValueError(f"TemplateSpec.workdir must be absolute, got {self.workdir!r}")
 
 
 @dataclass(frozen=True)

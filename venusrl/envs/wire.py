@@ -3,22 +3,24 @@
 A frame is a 4-byte big-endian header length, a JSON header, then raw byte blobs whose lengths the
 header lists under "blobs". JSON and sizes only: the pool never unpickles anything a sandbox sends,
 and it refuses frames larger than it asked for, so a hostile sandbox cannot make it run code or
-allocate without bound.
+allocate without bound. The blocking side also runs on an image's own Python (3.8 syntax).
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
 import json
+import os
 import socket
 import struct
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Dict
 
 MAX_HEADER_BYTES = 1 << 20
 _LEN = struct.Struct(">I")
 
-Header = dict[str, Any]
+Header = Dict[str, Any]
 
 
 class WireError(Exception):
@@ -60,33 +62,49 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def send(sock: socket.socket, header: Header, blobs: tuple[bytes, ...] = ()) -> None:
-    sock.sendall(encode(header, blobs))
+def send(
+    sock: socket.socket, header: Header, blobs: tuple[bytes, ...] = (), fds: tuple[int, ...] = ()
+) -> None:
+    """A frame, and `fds` passed with its first bytes (SCM_RIGHTS)."""
+    data = encode(header, blobs)
+    if fds:
+        rights = array.array("i", fds).tobytes()
+        sent = sock.sendmsg([data[:4]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)])
+        data = data[sent:]
+    sock.sendall(data)
+
+
+def recv_with_fds(
+    sock: socket.socket, max_fds: int, max_blob_bytes: int = 1 << 30
+) -> tuple[Header, list[bytes], list[int]]:
+    """A frame and the file descriptors that came with it (at most `max_fds`, close-on-exec)."""
+    fds: list[int] = []
+    prefix = b""
+    if max_fds:
+        space = socket.CMSG_SPACE(max_fds * array.array("i").itemsize)
+        prefix, ancillary, _flags, _addr = sock.recvmsg(4, space, socket.MSG_CMSG_CLOEXEC)
+        if not prefix:
+            raise EOFError
+        for level, kind, data in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                got = array.array("i")
+                got.frombytes(data[: len(data) - len(data) % got.itemsize])
+                fds.extend(got)
+    try:
+        (n,) = _LEN.unpack(prefix + _recv_exact(sock, 4 - len(prefix)))
+        if n > MAX_HEADER_BYTES:
+            raise WireError(f"frame header of {n} bytes is over the limit")
+        header, sizes = _parse_header(_recv_exact(sock, n), max_blob_bytes)
+        return header, [_recv_exact(sock, size) for size in sizes], fds
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
 
 
 def recv(sock: socket.socket, max_blob_bytes: int = 1 << 30) -> tuple[Header, list[bytes]]:
-    (n,) = _LEN.unpack(_recv_exact(sock, 4))
-    if n > MAX_HEADER_BYTES:
-        raise WireError(f"frame header of {n} bytes is over the limit")
-    header, sizes = _parse_header(_recv_exact(sock, n), max_blob_bytes)
-    return header, [_recv_exact(sock, s) for s in sizes]
-
-
-def send_with_fd(sock: socket.socket, header: Header, fd: int) -> None:
-    data = encode(header)
-    socket.send_fds(sock, [data], [fd])
-
-
-def recv_with_fd(sock: socket.socket) -> tuple[Header, int | None]:
-    """A frame that may carry one file descriptor (SCM_RIGHTS), received close-on-exec."""
-    data, fds, _flags, _addr = socket.recv_fds(
-        sock, MAX_HEADER_BYTES + 4, 1, socket.MSG_CMSG_CLOEXEC
-    )
-    if len(data) < 4:
-        raise EOFError
-    (n,) = _LEN.unpack(data[:4])
-    header, _ = _parse_header(data[4 : 4 + n], 0)
-    return header, (fds[0] if fds else None)
+    header, blobs, _ = recv_with_fds(sock, 0, max_blob_bytes)
+    return header, blobs
 
 
 # --- asyncio side (the pool) -------------------------------------------------------------------

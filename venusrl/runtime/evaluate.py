@@ -99,13 +99,15 @@ async def play_policy(
     slots = asyncio.Semaphore(concurrency)  # sandboxes at a time
     # Only these episodes run on this engine: no pin needed to keep KV from other work.
     rollout = cfg.rollout.model_copy(update={"tool_wait_pin_s": None})
-    async with SandboxPool(4 * GiB) as pool:
+    async with SandboxPool.from_config(cfg.sandbox, 4 * GiB) as pool:
         await pool.prepare_template(env.template)
         engine = LocalEngine(model_dir, cfg, 0)
 
         async def one(i: int, sample: int, task: Task) -> Trajectory:
             async with slots:
-                sandbox = await pool.create(env.template.name, setup=task.setup, files=task.files)
+                sandbox = await pool.create(
+                    env.template_for(task), setup=task.setup, files=task.files
+                )
                 try:
                     return await run_episode(
                         env(task, sandbox), engine.generate, fmt,

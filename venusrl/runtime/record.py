@@ -5,7 +5,8 @@ so a finished trajectory is on disk once it has been trained on, and a run can b
 or replayed in the simulator afterwards. An object holds:
 
 - `step`, `env`, `trajectory_id`, `group_id`, `prompt_id`, `reward` (null when masked), `finish`,
-  `failure` (what went wrong, for people) and `failure_kind` (`types.FailureKind`), `tool_calls`;
+  `failure` (what went wrong, for people) and `failure_kind` (`types.FailureKind`), `tool_calls`,
+  `output` (what the episode produced beyond its transcript, an SWE episode's diff; null);
 - `token_ids` and `turn_starts` (the whole token record; `mask` follows from the turns, see
   `turns`), `versions`: how many model tokens each weight version produced (`{"3": 41}`);
 - `turns`: per turn the model's tokens (`action_tokens`), the observation's (`observation_tokens`,
@@ -63,6 +64,7 @@ def trajectory_record(traj: Trajectory, step: int, env: str, t0: float) -> dict[
         "failure": None if traj.failure is None else traj.failure.message,
         "failure_kind": None if traj.failure is None else str(traj.failure.kind),
         "tool_calls": traj.tool_calls,
+        "output": traj.output,
         "versions": {str(v): n for v, n in sorted(versions.items())},
         "turns": turns,
         "turn_starts": traj.turn_starts,

@@ -24,7 +24,6 @@ from venusrl.envs.loading import environment_class
 from venusrl.envs.pool import SandboxPool
 from venusrl.envs.service import SandboxSource
 from venusrl.envs.task_file import read_task_file
-from venusrl.envs.types import GiB
 from venusrl.model.directory import load_model
 from venusrl.policy.agent_admission import AimdAdmission
 from venusrl.policy.kv_window import CriticalWindow
@@ -91,11 +90,7 @@ async def open_sandboxes(
         fleet = await stack.enter_async_context(start_fleet(cfg, stack))
         sandboxes = Sandboxes(fleet, fleet=fleet)
     else:
-        pool = SandboxPool(
-            int(cfg.sandbox.memory_budget_gib * GiB),
-            admission=cfg.sandbox.admission,
-            share_pages=cfg.sandbox.share_pages,
-        )
+        pool = SandboxPool.from_config(cfg.sandbox)
         sandboxes = Sandboxes(await stack.enter_async_context(pool), pool=pool)
     # One per name: environments that share one (a subclass of another) share its sandboxes.
     for template in {share.env.template.name: share.env.template for share in mix}.values():
@@ -122,6 +117,8 @@ def start_fleet(cfg: Config, stack: contextlib.AsyncExitStack) -> RolloutFleet:
 async def check_tools(env: type[Environment], pool: SandboxSource) -> None:
     """Refuse, before anything trains, an environment whose template does not define its
     Python tools (a typo in a name): the model would be trained on error answers only."""
+    if all(tool.run is not None for tool in env.tools):
+        return
     sandbox = await pool.create(env.template.name)
     try:
         missing = await env.undefined_tools(sandbox)

@@ -133,7 +133,7 @@ async def play_demonstrations(
 
     async def play(i: int, env: type[Environment], task: Task) -> Trajectory:
         async with gate:
-            sandbox = await pool.create(env.template.name, setup=task.setup, files=task.files)
+            sandbox = await pool.create(env.template_for(task), setup=task.setup, files=task.files)
             try:
                 return await run_episode(
                     env(task, sandbox), scripted, fmt, SamplingParams(), rollout,

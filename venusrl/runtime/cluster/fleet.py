@@ -83,9 +83,17 @@ class RemoteSandbox:
         fleet.single_sandboxes += 1
 
     async def exec(
-        self, command: str | Sequence[str], /, *, timeout_s: float, max_output_bytes: int
+        self,
+        command: str | Sequence[str],
+        /,
+        *,
+        timeout_s: float,
+        max_output_bytes: int,
+        stdin: bytes = b"",
     ) -> ExecResult:
-        return await self._call(RolloutWorker.exec, self.id, command, timeout_s, max_output_bytes)
+        return await self._call(
+            RolloutWorker.exec, self.id, command, timeout_s, max_output_bytes, stdin
+        )
 
     async def run_python(self, source: str, /, *, timeout_s: float) -> ExecResult:
         return await self._call(RolloutWorker.run_python, self.id, source, timeout_s)
@@ -488,7 +496,7 @@ class RolloutFleet:
 
     async def create(
         self,
-        template: str,
+        template: str | TemplateSpec,
         priority: int = 0,
         setup: str | None = None,
         files: Mapping[str, bytes] | None = None,

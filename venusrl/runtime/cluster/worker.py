@@ -91,9 +91,7 @@ class RolloutWorker:
                 int(sb.memory_budget_gib * GiB),
                 int(NODE_MEMORY_FRACTION * _available_memory_bytes()),
             )
-            pool = SandboxPool(
-                node_budget // workers_on_node, admission=sb.admission, share_pages=sb.share_pages
-            )
+            pool = SandboxPool.from_config(sb, node_budget // workers_on_node)
             await pool.start()
             self.pool = pool
         for spec in templates:
@@ -211,17 +209,26 @@ class RolloutWorker:
     # --- single sandboxes (the warm start's demonstrations) ---------------------------------
 
     async def create(
-        self, template: str, priority: int, setup: str | None, files: Mapping[str, bytes] | None
+        self,
+        template: str | TemplateSpec,
+        priority: int,
+        setup: str | None,
+        files: Mapping[str, bytes] | None,
     ) -> str:
         sb = await self._pool().create(template, priority, setup, files)
         self._sandboxes[sb.id] = sb
         return sb.id
 
     async def exec(
-        self, sandbox: str, command: str | Sequence[str], timeout_s: float, max_output_bytes: int
+        self,
+        sandbox: str,
+        command: str | Sequence[str],
+        timeout_s: float,
+        max_output_bytes: int,
+        stdin: bytes = b"",
     ) -> ExecResult:
         return await self._sandbox(sandbox).exec(
-            command, timeout_s=timeout_s, max_output_bytes=max_output_bytes
+            command, timeout_s=timeout_s, max_output_bytes=max_output_bytes, stdin=stdin
         )
 
     async def run_python(self, sandbox: str, source: str, timeout_s: float) -> ExecResult:

@@ -1,0 +1,5 @@
+"""Closed numeric intervals."""
+
+from intervaltools.ops import coverage, gaps, intersect, merge
+
+__all__ = ["coverage", "gaps", "intersect", "merge"]

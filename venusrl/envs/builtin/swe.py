@@ -1,0 +1,288 @@
+"""Software-engineering agents on SWE-bench-style tasks, each in its own container image.
+
+A task is a row of a task file as SWE-bench, SWE-Gym, R2E-Gym or SWE-smith publish them
+(`envs/swe/tasks.py`); its group's sandboxes are rooted in the task's image, at the repository
+directory, and fork from one zygote on the image's own Python. The model works as SWE agents do:
+`bash` in the repository, `str_replace_editor` to view files and edit them by exact-string
+replacement, and `submit` when done. The episode's output is its diff. The reward is SWE-bench's:
+the diff is applied to a fresh sandbox of the same image, then the test patch (its files reset
+first, so that editing tests earns nothing), then `FAIL_TO_PASS` and `PASS_TO_PASS` run; 1 when
+all pass (`envs/swe/grading.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, ClassVar
+
+from venusrl.envs.environment import Environment, SandboxVerbs, Task, Tool
+from venusrl.envs.swe.grading import Grade, episode_diff, grade, start_state
+from venusrl.envs.swe.tasks import SweTask, hunks, swe_task, swe_template
+from venusrl.envs.types import GiB, InfraFailure, MiB, SandboxError, TemplateSpec
+from venusrl.model.tool_calls import format_tool_call
+
+_MAX_OUTPUT_BYTES = 256 << 10
+_MAX_FILE_BYTES = 16 << 20
+_VIEW_LINES = 400
+EDITOR_COMMANDS = ("view", "create", "str_replace", "insert")
+SUBMITTED = "Your changes are submitted."
+INSTRUCTIONS = (
+    "You are a software engineer fixing an issue in a repository, in a sandbox with its"
+    " dependencies installed. Explore the code, reproduce the issue, edit the source to fix it"
+    " and check your fix; do not change the tests. Paths are absolute or relative to the"
+    " repository. When you are done, call submit."
+)
+
+
+def _params(required: tuple[str, ...], **properties: tuple[str, str]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {k: {"type": t, "description": d} for k, (t, d) in properties.items()},
+        "required": list(required),
+    }
+
+
+async def _bash(sandbox: SandboxVerbs, arguments: dict[str, Any], timeout_s: float) -> str:
+    r = await sandbox.exec(
+        arguments["command"], timeout_s=timeout_s, max_output_bytes=_MAX_OUTPUT_BYTES
+    )
+    status = "" if r.exit_code == 0 or r.timed_out else f"\n[exit code {r.exit_code}]"
+    return (r.text() or "(no output)") + status
+
+
+async def _read(sandbox: SandboxVerbs, path: str, timeout_s: float) -> str:
+    r = await sandbox.exec(
+        ["cat", "--", path], timeout_s=timeout_s, max_output_bytes=_MAX_FILE_BYTES
+    )
+    if r.exit_code != 0 or r.truncated:
+        raise SandboxError(r.stderr.decode(errors="replace").strip() or f"cannot read {path}")
+    return r.stdout.decode(errors="replace")
+
+
+async def _write(sandbox: SandboxVerbs, path: str, text: str, timeout_s: float) -> None:
+    r = await sandbox.exec(
+        ["sh", "-c", 'mkdir -p "$(dirname -- "$0")" && cat > "$0"', path],
+        timeout_s=timeout_s,
+        max_output_bytes=1 << 16,
+        stdin=text.encode(),
+    )
+    if r.exit_code != 0:
+        raise SandboxError(r.stderr.decode(errors="replace").strip() or f"cannot write {path}")
+
+
+async def _editor(sandbox: SandboxVerbs, arguments: dict[str, Any], timeout_s: float) -> str:
+    """SWE-agent's and OpenHands' file tool: view, create, str_replace, insert. Paths are the
+    sandbox's own (absolute, or relative to the repository), its whole root being the task's."""
+    command, path = arguments.get("command"), str(arguments.get("path", ""))
+    if command not in EDITOR_COMMANDS:
+        return f"error: command must be one of {', '.join(EDITOR_COMMANDS)}, got {command!r}"
+    if not path:
+        return "error: path is required"
+    if command == "view":
+        return await _view(sandbox, path, arguments.get("view_range"), timeout_s)
+    if command == "create":
+        text = arguments.get("file_text")
+        if not isinstance(text, str):
+            return "error: create needs file_text"
+        await _write(sandbox, path, text, timeout_s)
+        return f"created {path} ({len(text.splitlines())} lines)"
+    source = await _read(sandbox, path, timeout_s)
+    new = arguments.get("new_str", "")
+    if not isinstance(new, str):
+        return "error: new_str must be a string"
+    if command == "str_replace":
+        old = arguments.get("old_str")
+        if not isinstance(old, str) or not old:
+            return "error: str_replace needs a non-empty old_str"
+        count = source.count(old)
+        if count != 1:
+            where = "does not occur" if count == 0 else f"occurs {count} times"
+            return f"error: old_str {where} in {path}; it must occur exactly once"
+        at = source.index(old)
+        edited = source.replace(old, new)
+    else:
+        line = arguments.get("insert_line")
+        lines = source.splitlines(keepends=True)
+        if not isinstance(line, int) or not 0 <= line <= len(lines):
+            return f"error: insert needs insert_line in [0, {len(lines)}]"
+        new = new if new.endswith("\n") else new + "\n"
+        at = len("".join(lines[:line]))
+        edited = "".join([*lines[:line], new, *lines[line:]])
+    await _write(sandbox, path, edited, timeout_s)
+    first = edited[:at].count("\n")
+    return f"edited {path}:\n" + _numbered(edited, first - 3, first + new.count("\n") + 4)
+
+
+async def _view(sandbox: SandboxVerbs, path: str, view_range: Any, timeout_s: float) -> str:
+    listing = 'if [ -d "$0" ]; then find "$0" -maxdepth 2 -not -path "*/.*" | sort; fi'
+    r = await sandbox.exec(
+        ["sh", "-c", listing, path], timeout_s=timeout_s, max_output_bytes=_MAX_OUTPUT_BYTES
+    )
+    if r.stdout:
+        return r.text()
+    text = await _read(sandbox, path, timeout_s)
+    if (
+        isinstance(view_range, list)
+        and len(view_range) == 2
+        and all(isinstance(v, int) for v in view_range)
+    ):
+        return _numbered(text, view_range[0] - 1, view_range[1])
+    return _numbered(text, 0, _VIEW_LINES)
+
+
+def _numbered(text: str, start: int, end: int) -> str:
+    lines = text.splitlines()
+    start, end = max(0, start), min(len(lines), end)
+    shown = "\n".join(f"{i + 1:6}\t{lines[i]}" for i in range(start, end))
+    more = f"\n[{len(lines) - end} more lines]" if end < len(lines) else ""
+    return shown + more
+
+
+_EDITOR_PARAMS = _params(
+    ("command", "path"),
+    command=("string", "view, create, str_replace or insert"),
+    path=("string", "the file or directory"),
+    file_text=("string", "create: the file's content"),
+    old_str=("string", "str_replace: the exact text to replace, occurring once"),
+    new_str=("string", "str_replace: its replacement; insert: the text to insert"),
+    insert_line=("integer", "insert: the line after which new_str goes (0: at the top)"),
+    view_range=("array", "view: [first line, last line]"),
+)
+
+
+async def _submit(sandbox: SandboxVerbs, arguments: dict[str, Any], timeout_s: float) -> str:
+    return SUBMITTED
+
+
+class Swe(Environment):
+    name = "swe"
+    # The base template, for what needs one before any task (the tool check); each task's
+    # group runs in `template_for(task)`, the task's own image.
+    template = TemplateSpec(name="swe", declared_memory_bytes=256 * MiB)
+    instructions = INSTRUCTIONS
+    tools = (
+        Tool(
+            "bash",
+            "Run a shell command in the repository; its output and exit code.",
+            _params(("command",), command=("string", "the command line")),
+            _bash,
+        ),
+        Tool(
+            "str_replace_editor",
+            "View a file or directory, create a file, or edit one by"
+            " replacing an exact string or inserting lines.",
+            _EDITOR_PARAMS,
+            _editor,
+        ),
+        Tool("submit", "Submit your changes; the episode ends.", _params(()), _submit),
+    )
+    max_turns = 30
+    max_tool_calls_per_turn = 2
+    tool_timeout_s = 60.0
+    max_observation_chars = 8192
+    reference_fields = ()
+    optional_fields = (
+        "format",
+        "image",
+        "repo_dir",
+        "test_cmd",
+        "log_parser",
+        "repo",
+        "repo_name",
+        "FAIL_TO_PASS",
+        "PASS_TO_PASS",
+        "patch",
+        "test_patch",
+        "image_name",
+        "docker_image",
+        "expected_output_json",
+    )
+    default_columns: ClassVar[Mapping[str, str]] = {
+        "id": "instance_id",
+        "prompt": "problem_statement",
+    }
+    # Each sandbox may write this much over its image (the whole root is writable).
+    writable_bytes: ClassVar[int] = 1 * GiB
+    grade_timeout_s: ClassVar[float] = 900.0
+
+    def __init__(self, task: Task, sandbox: SandboxVerbs) -> None:
+        super().__init__(task, sandbox)
+        self.swe = SweTask.from_reference(task.reference)
+        self.submitted = False
+        self.diff: str | None = None
+        self.last_grade: Grade | None = None
+
+    @classmethod
+    def template_for(cls, task: Task) -> TemplateSpec:
+        return swe_template(SweTask.from_reference(task.reference), cls.writable_bytes)
+
+    @classmethod
+    def tasks(cls, seed: int) -> Iterator[Task]:
+        raise ValueError("the swe environment's tasks come from a task file: rollout.tasks=FILE")
+
+    @classmethod
+    def reference_problem(cls, reference: Mapping[str, Any]) -> str | None:
+        try:
+            cls._swe(reference, "-", "-", "the row")
+        except ValueError as e:
+            return str(e)
+        return None
+
+    @staticmethod
+    def _swe(reference: Mapping[str, Any], task_id: str, prompt: str, where: str) -> SweTask:
+        row = {"instance_id": task_id, "problem_statement": prompt, **reference}
+        return swe_task(row, where, str(reference.get("format", "auto")))
+
+    @classmethod
+    def task_from_reference(cls, task_id: str, prompt: str, reference: Mapping[str, Any]) -> Task:
+        swe = cls._swe(reference, task_id, prompt, f"task {task_id}")
+        return Task(task_id, swe.problem_statement, reference=swe.reference())
+
+    @classmethod
+    def demonstrator(cls, task: Task, seed: int) -> Callable[[str], str] | None:
+        """An engineer who knows the fix: looks at each file the gold patch touches, makes its
+        hunks with the editor, runs the failing test, submits. None without a gold patch."""
+        swe = SweTask.from_reference(task.reference)
+        edits = hunks(swe.gold_patch) if swe.gold_patch else hunks(swe.setup_patch, reverse=True)
+        if not edits:
+            return None
+        turns = []
+        for path in dict.fromkeys(p for p, _, _ in edits):
+            turns.append(format_tool_call("str_replace_editor", {"command": "view", "path": path}))
+        for path, old, new in edits:
+            call = {"command": "str_replace", "path": path, "old_str": old, "new_str": new}
+            turns.append(format_tool_call("str_replace_editor", call))
+        check = swe.test_cmd.replace("{tests}", swe.test_targets())
+        turns += [format_tool_call("bash", {"command": check}), format_tool_call("submit", {})]
+        script = iter(turns)
+        return lambda observation: next(script, "Done.")
+
+    async def reset(self) -> list[dict[str, str]]:
+        await start_state(self.sandbox, self.swe)
+        return await super().reset()
+
+    def ended(self, answers: list[str]) -> bool:
+        self.submitted = self.submitted or SUBMITTED in answers
+        return self.submitted
+
+    async def output(self) -> str:
+        if self.diff is None:
+            self.diff = await episode_diff(self.sandbox)
+        return self.diff
+
+    async def reward(self) -> float:
+        # An empty diff is graded too: the tests run, and what passes is what passed before.
+        diff = await self.output()
+        fresh = getattr(self.sandbox, "fresh", None)
+        if fresh is None:
+            raise RuntimeError(
+                "the swe environment grades in a fresh sandbox: its sandbox must be a pool's"
+            )
+        grader = await fresh()
+        try:
+            self.last_grade = await grade(grader, self.swe, diff, self.grade_timeout_s)
+        except InfraFailure:
+            raise
+        finally:
+            await grader.close()
+        return 1.0 if self.last_grade.resolved else 0.0
