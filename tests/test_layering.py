@@ -18,6 +18,7 @@ FLOORS: list[set[str]] = [
     {"policy"},  # pure decisions, shared by the engine and the simulator
     {"model"},  # the architecture, its files, tokenizer, weight streams, tool-call formats
     {"engine"},
+    {"images"},  # container images: formats, the layer cache, pulls
     {"envs", "trainer"},
     {"coordinator"},
     {"sim", "server"},

@@ -2,19 +2,21 @@
 a small Python repository at /testbed with a real bug in it, and a task file in SWE-bench's
 format for them.
 
-    sudo .venv/bin/python examples/swe/build.py [OUT]    # OUT: examples/swe/build
+    sudo .venv/bin/python examples/swe/build.py [OUT]
 
 The repositories (examples/swe/repos/) are small libraries with pytest suites; each task plants
 one bug in one of them (the base commit), and its gold patch and test patch (a regression test,
 as SWE-bench's are) are computed with git. The Debian root is written by mmdebstrap once and
 kept in OUT/cache; every task's image shares it as its bottom layer, so the layer cache unpacks
-it once. The output: OUT/images (one OCI layout, a tag per task) and OUT/tasks.jsonl. Check it
-with `venusrl swe validate OUT/tasks.jsonl`.
+it once. The images go to OUT/images (one OCI layout, a tag per task, OUT being
+examples/swe/build by default) and the task file to examples/swe/tasks.jsonl (OUT/tasks.jsonl
+with an OUT), its images named relative to it. Check it with `venusrl swe validate`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -74,7 +76,8 @@ def test_inline_comments_are_stripped():
             "tests/test_parser.py::test_getint_and_getboolean",
         ),
         "Inline comments that start with `;` end up in the value\n\n"
-        "The docs say that the rest of a line after ` ;` or ` #` is a comment, but only `#` works:\n\n"
+        "The docs say that the rest of a line after ` ;` or ` #` is a comment, but only `#`"
+        " works:\n\n"
         "```python\n>>> from pyini import parse\n"
         '>>> parse("[s]\\nretries = 3 ; per host\\n").get("s", "retries")\n'
         "'3 ; per host'\n```\n\n"
@@ -190,7 +193,8 @@ def debian_root(cache: Path) -> Path:
     partial = tar.with_suffix(".partial")
     include = ",".join(PACKAGES)
     subprocess.run(
-        ["mmdebstrap", "--variant=minbase", f"--include={include}", "bookworm", str(partial)],
+        ["mmdebstrap", "--variant=minbase", "--format=tar", f"--include={include}", "bookworm",
+         str(partial)],  # fmt: skip
         check=True,
     )
     partial.rename(tar)
@@ -219,9 +223,14 @@ def task_repository(bug: Bug, where: Path) -> dict[str, str]:
     return {"patch": gold, "test_patch": test_patch}
 
 
-def build(out: Path) -> Path:
-    base = debian_root(out / "cache")
+def build(out: Path, base: list[Path] | None = None, tasks: Path | None = None) -> Path:
+    """The images under `out` and the task file (`out`/tasks.jsonl by default): its path.
+    `base`: the layers under each repository (the Debian root by default; tests give a
+    smaller one)."""
+    base = base or [debian_root(out / "cache")]
     images = out / "images"
+    tasks = tasks or out / "tasks.jsonl"
+    where = os.path.relpath(images, tasks.parent)
     shutil.rmtree(images, ignore_errors=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -232,7 +241,7 @@ def build(out: Path) -> Path:
             layer.host_path(str(repo), "testbed")
             layer.close()
             spec = ImageSpec(
-                [base, layer.path],
+                [*base, layer.path],
                 env={
                     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
                     "LANG": "C.UTF-8",
@@ -246,7 +255,7 @@ def build(out: Path) -> Path:
                     "instance_id": bug.instance_id,
                     "repo": bug.repo,
                     "problem_statement": bug.problem_statement,
-                    "image": f"oci:{images}:{bug.instance_id}",
+                    "image": f"oci:{where}:{bug.instance_id}",
                     "repo_dir": "/testbed",
                     "FAIL_TO_PASS": list(bug.fail_to_pass),
                     "PASS_TO_PASS": list(bug.pass_to_pass),
@@ -255,11 +264,12 @@ def build(out: Path) -> Path:
                     **patches,
                 }
             )
-    tasks = out / "tasks.jsonl"
     tasks.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return tasks
 
 
 if __name__ == "__main__":
-    target = Path(sys.argv[1]) if len(sys.argv) > 1 else HERE / "build"
-    print(build(target.resolve()))
+    if len(sys.argv) > 1:
+        print(build(Path(sys.argv[1]).resolve()))
+    else:
+        print(build(HERE / "build", tasks=HERE / "tasks.jsonl"))

@@ -4,20 +4,29 @@ coreutils), and busybox with Debian's python3, pytest and git."""
 from __future__ import annotations
 
 import os
-import sys
+from importlib import metadata
 from pathlib import Path
 
 from venusrl.images.build import ImageSpec, LayerWriter, busybox_layer, host_files, host_python
 
 PASSWD = b"root:x:0:0:root:/root:/bin/sh\nagent:x:1000:1000::/home/agent:/bin/sh\n"
 GROUP = b"root:x:0:\nagent:x:1000:\nstaff:x:50:agent\n"
-SITE = (
-    Path(sys.prefix)
-    / "lib"
-    / f"python{sys.version_info[0]}.{sys.version_info[1]}"
-    / "site-packages"
-)
-PYTEST = tuple(str(SITE / p) for p in ("pytest", "_pytest", "pluggy", "iniconfig", "packaging"))
+
+
+def _top_levels(*distributions: str) -> tuple[str, ...]:
+    """The top-level modules and packages these installed distributions put in site-packages,
+    as paths (pytest also installs `py.py`)."""
+    paths = set()
+    for name in distributions:
+        for file in metadata.files(name) or ():
+            top = file.parts[0]
+            if not top.endswith((".dist-info", ".pth")) and top not in ("..", "__pycache__"):
+                site = Path(str(file.locate())).parents[len(file.parts) - 1]
+                paths.add(str(site / top))
+    return tuple(sorted(paths))
+
+
+PYTEST = _top_levels("pytest", "pluggy", "iniconfig", "packaging", "pygments")
 IMAGE_PYTHON = "/usr/bin/python3"  # Debian's, which the python image carries
 
 

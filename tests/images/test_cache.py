@@ -101,3 +101,37 @@ def test_a_cache_unpacked_for_another_id_range_is_refused(tmp_path: Path) -> Non
     ImageStore(tmp_path / "cache", 1 << 30, IMAGE_ID_BASE)
     with pytest.raises(ImageError, match="another directory"):
         ImageStore(tmp_path / "cache", 1 << 30, IMAGE_ID_BASE + 1)
+
+
+def test_pulls_of_images_that_share_a_base_layer_do_not_wait_on_each_other_for_ever(
+    tmp_path: Path,
+) -> None:
+    """Many threads of one process pull four images at once, all on one base layer: each waits
+    for whoever unpacks a layer it needs, and the base is unpacked once."""
+    base = LayerWriter(tmp_path / "base.tar")
+    base.file("usr/lib/big", os.urandom(8 << 20))
+    base.close()
+    refs = []
+    for i in range(4):
+        top = LayerWriter(tmp_path / f"top{i}.tar")
+        top.file(f"task/{i}", b"x")
+        write_oci(
+            ImageSpec([base.path, top.close()]), tmp_path / "oci", f"t{i}", compression="none"
+        )
+        refs.append(f"oci:{tmp_path}/oci:t{i}")
+    store = ImageStore(tmp_path / "cache", 1 << 30, IMAGE_ID_BASE)
+    start = threading.Barrier(8)
+    pulled: list[Path] = []
+
+    def pull(ref: str) -> None:
+        start.wait()
+        pulled.append(store.pull(ref).layers[0])
+
+    threads = [threading.Thread(target=pull, args=(refs[i % 4],), daemon=True) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "pulls deadlocked"
+    assert len(set(pulled)) == 1 and len(pulled) == 8
+    assert store.cache.unpacked == 5  # the base once, each image's top once

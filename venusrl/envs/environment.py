@@ -39,6 +39,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 from venusrl.envs.tool_schema import function_schema
@@ -264,6 +265,13 @@ class Environment(ABC):
         """What is wrong with the `reference` of a task read from a file (an answer that is no
         number), or None: said when the file is read, naming its line, not by every reward."""
         return None
+
+    @classmethod
+    def anchor(cls, reference: Mapping[str, Any], directory: Path) -> dict[str, Any]:
+        """A file's row with the paths it holds made absolute against the file's `directory`
+        (an SWE row's image in a layout beside the file): a task file and what it points to
+        move together. Nothing to do by default."""
+        return dict(reference)
 
     @classmethod
     def task_from_reference(cls, task_id: str, prompt: str, reference: Mapping[str, Any]) -> Task:

@@ -266,7 +266,7 @@ class SandboxPool:
         # Numbered: a dropped template's cgroup may still be going when it is prepared again.
         cgroup = self._cgroup.child(f"t{next(self._ids)}-{spec.name}")
         entry = self._admission.new_entry(
-            f"{spec.name}:template", ZYGOTE_PRIORITY, spec, cgroup, zygote=True
+            f"{spec.estimates}:template", ZYGOTE_PRIORITY, spec, cgroup, zygote=True
         )
         self._admission.running[entry.record.sandbox_id] = entry  # set-up cost, not admitted
         template.zygote_entry = entry.record.sandbox_id
@@ -333,7 +333,7 @@ class SandboxPool:
     async def _start_group_zygote(self, t: Template, group: Group) -> None:
         assert self._cgroup is not None
         cgroup = self._cgroup.child(f"{group.group_id}-zygote")
-        key = f"{t.spec.name}:zygote"
+        key = f"{t.spec.estimates}:zygote"
         entry = self._admission.new_entry(key, ZYGOTE_PRIORITY, t.spec, cgroup, zygote=True)
         group.zygote_entry = entry.record.sandbox_id
         await self._admit(entry, group)
@@ -422,7 +422,7 @@ class SandboxPool:
         assert self._cgroup is not None
         sid = f"sb{next(self._ids)}"
         cgroup = self._cgroup.child(sid)
-        key = f"{t.spec.name}:{'member' if self.share_pages else 'cold'}"
+        key = f"{t.spec.estimates}:{'member' if self.share_pages else 'cold'}"
         entry = self._admission.new_entry(key, priority, t.spec, cgroup, record_id=sid)
         await self._admit(entry, group)
         if group is not None:

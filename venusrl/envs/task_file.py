@@ -84,11 +84,14 @@ def read_task_file(
                 f"{where}: the prompt ({columns['prompt']!r}) must be a string, got"
                 f" {type(prompt).__name__}"
             )
-        reference = {
-            name: row[columns[name]]
-            for name in (*env.reference_fields, *env.optional_fields)
-            if row.get(columns[name]) is not None
-        }
+        reference = env.anchor(
+            {
+                name: row[columns[name]]
+                for name in (*env.reference_fields, *env.optional_fields)
+                if row.get(columns[name]) is not None
+            },
+            path.resolve().parent,
+        )
         problem = env.reference_problem(reference)
         if problem is not None:
             raise ValueError(f"{where}: {problem}")

@@ -259,12 +259,14 @@ class WarmStarts:
             (self.runtime / "templates" / f"{t.spec.name}.root").rmdir()
 
     def member_priors(self) -> dict[str, int]:
-        """A member's expected memory per admission key, as its template declares it: what
-        admission reserves until the pool has seen one finish."""
+        """A member's (and a group zygote's: the task's setup over its template's pages)
+        expected memory per admission key, as its template declares it: what admission
+        reserves until the pool has seen one finish."""
         return {
-            f"{t.spec.name}:member": t.spec.expected_memory_bytes
+            f"{t.spec.estimates}:{kind}": t.spec.expected_memory_bytes
             for t in self.templates.values()
             if t.spec.expected_memory_bytes is not None
+            for kind in ("member", "zygote")
         }
 
     def template(self, name: str) -> Template:

@@ -33,6 +33,8 @@ class TemplateSpec:
     the whole image is writable, copy-on-write, and `workspace_bytes` bounds what is written.
     Its config's Env, WorkingDir and User apply; `workdir` and `user` override the last two.
     The setup then runs on the image's own Python (an image without one takes no setup).
+    Templates of one `family` (a dataset's tasks, an image each) share what admission learns
+    of their memory.
 
     `declared_memory_bytes` is what the sandbox says it may use: quota admission reserves exactly
     that, and it is also the sandbox's hard memory limit (its own cgroup). Footprint admission
@@ -55,6 +57,13 @@ class TemplateSpec:
     image: str | None = None
     workdir: str | None = None
     user: str | None = None
+    family: str | None = None
+
+    @property
+    def estimates(self) -> str:
+        """Whose memory estimates admission learns and reads for this template: its family's
+        (the tasks of one dataset, each with an image of its own, are alike), or its own."""
+        return self.family or self.name
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():

@@ -113,10 +113,13 @@ class LayerCache:
                 if self.layer_dir(layer.diff_id).is_dir():
                     os.utime(lock.fileno())
                     return lock, self.layer_dir(layer.diff_id)
+                # Let go before asking for it alone: two holders turning shared into
+                # exclusive at once would each wait for the other for ever.
+                fcntl.flock(lock, fcntl.LOCK_UN)
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 if not self.layer_dir(layer.diff_id).is_dir():
                     self._unpack(layer, open_blob, what)
-                # Back to shared, then check again: an evictor may have come between.
+                fcntl.flock(lock, fcntl.LOCK_UN)  # then shared, and look again
         except BaseException:
             lock.close()
             raise

@@ -13,14 +13,17 @@ all pass (`envs/swe/grading.py`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any, ClassVar
 
 from venusrl.envs.environment import Environment, SandboxVerbs, Task, Tool
 from venusrl.envs.swe.grading import Grade, episode_diff, grade, start_state
 from venusrl.envs.swe.tasks import SweTask, hunks, swe_task, swe_template
 from venusrl.envs.types import GiB, InfraFailure, MiB, SandboxError, TemplateSpec
+from venusrl.images.reference import LOCAL_TRANSPORTS
 from venusrl.model.tool_calls import format_tool_call
 
+IMAGE_FIELDS = ("image", "image_name", "docker_image")  # where each format names the image
 _MAX_OUTPUT_BYTES = 256 << 10
 _MAX_FILE_BYTES = 16 << 20
 _VIEW_LINES = 400
@@ -232,6 +235,18 @@ class Swe(Environment):
     def _swe(reference: Mapping[str, Any], task_id: str, prompt: str, where: str) -> SweTask:
         row = {"instance_id": task_id, "problem_statement": prompt, **reference}
         return swe_task(row, where, str(reference.get("format", "auto")))
+
+    @classmethod
+    def anchor(cls, reference: Mapping[str, Any], directory: Path) -> dict[str, Any]:
+        """A local image (`oci:images:TAG`) is found beside the task file."""
+        out = dict(reference)
+        for key in IMAGE_FIELDS:
+            value = out.get(key)
+            if isinstance(value, str):
+                transport, sep, rest = value.partition(":")
+                if sep and transport in LOCAL_TRANSPORTS and not rest.startswith("/"):
+                    out[key] = f"{transport}:{directory / rest}"
+        return out
 
     @classmethod
     def task_from_reference(cls, task_id: str, prompt: str, reference: Mapping[str, Any]) -> Task:

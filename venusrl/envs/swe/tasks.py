@@ -221,7 +221,7 @@ def swe_task(row: Mapping[str, Any], where: str, fmt: str = "auto") -> SweTask:
         else:
             fields |= {
                 "image": _text(row, "image", where),
-                "test_cmd": _text(row, "test_cmd", where),
+                "test_cmd": _text(row, "test_cmd", where, PYTEST_CMD),
             }
             fields["log_parser"] = _text(row, "log_parser", where, "pytest")
     for key in ("image", "repo_dir", "test_cmd", "log_parser"):  # a row's own win
@@ -255,6 +255,7 @@ def swe_template(task: SweTask, writable_bytes: int = 1 * GiB) -> TemplateSpec:
     key = hashlib.sha256(f"{task.image}\0{task.repo_dir}".encode()).hexdigest()[:16]
     return TemplateSpec(
         name=f"swe-{key}",
+        family="swe",
         image=task.image,
         workdir=task.repo_dir,
         declared_memory_bytes=2 * GiB,
