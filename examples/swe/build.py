@@ -193,8 +193,14 @@ def debian_root(cache: Path) -> Path:
     partial = tar.with_suffix(".partial")
     include = ",".join(PACKAGES)
     subprocess.run(
-        ["mmdebstrap", "--variant=minbase", "--format=tar", f"--include={include}", "bookworm",
-         str(partial)],  # fmt: skip
+        [
+            "mmdebstrap",
+            "--variant=minbase",
+            "--format=tar",
+            f"--include={include}",
+            "bookworm",
+            str(partial),
+        ],
         check=True,
     )
     partial.rename(tar)
@@ -249,13 +255,14 @@ def build(out: Path, base: list[Path] | None = None, tasks: Path | None = None) 
                 working_dir="/testbed",
                 cmd=("/bin/bash",),
             )
-            write_oci(spec, images, tag=bug.instance_id)
+            tag = bug.instance_id.replace("__", "--")  # "__" is no separator in an OCI ref name
+            write_oci(spec, images, tag=tag)
             rows.append(
                 {
                     "instance_id": bug.instance_id,
                     "repo": bug.repo,
                     "problem_statement": bug.problem_statement,
-                    "image": f"oci:{where}:{bug.instance_id}",
+                    "image": f"oci:{where}:{tag}",
                     "repo_dir": "/testbed",
                     "FAIL_TO_PASS": list(bug.fail_to_pass),
                     "PASS_TO_PASS": list(bug.pass_to_pass),

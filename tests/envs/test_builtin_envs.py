@@ -27,6 +27,7 @@ from venusrl.envs.builtin.guess_number import (
     RandomGuesser,
 )
 from venusrl.envs.builtin.math_python import MathPython
+from venusrl.envs.builtin.swe import Swe
 from venusrl.envs.builtin.swe_mini import CheatByDeletingTests, ScriptedFixer, SweMini
 from venusrl.envs.builtin.treasure_hunt import (
     CELLS,
@@ -87,6 +88,7 @@ def test_builtin_registry_names_each_environment_once():
         "treasure_hunt": TreasureHunt,
         "guess_number": GuessNumber,
         "swe_mini": SweMini,
+        "swe": Swe,
         "math_python": MathPython,
         "agent_workload": AgentWorkload,
     } == BUILTIN

@@ -272,6 +272,7 @@ def test_validate_finds_every_example_row_valid_and_says_what_is_wrong_with_bad_
     code, out = _validate(test_images, tasks_file, capsys, "--limit", "2")
     assert code == 0 and "2 of 2 rows valid" in out, out
     good = _rows(tasks_file)[3]
+    good["image"] = good["image"].replace("oci:", f"oci:{tasks_file.parent}/")  # rows move
     broken: list[Callable[[dict[str, Any]], dict[str, Any]]] = [
         lambda r: {
             **r,
@@ -298,6 +299,7 @@ def test_a_swe_smith_row_starts_from_its_planted_bug_and_validates(
     """SWE-smith's images hold the clean repository and its rows the patch that plants the bug:
     the start state commits it, the fix takes it back."""
     row = _rows(tasks_file)[3]
+    row["image"] = row["image"].replace("oci:", f"oci:{tasks_file.parent}/")
     fixed_image = row["image"]  # our base commit has the bug: make a clean one with the fix in
     task = SweTask.from_reference(Swe.task_from_reference(row["instance_id"], "x", row).reference)
 

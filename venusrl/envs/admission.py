@@ -20,7 +20,7 @@ from venusrl.envs.cgroups import Cgroup
 from venusrl.envs.sandbox import Sandbox
 from venusrl.envs.templates import Group
 from venusrl.envs.types import AdmissionTimeout, GiB, SandboxError, TemplateSpec
-from venusrl.envs.zygote import Zygote
+from venusrl.envs.zygote_handle import Zygote
 from venusrl.policy.sandbox_admission import (
     AdmissionDecision,
     FootprintAdmission,

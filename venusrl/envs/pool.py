@@ -49,7 +49,7 @@ from venusrl.envs.types import (
     SandboxStartError,
     TemplateSpec,
 )
-from venusrl.envs.zygote import ZygoteError
+from venusrl.envs.zygote_handle import ZygoteError
 from venusrl.images.oci import ImageError
 from venusrl.images.store import ImageStore
 from venusrl.policy.sandbox_admission import AdmissionDecision, PeakEstimator
@@ -405,7 +405,8 @@ class SandboxPool:
         files: Mapping[str, bytes] | None = None,
     ) -> SandboxGroup:
         """A group with no member yet: runs the task's setup once (in the group's zygote, with
-        page sharing); members come with `SandboxGroup.add`. `template` as for `create`."""
+        page sharing; a task with no setup forks from the template's); members come with
+        `SandboxGroup.add`. `template` as for `create`."""
         name = await self._ensure_template(template)
         t = self._warm.template(name)
         gid = f"g{next(self._ids)}"
@@ -414,7 +415,9 @@ class SandboxPool:
         except BaseException:
             self._template_done(name)
             raise
-        if self.share_pages:
+        # A task without setup of its own (files are a layer, not interpreter state) needs no
+        # zygote of its own: its members fork from the template's.
+        if self.share_pages and group.setup:
             await self._start_group_zygote(t, group)
         return SandboxGroup(self, group)
 

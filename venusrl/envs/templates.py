@@ -32,7 +32,7 @@ from venusrl.envs.cgroups import Cgroup
 from venusrl.envs.isolation import HIDDEN, SANDBOX_UID, WORKSPACE, IsolationConfig
 from venusrl.envs.sandbox import check_path
 from venusrl.envs.types import SandboxError, TemplateSpec
-from venusrl.envs.zygote import ONE_THREAD, Zygote, ZygoteError
+from venusrl.envs.zygote_handle import ONE_THREAD, Zygote, ZygoteError
 from venusrl.images.store import Image, User
 from venusrl.images.unpack import ID_COUNT
 
@@ -207,16 +207,16 @@ class WarmStarts:
         await t.zygote.setup(t.spec.name, t.spec.setup, t.spec.setup_timeout_s)
 
     async def _new_zygote(self, t: Template, cgroup: Cgroup, root_dir: Path) -> Zygote:
+        code = str(self.runtime / "py")
         if t.root is None or t.root.python is None:
-            return await Zygote.start(cgroup.procs_files())
+            return await Zygote.start(cgroup.procs_files(), code)
         root_dir.mkdir(mode=0o755)
         log_path = str(root_dir) + ".log"
         try:
+            config = self._zygote_config(t, root_dir)
+            timeout = t.spec.setup_timeout_s
             return await Zygote.start_in_image(
-                cgroup.procs_files(),
-                self._zygote_config(t, root_dir),
-                log_path,
-                t.spec.setup_timeout_s,
+                cgroup.procs_files(), config, log_path, timeout, code
             )
         except ZygoteError as e:
             if t.spec.setup:
@@ -231,7 +231,7 @@ class WarmStarts:
             )
             await asyncio.to_thread(cgroup.kill)
             t.root.python = None
-            return await Zygote.start(cgroup.procs_files())
+            return await Zygote.start(cgroup.procs_files(), code)
 
     def _zygote_config(self, t: Template, root_dir: Path) -> dict[str, object]:
         assert t.root is not None and t.root.python is not None
@@ -378,7 +378,7 @@ class WarmStarts:
         cfg = asdict(self._config(t, group, sandbox_id, inside=image_zygote))
         procs = cgroup.procs_files()
         if self.share_pages:
-            zygote = group.zygote if group is not None else t.zygote
+            zygote = group.zygote if group is not None and group.zygote else t.zygote
             assert zygote is not None
             return await zygote.spawn(cfg, procs, python_ok), None
         # The cold baseline: a fresh interpreter in the sandbox's own cgroup runs the setups,

@@ -9,13 +9,15 @@ allocate without bound. The blocking side also runs on an image's own Python (3.
 from __future__ import annotations
 
 import array
-import asyncio
 import json
 import os
 import socket
 import struct
 from collections.abc import Callable
-from typing import Any, Dict
+from typing import TYPE_CHECKING, Any, Dict
+
+if TYPE_CHECKING:  # the sandbox's side never imports asyncio: it costs a zygote's start
+    import asyncio
 
 MAX_HEADER_BYTES = 1 << 20
 _LEN = struct.Struct(">I")

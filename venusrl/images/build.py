@@ -14,6 +14,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import tarfile
@@ -30,7 +31,11 @@ _LAYER_TYPES = {
     "gzip": "application/vnd.oci.image.layer.v1.tar+gzip",
     "zstd": "application/vnd.oci.image.layer.v1.tar+zstd",
 }
-_EPOCH = 1_700_000_000  # fixed mtimes: the same inputs give the same digests
+_EPOCH = 1_700_000_000
+# The image layout spec's grammar for org.opencontainers.image.ref.name (skopeo holds to it).
+_REF_NAME = re.compile(
+    r"[A-Za-z0-9]+(?:(?:[-._:@+]|--)[A-Za-z0-9]+)*(?:/[A-Za-z0-9]+(?:(?:[-._:@+]|--)[A-Za-z0-9]+)*)*"
+)  # fixed mtimes: the same inputs give the same digests
 
 
 class LayerWriter:
@@ -271,6 +276,10 @@ def write_oci(
 ) -> str:
     """The image as an OCI image layout at `directory` (created, or added to): its manifest's
     digest. `tag` is its `org.opencontainers.image.ref.name`."""
+    if not _REF_NAME.fullmatch(tag):
+        raise ValueError(
+            f"{tag!r} is not an OCI ref name (alphanumerics joined by one of -._:@+ or --)"
+        )
     blobs = directory / "blobs" / "sha256"
     blobs.mkdir(parents=True, exist_ok=True)
     (directory / "oci-layout").write_text(json.dumps({"imageLayoutVersion": "1.0.0"}))

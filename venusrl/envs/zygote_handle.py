@@ -1,0 +1,186 @@
+"""The pool's handle on a zygote process (`zygote`): starting one, on this machine's Python or
+in an image, and its three requests, driven from asyncio through a worker thread, one at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from typing import Any
+
+from venusrl.envs import wire
+
+
+def zygote_env() -> dict[str, str]:
+    """An allow-list: the pool's environment (tokens, keys) never reaches a template."""
+    keep = ("PATH", "LANG", "LC_ALL", "PYTHONPATH", "TZ")
+    env = {k: os.environ[k] for k in keep if k in os.environ}
+    return {**env, **ONE_THREAD}
+
+
+# One BLAS thread per sandbox: its CPU share is bounded anyway, and thread pools created in the
+# zygote do not survive fork.
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+class ZygoteError(Exception):
+    pass
+
+
+def _import_from(code_dir: str) -> str:
+    """Python that makes `code_dir` the first place imports look: the few sandbox modules,
+    imported in milliseconds, where the package's __init__ would import the whole pool."""
+    return f"import sys; sys.path.insert(0, {code_dir!r});"
+
+
+class Zygote:
+    """Handle on a zygote process; one request at a time."""
+
+    def __init__(
+        self, sock: socket.socket, proc: subprocess.Popen[bytes] | None, log: str | None = None
+    ) -> None:
+        self._sock = sock
+        self._proc = proc
+        self._log = log  # where an image zygote's stderr goes, quoted in its errors
+        self._lock = threading.Lock()
+
+    @classmethod
+    async def start(cls, cgroup_procs: list[str], code_dir: str) -> Zygote:
+        """A fresh interpreter of this machine whose every page is charged to the given cgroup:
+        a shell joins the cgroup, then execs Python. It imports the sandbox's modules from
+        `code_dir` (`templates.INSIDE_MODULES`), not the whole package."""
+        ours, theirs = socket.socketpair()
+        join = "".join(f'echo $$ > "{p}" && ' for p in cgroup_procs)
+        main = f"{_import_from(code_dir)} from venusrl.envs.zygote import main; main()"
+        cmd = f'{join}exec "$0" -c "{main}" {theirs.fileno()}'
+        proc = subprocess.Popen(
+            ["/bin/sh", "-c", cmd, sys.executable],
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+            env=zygote_env(),
+        )
+        theirs.close()
+        return cls(ours, proc)
+
+    @classmethod
+    async def start_in_image(
+        cls,
+        cgroup_procs: list[str],
+        config: dict[str, Any],
+        log: str,
+        timeout_s: float,
+        code_dir: str,
+    ) -> Zygote:
+        """The image's Python as a zygote (`launch_image_zygote`, run by this machine's Python
+        from `code_dir`), in the given cgroup; its stderr goes to `log`. `ZygoteError` when it
+        does not come up."""
+        ours, theirs = socket.socketpair()
+        fds = open_cgroups(cgroup_procs)
+        code = (
+            f"{_import_from(code_dir)} from venusrl.envs.zygote import launch_image_zygote;"
+            " launch_image_zygote()"
+        )
+        # -S: the launcher needs nothing of site-packages, whose start (an editable install's
+        # finder) would double its own.
+        argv = [sys.executable, "-S", "-c", code, str(theirs.fileno()), json.dumps(config)]
+        try:
+            with open(log, "ab") as err:
+                proc = subprocess.Popen(
+                    [*argv, *map(str, fds)],
+                    pass_fds=[theirs.fileno(), *fds],
+                    stdin=subprocess.DEVNULL,
+                    stdout=err,
+                    stderr=err,
+                    env=zygote_env(),
+                )
+        finally:
+            theirs.close()
+            for fd in fds:
+                os.close(fd)
+        zygote = cls(ours, proc, log)
+        # The launcher exits once the zygote is up; a `ping` is a setup of nothing.
+        await zygote.setup("ping", "", timeout_s)
+        return zygote
+
+    def _log_tail(self) -> str:
+        if self._log is None:
+            return ""
+        with contextlib.suppress(OSError), open(self._log, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 2000))
+            tail = f.read().decode(errors="replace").strip()
+            return f"\n{tail}" if tail else ""
+        return ""
+
+    def _call(
+        self, header: dict[str, Any], blob: bytes | None, timeout_s: float, fds: tuple[int, ...]
+    ) -> int | None:
+        with self._lock:
+            self._sock.settimeout(timeout_s)
+            try:
+                wire.send(self._sock, header, (blob,) if blob is not None else (), fds)
+                reply, _, got = wire.recv_with_fds(self._sock, 1, max_blob_bytes=0)
+            except (OSError, EOFError, wire.WireError) as e:
+                problem = f"zygote did not answer {header['op']}: {e!r}{self._log_tail()}"
+                raise ZygoteError(problem) from None
+        if "error" in reply:
+            for fd in got:
+                os.close(fd)
+            raise ZygoteError(f"{reply['error']}{self._log_tail()}")
+        return got[0] if got else None
+
+    async def setup(self, name: str, code: str, timeout_s: float) -> None:
+        header = {"op": "setup", "name": name}
+        await asyncio.to_thread(self._call, header, code.encode(), timeout_s, ())
+
+    async def spawn(
+        self, cfg: dict[str, Any], cgroup_procs: list[str], python: bool, timeout_s: float = 30.0
+    ) -> socket.socket:
+        fds = open_cgroups(cgroup_procs)
+        header = {"op": "spawn", "config": cfg, "python": python}
+        try:
+            fd = await asyncio.to_thread(self._call, header, None, timeout_s, tuple(fds))
+        finally:
+            for f in fds:
+                os.close(f)
+        assert fd is not None
+        return socket.socket(fileno=fd)
+
+    async def fork(self, cgroup_procs: list[str], timeout_s: float = 30.0) -> Zygote:
+        fds = open_cgroups(cgroup_procs)
+        try:
+            fd = await asyncio.to_thread(self._call, {"op": "fork"}, None, timeout_s, tuple(fds))
+        finally:
+            for f in fds:
+                os.close(f)
+        assert fd is not None
+        return Zygote(socket.socket(fileno=fd), None, self._log)
+
+    def close(self) -> None:
+        """Closing the socket ends the zygote (it exits on EOF); the pool also kills its cgroup."""
+        self._sock.close()
+        if self._proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=5)
+            if self._proc.poll() is None:
+                self._proc.kill()
+                self._proc.wait()
+
+
+def open_cgroups(cgroup_procs: list[str]) -> list[int]:
+    """The cgroups' `cgroup.procs`, open for a process to write its pid into."""
+    fds: list[int] = []
+    try:
+        for path in cgroup_procs:
+            fds.append(os.open(path, os.O_WRONLY | os.O_CLOEXEC))
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds
