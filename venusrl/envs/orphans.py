@@ -46,7 +46,7 @@ def _pid_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat_line = f.read()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone, or going as it is read
         return False
     return stat_line[stat_line.rindex(b")") + 2 :][:1] not in (b"Z", b"X")
 
@@ -95,9 +95,15 @@ def reaper_main() -> None:
         if not _pid_alive(pid):
             break
         time.sleep(0.05)
+    base = Cgroup(CGROUP_BASE, version).dirs()[0]
     for _ in range(5):  # a loaded machine may be slow to let the last process die
         reap_orphans(version, pid)
-        if not Cgroup(CGROUP_BASE, version).child(f"pool-{pid}-0").exists():
+        left = [
+            d
+            for d in (base.iterdir() if base.exists() else ())
+            if d.name.startswith(f"pool-{pid}-")
+        ]
+        if not left:
             return
         time.sleep(1.0)
 

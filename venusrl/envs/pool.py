@@ -208,6 +208,7 @@ class SandboxPool:
         self._cgroup.limit(self.budget_bytes, None, None)
         private_dir(RUNTIME_BASE)
         self._warm.make_dirs()
+        self._warm.launcher_cgroup = self._cgroup.child("launcher")
         self._accounts.started = self._last_tick = time.monotonic()
         self._loop_task = asyncio.create_task(self._admission_loop())
 
@@ -584,6 +585,12 @@ class SandboxPool:
 
     def sandboxes_running(self) -> int:
         return self._admission.sandboxes_running()
+
+    def template_memory_bytes(self, template: str) -> int:
+        """What the template's zygote is charged: its interpreter and setup, and the page cache
+        its start first read (every sandbox of the template shares both)."""
+        t = self._warm.template(template)
+        return t.cgroup.memory_bytes() if t.cgroup is not None else 0
 
     def room_bytes(self) -> int:
         """Memory the pool could still admit into: its budget less what its sandboxes and

@@ -127,6 +127,10 @@ class WarmStarts:
         self.templates: dict[str, Template] = {}
         self.groups: dict[str, Group] = {}
         self._cleanups: set[asyncio.Future[object]] = set()
+        # A bare host zygote the image zygotes are forked from (no interpreter to start each
+        # time), in `launcher_cgroup` (the pool's: set by it), started with the first image.
+        self.launcher_cgroup: Cgroup | None = None
+        self._launcher: Zygote | None = None
 
     def make_dirs(self) -> None:
         # Never reuse a directory someone else made. Others may traverse it, not list or
@@ -213,11 +217,10 @@ class WarmStarts:
         root_dir.mkdir(mode=0o755)
         log_path = str(root_dir) + ".log"
         try:
+            launcher = await self.launcher()
             config = self._zygote_config(t, root_dir)
             timeout = t.spec.setup_timeout_s
-            return await Zygote.start_in_image(
-                cgroup.procs_files(), config, log_path, timeout, code
-            )
+            return await launcher.image(cgroup.procs_files(), config, log_path, timeout)
         except ZygoteError as e:
             if t.spec.setup:
                 raise
@@ -232,6 +235,14 @@ class WarmStarts:
             await asyncio.to_thread(cgroup.kill)
             t.root.python = None
             return await Zygote.start(cgroup.procs_files(), code)
+
+    async def launcher(self) -> Zygote:
+        if self._launcher is None:
+            assert self.launcher_cgroup is not None
+            self.launcher_cgroup.create()
+            cgroup = self.launcher_cgroup.procs_files()
+            self._launcher = await Zygote.start(cgroup, str(self.runtime / "py"))
+        return self._launcher
 
     def _zygote_config(self, t: Template, root_dir: Path) -> dict[str, object]:
         assert t.root is not None and t.root.python is not None
@@ -415,6 +426,8 @@ class WarmStarts:
         for t in self.templates.values():
             if t.zygote is not None:
                 t.zygote.close()
+        if self._launcher is not None:
+            self._launcher.close()
         await asyncio.gather(*self._cleanups, return_exceptions=True)
 
     def _write_files(

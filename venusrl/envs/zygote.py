@@ -22,7 +22,6 @@ from __future__ import annotations
 import builtins
 import contextlib
 import gc
-import json
 import os
 import signal
 import socket
@@ -64,7 +63,7 @@ def serve(sock: socket.socket, env: dict[str, Any]) -> None:
                 wire.send(sock, {"ok": True})
             except BaseException:
                 wire.send(sock, {"error": traceback.format_exc(limit=8)})
-        elif op in ("spawn", "fork"):
+        elif op in ("spawn", "fork", "image"):
             parent_end, child_end = socket.socketpair()
             pid = os.fork()
             if pid == 0:
@@ -73,6 +72,8 @@ def serve(sock: socket.socket, env: dict[str, Any]) -> None:
                 if op == "fork":
                     _become_zygote(fds, parent_death=True)  # its template's zygote
                     serve(child_end, env)
+                elif op == "image":
+                    _become_image_zygote(req["config"], fds, child_end)
                 else:
                     _start_member(IsolationConfig(**req["config"]), fds, child_end, env, req)
                 os._exit(0)
@@ -129,18 +130,23 @@ def image_main() -> None:
     serve(socket.socket(fileno=fd), _fresh_globals())
 
 
-def launch_image_zygote() -> None:
-    """Run by the pool as `python -c ... SOCKET_FD CONFIG_JSON CGROUP_FD...` on this machine's
-    Python: join the cgroups, enter the image (`isolation.enter_image_zygote`), then become the
-    image's Python. An error before the exec is sent on the socket."""
-    sock_fd, cfg = int(sys.argv[1]), json.loads(sys.argv[2])
-    sock = socket.socket(fileno=sock_fd)
+def _become_image_zygote(cfg: dict[str, Any], cgroup_fds: list[int], sock: socket.socket) -> None:
+    """In a child of a host zygote (the pool's launcher, warm: no interpreter to start): join
+    the image zygote's cgroups, enter the image (`isolation.enter_image_zygote`), then become
+    the image's Python, its output going to the template's log. An error before the exec is
+    sent on the socket."""
     try:
-        join_cgroups([int(fd) for fd in sys.argv[3:]])
+        join_cgroups(cgroup_fds)
+        log = os.open(cfg["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)  # a host path
         enter_image_zygote(
             tuple(cfg["id_map"]), cfg["root_dir"], cfg["layers"], cfg["hidden"], cfg["tmp_bytes"]
         )
-        os.execve(cfg["python"], [cfg["python"], "-c", IMAGE_BOOT, str(sock_fd)], cfg["env"])
+        for std in (1, 2):
+            os.dup2(log, std)
+        os.close(log)
+        os.set_inheritable(sock.fileno(), True)
+        argv = [cfg["python"], "-c", IMAGE_BOOT, str(sock.fileno())]
+        os.execve(cfg["python"], argv, cfg["env"])
     except BaseException as e:
         with contextlib.suppress(OSError):
             wire.send(sock, {"error": f"the image's zygote did not start: {e}"})

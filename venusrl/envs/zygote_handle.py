@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import socket
 import subprocess
@@ -68,43 +67,22 @@ class Zygote:
         theirs.close()
         return cls(ours, proc)
 
-    @classmethod
-    async def start_in_image(
-        cls,
-        cgroup_procs: list[str],
-        config: dict[str, Any],
-        log: str,
-        timeout_s: float,
-        code_dir: str,
+    async def image(
+        self, cgroup_procs: list[str], config: dict[str, Any], log: str, timeout_s: float
     ) -> Zygote:
-        """The image's Python as a zygote (`launch_image_zygote`, run by this machine's Python
-        from `code_dir`), in the given cgroup; its stderr goes to `log`. `ZygoteError` when it
-        does not come up."""
-        ours, theirs = socket.socketpair()
+        """From this (bare, host) zygote: a child that becomes the image's Python as a zygote
+        (`zygote._become_image_zygote`), in the given cgroup, its output in `log`.
+        `ZygoteError` when it does not come up."""
         fds = open_cgroups(cgroup_procs)
-        code = (
-            f"{_import_from(code_dir)} from venusrl.envs.zygote import launch_image_zygote;"
-            " launch_image_zygote()"
-        )
-        # -S: the launcher needs nothing of site-packages, whose start (an editable install's
-        # finder) would double its own.
-        argv = [sys.executable, "-S", "-c", code, str(theirs.fileno()), json.dumps(config)]
+        header = {"op": "image", "config": {**config, "log": log}}
         try:
-            with open(log, "ab") as err:
-                proc = subprocess.Popen(
-                    [*argv, *map(str, fds)],
-                    pass_fds=[theirs.fileno(), *fds],
-                    stdin=subprocess.DEVNULL,
-                    stdout=err,
-                    stderr=err,
-                    env=zygote_env(),
-                )
+            fd = await asyncio.to_thread(self._call, header, None, timeout_s, tuple(fds))
         finally:
-            theirs.close()
-            for fd in fds:
-                os.close(fd)
-        zygote = cls(ours, proc, log)
-        # The launcher exits once the zygote is up; a `ping` is a setup of nothing.
+            for f in fds:
+                os.close(f)
+        assert fd is not None
+        zygote = Zygote(socket.socket(fileno=fd), None, log)
+        # Up once it answers: a setup of nothing.
         await zygote.setup("ping", "", timeout_s)
         return zygote
 
