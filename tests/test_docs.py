@@ -28,6 +28,18 @@ RUN_BY: dict[str, tuple[str, ...]] = {
         "tests/runtime/test_train.py::test_the_cpu_example_raises_its_reward_by_0_4_within_ten_minutes",
     ),
     "scripts/test.sh": (".ci/run",),
+    "sudo .venv/bin/python examples/swe/build.py": (
+        "tests/envs/test_swe_example.py::test_the_swe_example_builds_validates_and_trains_with_graded_episodes",
+        "tests/envs/test_swe.py::test_the_example_task_file_is_what_its_build_writes",
+    ),
+    "sudo .venv/bin/venusrl swe validate examples/swe/tasks.jsonl": (
+        "tests/envs/test_swe_example.py::test_the_swe_example_builds_validates_and_trains_with_graded_episodes",
+        "tests/envs/test_swe.py::test_validate_finds_every_example_row_valid_and_says_what_is_wrong_with_bad_ones",
+    ),
+    "sudo .venv/bin/venusrl train --config examples/swe-agent.yaml": (
+        "tests/envs/test_swe_example.py::test_the_swe_example_builds_validates_and_trains_with_graded_episodes",
+        "tests/test_examples.py::test_example_config_loads",
+    ),
     "sudo .venv/bin/venusrl train --config examples/harness-agent.yaml": (
         "tests/gateway/test_harness.py::test_venusrl_train_trains_on_the_episodes_of_an_openai_client_harness",
     ),

@@ -66,6 +66,11 @@ def test_an_image_sandbox_runs_in_the_image_with_its_env_workdir_and_user(
             timeout_s=10,
         )
         assert r.stdout.decode().split() == ["0", "/work", "1", "/usr/bin/python3"]
+        # What `docker run IMAGE` runs: the test image's Cmd is /bin/sh; with arguments, them.
+        assert (
+            await python.run_image(["echo", "from", "the", "image"])
+        ).stdout == b"from the image\n"
+        assert (await python.run_image()).exit_code == 0  # sh, stdin empty: exits at once
         await python.write_file("notes/a.txt", b"relative to the working directory\n")
         assert (await python.exec("cat /work/notes/a.txt")).stdout.startswith(b"relative")
         other = await pool.create(

@@ -456,7 +456,9 @@ class SandboxPool:
     async def _spawn(self, t: Template, group: Group | None, entry: Entry) -> Sandbox:
         sid, cgroup = entry.record.sandbox_id, entry.cgroup
         sock, entry.private_zygote = await self._warm.spawn(t, group, sid, cgroup)
-        return await Sandbox.connect(self, sid, t.spec.name, cgroup, sock, self.start_timeout_s)
+        sb = await Sandbox.connect(self, sid, t.spec.name, cgroup, sock, self.start_timeout_s)
+        sb.image = t.root.image.config if t.root is not None else None
+        return sb
 
     async def fresh_sandbox(self, sibling: Sandbox) -> Sandbox:
         entry = self._admission.running.get(sibling.id)

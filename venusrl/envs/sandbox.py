@@ -23,6 +23,7 @@ from venusrl.envs.types import (
     SandboxError,
     SandboxUsage,
 )
+from venusrl.images.oci import ImageConfig
 
 Reply = tuple[dict[str, Any], list[bytes]]
 _REPLY_GRACE_S = 5.0
@@ -77,6 +78,7 @@ class Sandbox:
         self.template = template
         self.cgroup = cgroup
         self.dropped_state: list[str] = []  # after `fork`: the globals that could not be carried
+        self.image: ImageConfig | None = None  # what the image's config says, for an image root
         self._owner = owner
         self._sock = sock
         self._ids = itertools.count()
@@ -216,6 +218,21 @@ class Sandbox:
             header, (stdin,), timeout_s + _REPLY_GRACE_S + len(stdin) / 1e8, 2 * max_output_bytes
         )
         return self._result(reply, ooms)
+
+    async def run_image(
+        self,
+        args: Sequence[str] | None = None,
+        timeout_s: float = 30.0,
+        max_output_bytes: int = 1 << 20,
+    ) -> ExecResult:
+        """Run what `docker run IMAGE [ARGS]` runs: the image's Entrypoint, then `args` or, with
+        none, its Cmd (an image sandbox only)."""
+        if self.image is None:
+            raise SandboxError(f"sandbox {self.id} is not rooted in an image")
+        command = self.image.command(None if args is None else list(args))
+        if not command:
+            raise SandboxError(f"sandbox {self.id}: its image has no Entrypoint or Cmd to run")
+        return await self.exec(command, timeout_s, max_output_bytes)
 
     async def run_python(
         self, code: str, timeout_s: float = 30.0, max_output_bytes: int = 1 << 20
