@@ -135,23 +135,20 @@ def _container_memory(container: str) -> int:
     return charged + pss
 
 
+async def _podman_async(*args: str) -> str:
+    proc = await asyncio.create_subprocess_exec(
+        *PODMAN, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await proc.communicate()
+    if proc.returncode:
+        raise RuntimeError(f"podman {args[0]}: {err.decode().strip()}")
+    return out.decode().strip()
+
+
 async def podman(image: str, k: int) -> dict[str, float]:
     async def one(i: int) -> str:
-        proc = await asyncio.create_subprocess_exec(
-            *PODMAN, *PODMAN_RUN, "-w", "/testbed", image, "sh", "-c", KEEP_WARM,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
-        out, err = await proc.communicate()
-        if proc.returncode:
-            raise RuntimeError(f"podman run: {err.decode().strip()}")
-        container = out.decode().strip()
-        run = await asyncio.create_subprocess_exec(
-            *PODMAN, "exec", container, "sh", "-c", COMMAND,
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
-        _, err = await run.communicate()
-        if run.returncode:
-            raise RuntimeError(f"podman exec: {err.decode().strip()}")
+        container = await _podman_async(*PODMAN_RUN, "-w", "/testbed", image, "sh", "-c", KEEP_WARM)
+        await _podman_async("exec", container, "sh", "-c", COMMAND)
         return container
 
     start = time.perf_counter()

@@ -73,15 +73,8 @@ class Zygote:
         """From this (bare, host) zygote: a child that becomes the image's Python as a zygote
         (`zygote._become_image_zygote`), in the given cgroup, its output in `log`.
         `ZygoteError` when it does not come up."""
-        fds = open_cgroups(cgroup_procs)
         header = {"op": "image", "config": {**config, "log": log}}
-        try:
-            fd = await asyncio.to_thread(self._call, header, None, timeout_s, tuple(fds))
-        finally:
-            for f in fds:
-                os.close(f)
-        assert fd is not None
-        zygote = Zygote(socket.socket(fileno=fd), None, log)
+        zygote = Zygote(await self._new_process(header, cgroup_procs, timeout_s), None, log)
         # Up once it answers: a setup of nothing.
         await zygote.setup("ping", "", timeout_s)
         return zygote
@@ -120,8 +113,19 @@ class Zygote:
     async def spawn(
         self, cfg: dict[str, Any], cgroup_procs: list[str], python: bool, timeout_s: float = 30.0
     ) -> socket.socket:
-        fds = open_cgroups(cgroup_procs)
         header = {"op": "spawn", "config": cfg, "python": python}
+        return await self._new_process(header, cgroup_procs, timeout_s)
+
+    async def fork(self, cgroup_procs: list[str], timeout_s: float = 30.0) -> Zygote:
+        sock = await self._new_process({"op": "fork"}, cgroup_procs, timeout_s)
+        return Zygote(sock, None, self._log)
+
+    async def _new_process(
+        self, header: dict[str, Any], cgroup_procs: list[str], timeout_s: float
+    ) -> socket.socket:
+        """A request that makes a process (a member, a group zygote, an image zygote) in the
+        given cgroups: the socket to it."""
+        fds = open_cgroups(cgroup_procs)
         try:
             fd = await asyncio.to_thread(self._call, header, None, timeout_s, tuple(fds))
         finally:
@@ -129,16 +133,6 @@ class Zygote:
                 os.close(f)
         assert fd is not None
         return socket.socket(fileno=fd)
-
-    async def fork(self, cgroup_procs: list[str], timeout_s: float = 30.0) -> Zygote:
-        fds = open_cgroups(cgroup_procs)
-        try:
-            fd = await asyncio.to_thread(self._call, {"op": "fork"}, None, timeout_s, tuple(fds))
-        finally:
-            for f in fds:
-                os.close(f)
-        assert fd is not None
-        return Zygote(socket.socket(fileno=fd), None, self._log)
 
     def close(self) -> None:
         """Closing the socket ends the zygote (it exits on EOF); the pool also kills its cgroup."""

@@ -69,32 +69,35 @@ def _wrong(what: str, tests: Sequence[str], statuses: dict[str, str], passing: b
     return [f"{len(wrong)}/{len(tests)} {what}: {wrong[0]}{more}"]
 
 
+def _judge(
+    task: SweTask, statuses: dict[str, str], fixed: bool
+) -> tuple[tuple[int, int], tuple[int, int], list[str]]:
+    """(FAIL_TO_PASS as they should be, PASS_TO_PASS passing, what is wrong) for a run without
+    the fix (FAIL_TO_PASS should fail) or with it (they should pass)."""
+    when = "with the fix" if fixed else "without the fix"
+    f2p = _count(task.fail_to_pass, statuses, passing=fixed)
+    p2p = _count(task.pass_to_pass, statuses, passing=True)
+    wrong = _wrong(
+        f"FAIL_TO_PASS {'fail' if fixed else 'pass'} {when}", task.fail_to_pass, statuses, fixed
+    )
+    wrong += _wrong(f"PASS_TO_PASS fail {when}", task.pass_to_pass, statuses, passing=True)
+    return f2p, p2p, wrong
+
+
 async def check_row(pool: SandboxService, row: int, task: SweTask, timeout_s: float) -> RowCheck:
     check = RowCheck(row, task.instance_id)
     start = time.monotonic()
     try:
         before = await _run(pool, task, gold=False, timeout_s=timeout_s)
         check.image = True
-        check.fail_before = _count(task.fail_to_pass, before, passing=False)
-        check.p2p_before = _count(task.pass_to_pass, before, passing=True)
-        check.problems += _wrong(
-            "FAIL_TO_PASS pass without the fix", task.fail_to_pass, before, passing=False
-        )
-        check.problems += _wrong(
-            "PASS_TO_PASS fail without the fix", task.pass_to_pass, before, passing=True
-        )
+        check.fail_before, check.p2p_before, wrong = _judge(task, before, fixed=False)
+        check.problems += wrong
         if not task.gold_patch and not task.setup_patch:
             check.problems.append("no gold patch: the fix cannot be checked")
         else:
             after = await _run(pool, task, gold=True, timeout_s=timeout_s)
-            check.pass_after = _count(task.fail_to_pass, after, passing=True)
-            check.p2p_after = _count(task.pass_to_pass, after, passing=True)
-            check.problems += _wrong(
-                "FAIL_TO_PASS fail with the fix", task.fail_to_pass, after, passing=True
-            )
-            check.problems += _wrong(
-                "PASS_TO_PASS fail with the fix", task.pass_to_pass, after, passing=True
-            )
+            check.pass_after, check.p2p_after, wrong = _judge(task, after, fixed=True)
+            check.problems += wrong
     except (SandboxError, GradingError) as e:
         check.problems.append(str(e).splitlines()[0][:300] if str(e) else type(e).__name__)
     check.seconds = time.monotonic() - start
