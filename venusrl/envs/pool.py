@@ -275,7 +275,8 @@ class SandboxPool:
             await self._warm.start_template_zygote(template, cgroup)
         except (ZygoteError, OSError) as e:
             self._finish(entry, "failed")
-            await self._warm.drop_template(template, cgroup)
+            template.cgroup = template.cgroup or cgroup
+            self._warm.forget(template)
             if image is not None:
                 self.images.put(image.ref)
             raise SandboxStartError(f"template {spec.name!r}: setup failed:\n{e}") from None
@@ -315,19 +316,13 @@ class SandboxPool:
             self._drop_template(oldest)
 
     def _drop_template(self, name: str) -> None:
-        t = self._warm.templates.pop(name)
+        t = self._warm.template(name)
         self._users.pop(name, None)
         self._preparing.pop(name, None)
         entry = self._admission.running.get(t.zygote_entry or "")
         if entry is not None:
             self._finish(entry, "closed")
-        if t.zygote is not None:
-            t.zygote.close()
-        if t.cgroup is not None:
-            self._warm.in_background(t.cgroup.remove)
-        self._warm.in_background(
-            lambda: shutil.rmtree(self._warm.runtime / "templates" / name, ignore_errors=True)
-        )
+        self._warm.forget(t)
         if t.root is not None:
             self.images.put(t.root.image.ref)
 

@@ -247,7 +247,9 @@ class WarmStarts:
     def _zygote_config(self, t: Template, root_dir: Path) -> dict[str, object]:
         assert t.root is not None and t.root.python is not None
         hidden = {f"layers/{i}": layer for i, layer in enumerate(t.root.layers)}
-        hidden |= {"py": str(self.runtime / "py"), "groups": str(self.runtime / "groups")}
+        groups = self.runtime / "templates" / f"{t.spec.name}.groups"
+        groups.mkdir(mode=0o755, exist_ok=True)
+        hidden |= {"py": str(self.runtime / "py"), "groups": str(groups)}
         return {
             "id_map": [0, IMAGE_ID_BASE, ID_COUNT],
             "root_dir": str(root_dir),
@@ -258,16 +260,20 @@ class WarmStarts:
             "env": t.root.env,
         }
 
-    async def drop_template(self, t: Template, cgroup: Cgroup) -> None:
-        """Undo a template whose zygote did not start, so that it can be prepared again."""
-        del self.templates[t.spec.name]
+    def forget(self, t: Template) -> None:
+        """Let a template go (its zygote did not start, or no group uses it any more): its
+        zygote, its cgroup and its directories, the last two in the background. The pool closes
+        the zygote's account."""
+        self.templates.pop(t.spec.name, None)
         if t.zygote is not None:
             t.zygote.close()
-        await asyncio.to_thread(cgroup.remove)
-        if t.files_dir:
-            shutil.rmtree(self.runtime / "templates" / t.spec.name, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            (self.runtime / "templates" / f"{t.spec.name}.root").rmdir()
+            t.zygote = None
+        if t.cgroup is not None:
+            self.in_background(t.cgroup.remove)
+        base = self.runtime / "templates" / t.spec.name
+        for path in (base, Path(f"{base}.groups"), Path(f"{base}.root")):
+            self.in_background(functools.partial(shutil.rmtree, path, True))
+        self.in_background(lambda: Path(f"{base}.root.log").unlink(missing_ok=True))
 
     def member_priors(self) -> dict[str, int]:
         """A member's (and a group zygote's: the task's setup over its template's pages)
@@ -292,14 +298,16 @@ class WarmStarts:
         self, group_id: str, template: str, priority: int, setup: str, files: Mapping[str, bytes]
     ) -> Group:
         t = self.template(template)
-        where = self.runtime / "groups" / group_id
         if t.root is None:
+            where = self.runtime / "groups" / group_id
             files_dir = self._write_files(where, files, (self.sandbox_uid,) * 2)
         else:
             if setup and t.root.python is None:
                 raise SandboxError(
                     f"image {t.root.image.ref} has no Python: a task's setup cannot run in it"
                 )
+            # Beside its template's: the image's zygote sees its own template's groups only.
+            where = self.runtime / "templates" / f"{template}.groups" / group_id
             user = t.root.user
             ids = (IMAGE_ID_BASE + user.uid, IMAGE_ID_BASE + user.gid)
             files_dir = self._write_files(where, files, ids, t.root.workspace)
@@ -327,8 +335,7 @@ class WarmStarts:
         if group.cgroup is not None:
             self.in_background(group.cgroup.remove)
         if group.files_dir:
-            where = str(self.runtime / "groups" / group.group_id)
-            self.in_background(functools.partial(shutil.rmtree, where, True))
+            self.in_background(functools.partial(shutil.rmtree, group.files_dir, True))
 
     # --- sandboxes ----------------------------------------------------------------------------
 
