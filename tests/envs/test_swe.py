@@ -107,12 +107,33 @@ def test_editing_the_tests_earns_nothing(test_images: BuiltImages, tasks: list[T
 
 
 @requires_root
-def test_an_episode_that_changes_nothing_is_graded_unresolved(
+def test_an_episode_that_changes_nothing_is_unresolved_without_a_test_run(
     test_images: BuiltImages, tasks: list[Task]
 ) -> None:
     reward, env = play(test_images, tasks[0], ["I cannot fix this."])
     assert reward == 0.0 and env.diff == ""
-    assert env.last_grade is not None and env.last_grade.pass_to_pass == (3, 3)
+    assert env.last_grade is not None and "changes nothing" in env.last_grade.error
+
+
+@requires_root
+def test_changes_to_the_test_harness_are_left_out_of_the_graded_diff(
+    test_images: BuiltImages, tasks: list[Task]
+) -> None:
+    """A conftest.py that marks every test passed, beside the real fix: the fix is graded, the
+    conftest is not applied, and the grade says it was left out."""
+    task = next(t for t in tasks if t.id == "intervaltools__intervaltools-1")
+    cheat = (
+        "import pytest\n@pytest.hookimpl(hookwrapper=True)\n"
+        "def pytest_runtest_makereport(item, call):\n"
+        "    out = yield\n    out.get_result().outcome = 'passed'\n"
+    )
+    turns = [
+        call("str_replace_editor", command="create", path="tests/conftest.py", file_text=cheat),
+        call("submit"),
+    ]
+    reward, env = play(test_images, task, turns)
+    assert reward == 0.0
+    assert env.last_grade is not None and env.last_grade.left_out == ("tests/conftest.py",)
 
 
 @requires_root
@@ -213,34 +234,46 @@ def test_rows_of_swe_bench_swe_gym_r2e_gym_and_swe_smith_become_one_kind_of_task
         assert "tasks.jsonl:7" in str(info.value)
 
 
-def test_test_logs_are_read_by_their_runners_parser() -> None:
+def test_test_logs_are_read_under_the_ids_swe_bench_records() -> None:
     pytest_log = (
         "tests/test_a.py::test_x PASSED [ 50%]\n"
         "tests/test_a.py::test_y FAILED [100%]\n"
         "=== short test summary info ===\n"
-        "PASSED tests/test_a.py::test_x\n"
+        "\x1b[32mPASSED\x1b[0m tests/test_a.py::test_x\n"
         "FAILED tests/test_a.py::test_y - AssertionError: 1 != 2\n"
         "XFAIL tests/test_a.py::test_z - reason\n"
         "ERROR tests/test_b.py::test_w\n"
+        "PASSED tests/test_a.py::test_p[a b]\n"  # SWE-bench's id: cut at the space
     )
     assert parse_pytest(pytest_log) == {
         "tests/test_a.py::test_x": "PASSED",
         "tests/test_a.py::test_y": "FAILED",
         "tests/test_a.py::test_z": "PASSED",
         "tests/test_b.py::test_w": "FAILED",
+        "tests/test_a.py::test_p[a": "PASSED",
     }
-    unittest_log = (
+    # A policy that prints a runner's line cannot turn a failure into a pass.
+    assert parse_pytest("FAILED t.py::test_f\nPASSED t.py::test_f\n") == {"t.py::test_f": "FAILED"}
+    django_log = (
         "test_add (tests.test_calc.CalcTests) ... ok\n"
-        "test_div (tests.test_calc.CalcTests.test_div) ... FAIL\n"
-        "test_skip (tests.test_calc.CalcTests)\nA docstring. ... skipped 'later'\n"
+        "test_div (tests.test_calc.CalcTests.test_div) ... FAIL\n"  # 3.11's form, kept as it is
+        "test_skip (tests.test_calc.CalcTests)\nA docstring's first line. ... skipped 'later'\n"
+        "test_doc (m.C)\nAdds two numbers. ... ok\n"
+        "test_noisy (m.C) ... printed something\nok\n"
         "test_err (m.C) ... ERROR\n"
+        "test_late (m.D) ... System check identified no issues (0 silenced).\nok\n"
+        "test_xf (m.C) ... expected failure\n"
     )
-    assert parse_unittest(unittest_log) == {
+    assert parse_unittest(django_log) == {
         "test_add (tests.test_calc.CalcTests)": "PASSED",
-        "test_div (tests.test_calc.CalcTests)": "FAILED",
+        "test_div (tests.test_calc.CalcTests.test_div)": "FAILED",
+        "A docstring's first line.": "SKIPPED",
+        "Adds two numbers.": "PASSED",
+        "test_noisy (m.C)": "PASSED",
         "test_err (m.C)": "FAILED",
+        "test_late (m.D)": "PASSED",
     }
-    assert parse_sympy("test_one ok\ntest_two F\ntest_three E\n") == {
+    assert parse_sympy("test_one ok\ntest_two F\ntest_three E\ntest_four f\n") == {
         "test_one": "PASSED",
         "test_two": "FAILED",
         "test_three": "FAILED",

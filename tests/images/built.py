@@ -20,7 +20,7 @@ def _top_levels(*distributions: str) -> tuple[str, ...]:
     for name in distributions:
         for file in metadata.files(name) or ():
             top = file.parts[0]
-            if not top.endswith((".dist-info", ".pth")) and top not in ("..", "__pycache__"):
+            if not top.endswith(".pth") and top not in ("..", "__pycache__"):
                 site = Path(str(file.locate())).parents[len(file.parts) - 1]
                 paths.add(str(site / top))
     return tuple(sorted(paths))

@@ -12,14 +12,16 @@ all pass (`envs/swe/grading.py`).
 
 from __future__ import annotations
 
+import hashlib
+import shlex
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
 from venusrl.envs.environment import Environment, SandboxVerbs, Task, Tool
-from venusrl.envs.swe.grading import Grade, episode_diff, grade, start_state
+from venusrl.envs.swe.grading import Grade, episode_diff, grade, start_state, without_harness
 from venusrl.envs.swe.tasks import SweTask, hunks, swe_task, swe_template
-from venusrl.envs.types import GiB, InfraFailure, MiB, SandboxError, TemplateSpec
+from venusrl.envs.types import GiB, MiB, SandboxError, TemplateSpec
 from venusrl.images.reference import LOCAL_TRANSPORTS
 from venusrl.model.tool_calls import format_tool_call
 
@@ -27,7 +29,7 @@ IMAGE_FIELDS = ("image", "image_name", "docker_image")  # where each format name
 _MAX_OUTPUT_BYTES = 256 << 10
 _MAX_FILE_BYTES = 16 << 20
 _VIEW_LINES = 400
-EDITOR_COMMANDS = ("view", "create", "str_replace", "insert")
+EDITOR_COMMANDS = ("view", "create", "str_replace", "insert", "undo_edit")
 SUBMITTED = "Your changes are submitted."
 INSTRUCTIONS = (
     "You are a software engineer fixing an issue in a repository, in a sandbox with its"
@@ -59,7 +61,10 @@ async def _read(sandbox: SandboxVerbs, path: str, timeout_s: float) -> str:
     )
     if r.exit_code != 0 or r.truncated:
         raise SandboxError(r.stderr.decode(errors="replace").strip() or f"cannot read {path}")
-    return r.stdout.decode(errors="replace")
+    try:
+        return r.stdout.decode()
+    except UnicodeDecodeError:  # editing it as text would corrupt it
+        raise SandboxError(f"{path} is not UTF-8 text: edit it with bash") from None
 
 
 async def _write(sandbox: SandboxVerbs, path: str, text: str, timeout_s: float) -> None:
@@ -73,9 +78,19 @@ async def _write(sandbox: SandboxVerbs, path: str, text: str, timeout_s: float) 
         raise SandboxError(r.stderr.decode(errors="replace").strip() or f"cannot write {path}")
 
 
+async def _keep_for_undo(sandbox: SandboxVerbs, path: str, text: str, timeout_s: float) -> None:
+    """The file as it was before an edit, for `undo_edit` (one level, in the sandbox's /tmp)."""
+    await _write(sandbox, _undo_path(path), text, timeout_s)
+
+
+def _undo_path(path: str) -> str:
+    return f"/tmp/.venusrl-undo/{hashlib.sha256(path.encode()).hexdigest()[:24]}"
+
+
 async def _editor(sandbox: SandboxVerbs, arguments: dict[str, Any], timeout_s: float) -> str:
-    """SWE-agent's and OpenHands' file tool: view, create, str_replace, insert. Paths are the
-    sandbox's own (absolute, or relative to the repository), its whole root being the task's."""
+    """SWE-agent's and OpenHands' file tool: view, create, str_replace, insert, undo_edit.
+    Paths are the sandbox's own (absolute, or relative to the repository), its whole root
+    being the task's."""
     command, path = arguments.get("command"), str(arguments.get("path", ""))
     if command not in EDITOR_COMMANDS:
         return f"error: command must be one of {', '.join(EDITOR_COMMANDS)}, got {command!r}"
@@ -87,8 +102,19 @@ async def _editor(sandbox: SandboxVerbs, arguments: dict[str, Any], timeout_s: f
         text = arguments.get("file_text")
         if not isinstance(text, str):
             return "error: create needs file_text"
+        exists = await sandbox.exec(["test", "-e", path], timeout_s=timeout_s, max_output_bytes=0)
+        if exists.exit_code == 0:
+            return f"error: {path} exists; create does not overwrite: edit it with str_replace"
         await _write(sandbox, path, text, timeout_s)
         return f"created {path} ({len(text.splitlines())} lines)"
+    if command == "undo_edit":
+        try:
+            before = await _read(sandbox, _undo_path(path), timeout_s)
+        except SandboxError:
+            return f"error: no edit of {path} to undo"
+        await _write(sandbox, path, before, timeout_s)
+        await sandbox.exec(["rm", "-f", _undo_path(path)], timeout_s=timeout_s, max_output_bytes=0)
+        return f"undid the last edit of {path}:\n" + _numbered(before, 0, _VIEW_LINES)
     source = await _read(sandbox, path, timeout_s)
     new = arguments.get("new_str", "")
     if not isinstance(new, str):
@@ -108,16 +134,22 @@ async def _editor(sandbox: SandboxVerbs, arguments: dict[str, Any], timeout_s: f
         lines = source.splitlines(keepends=True)
         if not isinstance(line, int) or not 0 <= line <= len(lines):
             return f"error: insert needs insert_line in [0, {len(lines)}]"
+        if line and not lines[line - 1].endswith("\n"):  # after a last line with no newline
+            lines[line - 1] += "\n"
         new = new if new.endswith("\n") else new + "\n"
         at = len("".join(lines[:line]))
         edited = "".join([*lines[:line], new, *lines[line:]])
+    await _keep_for_undo(sandbox, path, source, timeout_s)
     await _write(sandbox, path, edited, timeout_s)
     first = edited[:at].count("\n")
     return f"edited {path}:\n" + _numbered(edited, first - 3, first + new.count("\n") + 4)
 
 
 async def _view(sandbox: SandboxVerbs, path: str, view_range: Any, timeout_s: float) -> str:
-    listing = 'if [ -d "$0" ]; then find "$0" -maxdepth 2 -not -path "*/.*" | sort; fi'
+    listing = (
+        'if [ -d "$0" ]; then echo "$0";'
+        ' find "$0" -mindepth 1 -maxdepth 2 -not -path "*/.*" | sort; fi'
+    )
     r = await sandbox.exec(
         ["sh", "-c", listing, path], timeout_s=timeout_s, max_output_bytes=_MAX_OUTPUT_BYTES
     )
@@ -129,7 +161,8 @@ async def _view(sandbox: SandboxVerbs, path: str, view_range: Any, timeout_s: fl
         and len(view_range) == 2
         and all(isinstance(v, int) for v in view_range)
     ):
-        return _numbered(text, view_range[0] - 1, view_range[1])
+        first, last = view_range
+        return _numbered(text, first - 1, len(text.splitlines()) if last == -1 else last)
     return _numbered(text, 0, _VIEW_LINES)
 
 
@@ -143,13 +176,13 @@ def _numbered(text: str, start: int, end: int) -> str:
 
 _EDITOR_PARAMS = _params(
     ("command", "path"),
-    command=("string", "view, create, str_replace or insert"),
+    command=("string", "view, create, str_replace, insert or undo_edit"),
     path=("string", "the file or directory"),
     file_text=("string", "create: the file's content"),
     old_str=("string", "str_replace: the exact text to replace, occurring once"),
     new_str=("string", "str_replace: its replacement; insert: the text to insert"),
     insert_line=("integer", "insert: the line after which new_str goes (0: at the top)"),
-    view_range=("array", "view: [first line, last line]"),
+    view_range=("array", "view: [first line, last line]; -1 for the last: to the end"),
 )
 
 
@@ -179,7 +212,7 @@ class Swe(Environment):
         ),
         Tool("submit", "Submit your changes; the episode ends.", _params(()), _submit),
     )
-    max_turns = 30
+    max_turns = 50  # SWE agents get 50-100 steps; a run's mix entry may cap it lower
     max_tool_calls_per_turn = 2
     tool_timeout_s = 60.0
     max_observation_chars = 8192
@@ -255,18 +288,31 @@ class Swe(Environment):
 
     @classmethod
     def demonstrator(cls, task: Task, seed: int) -> Callable[[str], str] | None:
-        """An engineer who knows the fix: looks at each file the gold patch touches, makes its
-        hunks with the editor, runs the failing test, submits. None without a gold patch."""
+        """An engineer who knows the fix: looks at each file the gold patch changes, makes its
+        hunks with the editor (a new file with `create`, a deleted one with `rm`), runs the
+        failing tests, submits. None without a gold patch."""
         swe = SweTask.from_reference(task.reference)
         edits = hunks(swe.gold_patch) if swe.gold_patch else hunks(swe.setup_patch, reverse=True)
         if not edits:
             return None
-        turns = []
-        for path in dict.fromkeys(p for p, _, _ in edits):
-            turns.append(format_tool_call("str_replace_editor", {"command": "view", "path": path}))
-        for path, old, new in edits:
-            call = {"command": "str_replace", "path": path, "old_str": old, "new_str": new}
-            turns.append(format_tool_call("str_replace_editor", call))
+        turns = [
+            format_tool_call("str_replace_editor", {"command": "view", "path": path})
+            for path in dict.fromkeys(h.path for h in edits if not h.created)
+        ]
+        for h in edits:
+            if h.created:
+                call = {"command": "create", "path": h.path, "file_text": h.new}
+                turns.append(format_tool_call("str_replace_editor", call))
+            elif h.deleted:
+                turns.append(format_tool_call("bash", {"command": f"rm -- {shlex.quote(h.path)}"}))
+            else:
+                call = {
+                    "command": "str_replace",
+                    "path": h.path,
+                    "old_str": h.old,
+                    "new_str": h.new,
+                }
+                turns.append(format_tool_call("str_replace_editor", call))
         check = swe.test_cmd.replace("{tests}", swe.test_targets())
         turns += [format_tool_call("bash", {"command": check}), format_tool_call("submit", {})]
         script = iter(turns)
@@ -286,8 +332,12 @@ class Swe(Environment):
         return self.diff
 
     async def reward(self) -> float:
-        # An empty diff is graded too: the tests run, and what passes is what passed before.
+        """SWE-bench's: 1 when the diff, graded in a fresh sandbox of the task's image, makes
+        every listed test pass (`envs/swe/grading.py`)."""
         diff = await self.output()
+        if not without_harness(diff)[0].strip():  # the start state: unresolved, nothing to run
+            self.last_grade = await grade(None, self.swe, diff, self.grade_timeout_s)
+            return 0.0
         fresh = getattr(self.sandbox, "fresh", None)
         if fresh is None:
             raise RuntimeError(
@@ -296,8 +346,6 @@ class Swe(Environment):
         grader = await fresh()
         try:
             self.last_grade = await grade(grader, self.swe, diff, self.grade_timeout_s)
-        except InfraFailure:
-            raise
         finally:
             await grader.close()
         return 1.0 if self.last_grade.resolved else 0.0

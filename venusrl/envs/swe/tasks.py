@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shlex
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -35,7 +36,8 @@ LOG_PARSERS = ("pytest", "unittest", "sympy")
 REPO_DIR = "/testbed"
 # SWE-bench's images run their tests in a conda environment named testbed.
 _CONDA = "source /opt/miniconda3/bin/activate && conda activate testbed && "
-PYTEST_CMD = "python3 -m pytest --no-header -rA --tb=no -p no:cacheprovider {tests}"
+# No --no-header: pytest before 6 refuses it.
+PYTEST_CMD = "python3 -m pytest -rA --tb=no -p no:cacheprovider {tests}"
 _DJANGO_CMD = "./tests/runtests.py --verbosity 2 --settings=test_sqlite --parallel 1 {tests}"
 _SYMPY_CMD = "bin/test -C --verbose {tests}"
 
@@ -69,62 +71,115 @@ class SweTask:
         return cls(**fields)
 
     def test_targets(self) -> str:
-        """What `{tests}` stands for: the test files the test patch touches (pytest, sympy),
-        as module names for django's runner; the listed tests when it touches none."""
-        files = patch_files(self.test_patch)
+        """What `{tests}` stands for, shell-quoted: the test files the test patch touches (not
+        its data files), as module names for Django's runner; without a test patch, the files
+        the listed tests live in (SWE-smith's way: ids may be too many, or cut at a space)."""
+        files = [f for f in patch_files(self.test_patch) if not f.endswith(NON_TEST_EXTS)]
         if "runtests.py" in self.test_cmd:
-            mods = [f.removeprefix("tests/").removesuffix(".py").replace("/", ".") for f in files]
-            return " ".join(mods)
-        if files:
-            return " ".join(files)
-        return " ".join(_quote(t) for t in (*self.fail_to_pass, *self.pass_to_pass))
+            tests = [f for f in files if f.startswith("tests/") and f.endswith(".py")]
+            mods = [f.removeprefix("tests/").removesuffix(".py").replace("/", ".") for f in tests]
+            return " ".join(shlex.quote(m) for m in mods)
+        return " ".join(shlex.quote(f) for f in files or test_files(self))
 
 
-def _quote(text: str) -> str:
-    return "'" + text.replace("'", "'\\''") + "'"
+# A test patch's files a runner must not be given (SWE-bench's NON_TEST_EXTS): its data.
+NON_TEST_EXTS = (
+    *(".json", ".png", ".csv", ".txt", ".md", ".jpg", ".jpeg", ".pkl", ".yml", ".yaml"),
+    *(".toml", ".rst", ".cfg", ".ini", ".gif", ".svg"),
+)
 
 
-def patch_files(patch: str) -> list[str]:
-    """The files a unified git diff touches, in order."""
+def test_files(task: SweTask) -> list[str]:
+    """The files the listed tests live in, for ids that name one (pytest's path::test)."""
     files = []
-    for match in re.finditer(r"^diff --git a/(\S+) b/(\S+)$", patch, re.MULTILINE):
-        if match.group(2) not in files:
-            files.append(match.group(2))
+    for test in (*task.fail_to_pass, *task.pass_to_pass):
+        path = test.split("::", 1)[0]
+        if "::" in test and path.endswith(".py") and path not in files:
+            files.append(path)
     return files
 
 
-def hunks(patch: str, reverse: bool = False) -> list[tuple[str, str, str]]:
-    """(file, old text, new text) for each hunk of a unified diff (`reverse`: undone), each
-    an exact-string replacement an editor can make."""
-    out: list[tuple[str, str, str]] = []
-    path, in_hunk = "", False
-    old: list[str] = []
-    new: list[str] = []
+_DIFF_HEADER = re.compile(
+    r'^diff --git ("a/(?:[^"\\]|\\.)*"|a/\S+) ("b/(?:[^"\\]|\\.)*"|b/\S+)$', re.M
+)
 
-    def flush() -> None:
-        if in_hunk and path:
-            before, after = "".join(old), "".join(new)
-            out.append((path, after, before) if reverse else (path, before, after))
 
-    for line in patch.splitlines(keepends=True):
-        if line.startswith("diff --git "):
-            flush()
-            path, in_hunk = line.split(" b/", 1)[1].strip(), False
-        elif line.startswith("@@"):
-            flush()
-            old, new, in_hunk = [], [], True
-        elif in_hunk and line[:1] in (" ", "-", "+"):
-            if line[0] != "+":
-                old.append(line[1:])
-            if line[0] != "-":
-                new.append(line[1:])
-        elif in_hunk and line.startswith("\\"):
-            continue  # "\ No newline at end of file"
-        else:
-            flush()
-            in_hunk = False
-    flush()
+def _unquote(path: str) -> str:
+    if path.startswith('"'):  # git quotes a path with spaces or odd bytes, C-style
+        path = path[1:-1].encode().decode("unicode_escape").encode("latin-1").decode()
+    return path[2:]  # a/ or b/
+
+
+def split_patch(patch: str) -> list[tuple[tuple[str, str], str]]:
+    """A git diff file by file: ((old path, new path), that file's part of the diff)."""
+    heads = list(_DIFF_HEADER.finditer(patch))
+    parts = []
+    for i, head in enumerate(heads):
+        end = heads[i + 1].start() if i + 1 < len(heads) else len(patch)
+        parts.append(
+            ((_unquote(head.group(1)), _unquote(head.group(2))), patch[head.start() : end])
+        )
+    return parts
+
+
+def patch_files(patch: str, both_sides: bool = False) -> list[str]:
+    """The files a git diff touches, in order: their new paths (and their old ones, which a
+    rename leaves, with `both_sides`)."""
+    files: list[str] = []
+    for (old, new), _ in split_patch(patch):
+        for path in (old, new) if both_sides else (new,):
+            if path not in files:
+                files.append(path)
+    return files
+
+
+@dataclass(frozen=True)
+class Hunk:
+    """One hunk of a diff as an editor makes it: in `path`, `old` becomes `new`; a file the
+    diff creates has `old` "" (`created`), one it deletes `new` "" (`deleted`)."""
+
+    path: str
+    old: str
+    new: str
+    created: bool = False
+    deleted: bool = False
+
+
+def hunks(patch: str, reverse: bool = False) -> list[Hunk]:
+    """Each hunk of a unified diff (`reverse`: undone), "\\ No newline at end of file" heeded."""
+    out: list[Hunk] = []
+    for (_, path), text in split_patch(patch):
+        created = "\nnew file mode " in text.split("@@", 1)[0]
+        deleted = "\ndeleted file mode " in text.split("@@", 1)[0]
+        old: list[str] = []
+        new: list[str] = []
+        last = ""
+        for line in text.splitlines(keepends=True)[1:]:
+            if line.startswith("@@"):
+                if old or new:
+                    out.append(_hunk(path, old, new, created, deleted, reverse))
+                old, new = [], []
+            elif line[:1] in (" ", "-", "+") and not line.startswith(("--- ", "+++ ")):
+                last = line[0]
+                if last != "+":
+                    old.append(line[1:])
+                if last != "-":
+                    new.append(line[1:])
+            elif line.startswith("\\"):  # the line before it has no newline
+                for side in (old, new) if last == " " else (old,) if last == "-" else (new,):
+                    side[-1] = side[-1].removesuffix("\n")
+        if old or new:
+            out.append(_hunk(path, old, new, created, deleted, reverse))
     return out
+
+
+def _hunk(
+    path: str, old: list[str], new: list[str], created: bool, deleted: bool, reverse: bool
+) -> Hunk:
+    before, after = "".join(old), "".join(new)
+    if reverse:
+        return Hunk(path, after, before, created=deleted, deleted=created)
+    return Hunk(path, before, after, created=created, deleted=deleted)
 
 
 def _tests(value: Any, where: str, name: str) -> tuple[str, ...]:
@@ -141,6 +196,14 @@ def _tests(value: Any, where: str, name: str) -> tuple[str, ...]:
     return tuple(value)
 
 
+# SWE-bench's repositories: a row of SWE-bench's fields from any other is SWE-Gym's.
+SWE_BENCH_REPOS = frozenset(
+    {"astropy/astropy", "django/django", "matplotlib/matplotlib", "mwaskom/seaborn"}
+    | {"pallets/flask", "psf/requests", "pydata/xarray", "pylint-dev/pylint", "sympy/sympy"}
+    | {"pytest-dev/pytest", "scikit-learn/scikit-learn", "sphinx-doc/sphinx"}
+)
+
+
 def detect_format(row: Mapping[str, Any]) -> str:
     if "test_cmd" in row or "log_parser" in row:
         return "venusrl"
@@ -148,6 +211,9 @@ def detect_format(row: Mapping[str, Any]) -> str:
         return "r2e-gym"
     if "image_name" in row:
         return "swe-smith"
+    repo = row.get("repo")
+    if isinstance(repo, str) and repo and repo not in SWE_BENCH_REPOS:
+        return "swe-gym"
     return "swe-bench"
 
 

@@ -50,7 +50,9 @@ async def _run(pool: SandboxService, task: SweTask, gold: bool, timeout_s: float
             )
             if problem:
                 raise GradingError(f"the gold patch does not apply: {problem}")
-        statuses, _ = await run_tests(sandbox, task, timeout_s)
+        statuses, _, finished = await run_tests(sandbox, task, timeout_s)
+        if not finished:
+            raise GradingError(f"the tests ran past {timeout_s:g} s")
         return statuses
     finally:
         await group.close()
