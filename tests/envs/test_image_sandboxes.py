@@ -153,6 +153,65 @@ def test_writes_are_private_to_the_sandbox_bounded_and_never_reach_the_layer_cac
     with_pool(test_images, body)
 
 
+# Run as a template's setup: root of the sandboxes' user namespace, with every capability there.
+TAMPER = """
+import ctypes, errno, os
+libc = ctypes.CDLL(None, use_errno=True)
+layer = b"/.venusrl/layers/0"
+MS_REMOUNT, MS_BIND, MS_RDONLY = 32, 4096, 1
+refused = []
+for flags in (MS_REMOUNT | MS_BIND, MS_REMOUNT):
+    if libc.mount(None, layer, None, flags, None) == 0:
+        raise SystemExit("remounted a shared layer read-write")
+    refused.append(errno.errorcode[ctypes.get_errno()])
+if libc.umount2(layer, 2) == 0:  # MNT_DETACH
+    raise SystemExit("unmounted a shared layer")
+try:
+    open("/.venusrl/layers/0/usr/bin/tampered", "w")
+    raise SystemExit("wrote into a shared layer")
+except OSError:
+    pass
+REFUSED = refused
+"""
+
+
+def test_a_templates_setup_cannot_make_a_shared_layer_writable(test_images: BuiltImages) -> None:
+    spec = TemplateSpec(name="tamper", image=test_images.python, setup=TAMPER)
+
+    async def body(pool: SandboxPool) -> None:
+        await pool.prepare_template(spec)
+        (sb,) = await pool.create_group("tamper", k=1)
+        r = await sb.run_python("print(REFUSED)")
+        assert "EPERM" in r.stdout.decode(), r.text()
+        image = await pool.images.get(test_images.python)
+        assert not any((layer / "usr/bin/tampered").exists() for layer in image.layers)
+
+    with_pool(test_images, body)
+
+
+def test_a_setup_that_writes_without_end_neither_blocks_nor_fills_a_disk_and_is_quoted(
+    test_images: BuiltImages,
+) -> None:
+    noisy = (
+        "import sys\n"
+        "for i in range(200_000):\n    print('noise', i, file=sys.stderr)\n"
+        "print('the last words', file=sys.stderr)\n"
+        "raise RuntimeError('boom')\n"
+    )
+    spec = TemplateSpec(name="noisy", image=test_images.python, setup=noisy, setup_timeout_s=60)
+
+    async def body(pool: SandboxPool) -> None:
+        with pytest.raises(SandboxStartError) as info:
+            await pool.prepare_template(spec)
+        said = str(info.value)
+        assert "RuntimeError: boom" in said and "the last words" in said
+        assert len(said) < 8000  # the tail, not megabytes of noise
+        written = sum(p.stat().st_size for p in RUNTIME_BASE.rglob("*") if p.is_file())
+        assert written < 4 * MiB, written
+
+    with_pool(test_images, body)
+
+
 def test_the_hostile_suite_holds_inside_an_image_sandbox(test_images: BuiltImages) -> None:
     before = our_processes()
     spec = TemplateSpec(

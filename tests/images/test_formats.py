@@ -43,9 +43,13 @@ def two_layer_spec(tmp_path: Path) -> ImageSpec:
     base.file("data/keep", b"keep\n")
     base.file("data/gone", b"gone\n")
     base.file("data/old/stale", b"stale\n")
+    base.file("data/tree/leaf", b"leaf\n")
     base.close()
+    top = LayerWriter(tmp_path / "l2.tar")
+    top.file("data/tree", b"a file now\n")  # over the directory below: it hides its leaf
+    top.close()
     return ImageSpec(
-        [tmp_path / "l0.tar", whiteout_layer(tmp_path / "l1.tar")],
+        [tmp_path / "l0.tar", whiteout_layer(tmp_path / "l1.tar"), tmp_path / "l2.tar"],
         env={"PATH": "/bin", "GREETING": "hi=there"},
         working_dir="/data",
         user="1000:50",
@@ -86,7 +90,7 @@ def test_an_image_reads_the_same_from_an_oci_layout_an_oci_archive_and_both_dock
     images = [store.pull(ref) for ref in refs]
     assert {im.config for im in images} == {images[0].config}
     assert {im.layers for im in images} == {images[0].layers}  # unpacked once, shared
-    assert store.cache.stats().layers == 2
+    assert store.cache.stats().layers == 3
     config = images[0].config
     assert config.environment()["GREETING"] == "hi=there"
     assert config.working_dir == "/data"
@@ -124,6 +128,7 @@ def test_skopeo_and_umoci_read_what_build_writes_and_merge_it_as_the_runtime_doe
             assert found[0].read_text() == kind
     assert image.lookup("data/gone") is None
     assert image.lookup("data/old/stale") is None
+    assert umoci["data/tree"] == "a file now\n" and image.lookup("data/tree/leaf") is None
 
 
 @pytest.mark.parametrize("compression", ["none", "gzip", "zstd"])
@@ -133,11 +138,11 @@ def test_uncompressed_gzip_and_zstd_layers_unpack_to_the_same_tree(
     spec = two_layer_spec(tmp_path)
     write_oci(spec, tmp_path / "oci", "v1", compression=compression)
     image = ImageStore(tmp_path / "cache", 1 << 30, IMAGE_ID_BASE).pull(f"oci:{tmp_path}/oci:v1")
-    top = image.layers[-1]
-    assert (top / "data" / "gone").stat().st_rdev == os.makedev(0, 0)  # the overlay whiteout
-    assert os.getxattr(top / "data" / "old", "trusted.overlay.opaque") == b"y"
-    assert os.getxattr(top / "data" / "old", "user.overlay.opaque") == b"y"
-    assert (top / "data" / "old" / "new").stat().st_uid == IMAGE_ID_BASE  # root, shifted
+    whiteouts = image.layers[1]
+    assert (whiteouts / "data" / "gone").stat().st_rdev == os.makedev(0, 0)  # the overlay whiteout
+    assert os.getxattr(whiteouts / "data" / "old", "trusted.overlay.opaque") == b"y"
+    assert os.getxattr(whiteouts / "data" / "old", "user.overlay.opaque") == b"y"
+    assert (whiteouts / "data" / "old" / "new").stat().st_uid == IMAGE_ID_BASE  # root, shifted
 
 
 def test_references_in_skopeo_syntax_and_docker_names() -> None:

@@ -64,6 +64,14 @@ OUTSIDE = "/tmp/venusrl-hostile-layer-test"
             "climbs out",
         ),
         (
+            "hardlink through a symlink",
+            lambda layer: (
+                layer.symlink("out", "/etc"),
+                layer.raw(entry("x", tarfile.LNKTYPE, "out/passwd")),
+            ),
+            "is a symlink",
+        ),
+        (
             "hardlink to nothing",
             lambda layer: layer.raw(entry("x", tarfile.LNKTYPE, "etc/shadow")),
             "does not have",
@@ -144,20 +152,49 @@ def test_a_manifest_whose_digest_does_not_match_is_refused(tmp_path: Path) -> No
         store(tmp_path).pull(f"oci:{layout}:evil")
 
 
-def test_a_config_whose_diff_ids_do_not_match_its_layers_is_refused(tmp_path: Path) -> None:
-    layout, index = _layout(tmp_path)
-    manifest_path = _blob(layout, index["manifests"][0]["digest"])
-    manifest = json.loads(manifest_path.read_bytes())
-    config = json.loads(_blob(layout, manifest["config"]["digest"]).read_bytes())
-    config["rootfs"]["diff_ids"] = ["sha256:" + "0" * 64]
-    raw = json.dumps(config).encode()
+def _put(layout: Path, document: dict) -> tuple[str, int]:
+    raw = json.dumps(document).encode()
     digest = "sha256:" + hashlib.sha256(raw).hexdigest()
     _blob(layout, digest).write_bytes(raw)
-    manifest["config"] = {**manifest["config"], "digest": digest, "size": len(raw)}
-    raw_manifest = json.dumps(manifest).encode()
-    manifest_digest = "sha256:" + hashlib.sha256(raw_manifest).hexdigest()
-    _blob(layout, manifest_digest).write_bytes(raw_manifest)
-    index["manifests"][0] |= {"digest": manifest_digest, "size": len(raw_manifest)}
+    return digest, len(raw)
+
+
+def _rewrite_manifest(tmp_path: Path, change: Callable[[Path, dict], None]) -> str:
+    """The layout's image with its manifest changed by `change` (and stored under its new
+    digest, so that only what `change` did is wrong)."""
+    layout, index = _layout(tmp_path)
+    manifest = json.loads(_blob(layout, index["manifests"][0]["digest"]).read_bytes())
+    change(layout, manifest)
+    digest, size = _put(layout, manifest)
+    index["manifests"][0] |= {"digest": digest, "size": size}
     (layout / "index.json").write_text(json.dumps(index))
+    return f"oci:{layout}:evil"
+
+
+def test_a_config_whose_diff_ids_do_not_match_its_layers_is_refused(tmp_path: Path) -> None:
+    def wrong_diff_ids(layout: Path, manifest: dict) -> None:
+        config = json.loads(_blob(layout, manifest["config"]["digest"]).read_bytes())
+        config["rootfs"]["diff_ids"] = ["sha256:" + "0" * 64]
+        digest, size = _put(layout, config)
+        manifest["config"] = {**manifest["config"], "digest": digest, "size": size}
+
     with pytest.raises(ImageError, match=r"diff_id.*digest mismatch"):
-        store(tmp_path).pull(f"oci:{layout}:evil")
+        store(tmp_path).pull(_rewrite_manifest(tmp_path, wrong_diff_ids))
+
+
+def test_a_blob_longer_than_its_manifest_says_is_refused_as_it_streams(tmp_path: Path) -> None:
+    def shorter(layout: Path, manifest: dict) -> None:
+        manifest["layers"][0]["size"] = 16
+
+    with pytest.raises(ImageError, match="longer than the 16 bytes its manifest says"):
+        store(tmp_path).pull(_rewrite_manifest(tmp_path, shorter))
+
+
+def test_an_extended_header_asking_for_gigabytes_is_refused_before_it_is_read(
+    tmp_path: Path,
+) -> None:
+    header = entry("././@PaxHeader", tarfile.XHDTYPE)
+    header.size = 1 << 30  # no body follows: reading it would wait on a gigabyte
+    ref = image_of(tmp_path, lambda layer: layer.raw(header))
+    with pytest.raises(ImageError, match="extended header"):
+        store(tmp_path).pull(ref)

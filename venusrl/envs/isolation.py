@@ -81,7 +81,8 @@ _LOCKED = (
     (2048, 2048),
     (1 << 21, 4096),
 )
-_DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+# No tty: a sandbox that could open the run's terminal could type into its shell (TIOCSTI).
+_DEVICES = ("null", "zero", "full", "random", "urandom")
 
 
 @dataclass(frozen=True)
@@ -355,23 +356,33 @@ def _image_root(cfg: IsolationConfig, trees: list[int]) -> None:
         os.chown(cfg.workspace, cfg.uid, cfg.gid)
 
 
-def zygote_root(root_dir: str, layers: list[int], hidden: dict[str, int], tmp_bytes: int) -> None:
-    """An image zygote's root at `root_dir`: its layers read-only (top first, the skeleton
-    among them), and under `HIDDEN` the trees `hidden` names (name -> detached tree: each
-    layer again, for the members' own roots; the runtime's code; the groups' files) plus an
-    empty `mnt` where each member builds its root in a mount namespace of its own."""
-    mount("tmpfs", root_dir, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=700")
-    root = f"{root_dir}/root"
+def _stage_hidden(stage: str, hidden: dict[str, str]) -> None:
+    """As the host's root, in a mount namespace of its own: the host paths `hidden` names
+    (name -> path: each layer, the runtime's code, the template's groups' files) bound
+    read-only under `stage`, a read-only tmpfs. Copied into the zygote's namespaces after it
+    enters its user namespace, these mounts are locked: the zygote, root there with every
+    capability, can neither make them writable nor unmount them (made after entering, it
+    could remount a shared layer read-write and change every image built on it)."""
+    mount("tmpfs", stage, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    for name, path in hidden.items():
+        bind_ro(path, _mkdirs(stage, "/" + name))
+    os.mkdir(stage + "/mnt", 0o755)  # where each member builds its root, in a namespace of its own
+    mount(None, stage, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+def zygote_root(root_dir: str, layers: int, tmp_bytes: int) -> None:
+    """An image zygote's root, made inside its namespaces on a tmpfs at `root_dir`/root: an
+    overlay of its `layers` (the first that many of the staged `layers/N`, top first, the
+    skeleton among them), read-only, the stage under `HIDDEN`, a /tmp, a /dev and a /proc."""
+    stage, scratch = f"{root_dir}/stage", f"{root_dir}/root"
+    mount("tmpfs", scratch, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=700")
+    root = f"{scratch}/r"
     os.mkdir(root, 0o755)
-    overlay(root, layers, root_dir)
-    hidden_dir = root + HIDDEN
-    mount("tmpfs", hidden_dir, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
-    for name, tree in hidden.items():
-        dst = _mkdirs(hidden_dir, "/" + name)
-        move_mount_fd(tree, dst)
-        os.close(tree)
-        _read_only(dst)
-    os.mkdir(hidden_dir + "/mnt", 0o755)
+    overlay(root, [f"{stage}/layers/{i}" for i in range(layers)], scratch)
+    for path in (HIDDEN, "/tmp", "/proc", "/dev"):  # the skeleton's real directories
+        if not stat.S_ISDIR(os.lstat(root + path).st_mode):
+            raise OSError(f"{path} of the zygote's root is not a directory (no skeleton layer?)")
+    mount(stage, root + HIDDEN, None, MS_BIND | MS_REC)  # a copy of locked mounts stays locked
     mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={tmp_bytes},mode=1777")
     mount_dev(root + "/dev", tmp_bytes)
     mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
@@ -382,24 +393,31 @@ def enter_image_zygote(
     id_map: tuple[int, int, int],
     root_dir: str,
     layers: list[str],
-    hidden: dict[str, str],
     tmp_bytes: int,
+    hidden: dict[str, str],
 ) -> None:
     """This process (the host's root, in the zygote's cgroups) becomes pid 1 of an image
     zygote: root of the sandboxes' user namespace, in mount, pid, net, ipc and uts namespaces
-    of its own, its root the image (read-only). It keeps its capabilities over what that
-    namespace owns, to make sandboxes; it has none over the host. The caller then execs the
-    image's Python."""
-    trees = clone_trees(layers)
-    hidden_trees = dict(zip(hidden, clone_trees(list(hidden.values()))))
+    of its own and a session of its own (no terminal), its root the image (read-only). It
+    keeps its capabilities over what that namespace owns, to make sandboxes; it has none over
+    the host, nor over the layers it is built from. The caller then execs the image's Python.
+    `hidden` must stage each of `layers` as `layers/N`, in the same order."""
+    unshare(CLONE_NEWNS)
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    # Seen only in this mount namespace (and copied into the zygote's): nothing on the host.
+    mount("tmpfs", root_dir, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    for sub in ("stage", "root"):
+        os.mkdir(f"{root_dir}/{sub}", 0o755)
+    _stage_hidden(f"{root_dir}/stage", hidden)
     enter_user_namespace(*id_map)
     os.setresgid(0, 0, 0)
     os.setresuid(0, 0, 0)
     unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS)
     if os.fork() != 0:
         os._exit(0)  # the zygote is known by its socket; the kernel adopts and reaps it
+    os.setsid()
     mount(None, "/", None, MS_REC | MS_PRIVATE)
-    zygote_root(root_dir, trees, hidden_trees, tmp_bytes)
+    zygote_root(root_dir, len(layers), tmp_bytes)
     socket.sethostname("zygote")
 
 
@@ -448,7 +466,8 @@ def enter(cfg: IsolationConfig, cgroup_fds: list[int], keep_fds: list[int]) -> N
     )
     if os.fork() != 0:
         os._exit(0)  # the init is adopted by the zygote, which reaps it
-    # pid 1 of the sandbox from here on.
+    # pid 1 of the sandbox from here on, in a session of its own: no controlling terminal.
+    os.setsid()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     prctl(PR_SET_PDEATHSIG, 0)
     mount(None, "/", None, MS_REC | MS_PRIVATE)

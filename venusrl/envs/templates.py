@@ -139,7 +139,8 @@ class WarmStarts:
         self.runtime.mkdir(mode=0o711)
         os.chmod(self.runtime, 0o711)
         for sub in ("templates", "groups", "sandboxes"):
-            (self.runtime / sub).mkdir(mode=0o755)
+            (self.runtime / sub).mkdir(mode=0o711)
+            os.chmod(self.runtime / sub, 0o711)
         self._write_inside_modules()
         self._write_skeleton()
 
@@ -215,12 +216,11 @@ class WarmStarts:
         if t.root is None or t.root.python is None:
             return await Zygote.start(cgroup.procs_files(), code)
         root_dir.mkdir(mode=0o755)
-        log_path = str(root_dir) + ".log"
         try:
             launcher = await self.launcher()
             config = self._zygote_config(t, root_dir)
             timeout = t.spec.setup_timeout_s
-            return await launcher.image(cgroup.procs_files(), config, log_path, timeout)
+            return await launcher.image(cgroup.procs_files(), config, timeout)
         except ZygoteError as e:
             if t.spec.setup:
                 raise
@@ -273,7 +273,6 @@ class WarmStarts:
         base = self.runtime / "templates" / t.spec.name
         for path in (base, Path(f"{base}.groups"), Path(f"{base}.root")):
             self.in_background(functools.partial(shutil.rmtree, path, True))
-        self.in_background(lambda: Path(f"{base}.root.log").unlink(missing_ok=True))
 
     def member_priors(self) -> dict[str, int]:
         """A member's (and a group zygote's: the task's setup over its template's pages)
@@ -417,8 +416,6 @@ class WarmStarts:
         for name in (sandbox_id, f"{sandbox_id}.root"):
             with contextlib.suppress(OSError):
                 (self.runtime / "sandboxes" / name).rmdir()
-        with contextlib.suppress(OSError):
-            (self.runtime / "sandboxes" / f"{sandbox_id}.root.log").unlink()
 
     # --- cleanup ------------------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ from venusrl.envs import member, wire
 from venusrl.envs.isolation import IsolationConfig, enter, enter_image_zygote, join_cgroups
 from venusrl.envs.syscalls import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, prctl
 
-MAX_CGROUP_FDS = 8  # one per cgroup v1 controller
+MAX_FDS = 9  # one per cgroup v1 controller, and an image zygote's output
 
 
 def _become_zygote(cgroup_fds: list[int], parent_death: bool) -> None:
@@ -51,7 +51,7 @@ def _become_zygote(cgroup_fds: list[int], parent_death: bool) -> None:
 def serve(sock: socket.socket, env: dict[str, Any]) -> None:
     while True:
         try:
-            req, blobs, fds = wire.recv_with_fds(sock, MAX_CGROUP_FDS)
+            req, blobs, fds = wire.recv_with_fds(sock, MAX_FDS)
         except (EOFError, OSError):
             os._exit(0)
         op = req.get("op")
@@ -64,26 +64,44 @@ def serve(sock: socket.socket, env: dict[str, Any]) -> None:
             except BaseException:
                 wire.send(sock, {"error": traceback.format_exc(limit=8)})
         elif op in ("spawn", "fork", "image"):
-            parent_end, child_end = socket.socketpair()
-            pid = os.fork()
+            try:
+                pid, end = _fork_with_socket()
+            except OSError as e:  # out of pids or memory: this request fails, not the zygote
+                for fd in fds:
+                    os.close(fd)
+                wire.send(sock, {"error": f"cannot start a process: {e}"})
+                continue
             if pid == 0:
                 sock.close()
-                parent_end.close()
                 if op == "fork":
                     _become_zygote(fds, parent_death=True)  # its template's zygote
-                    serve(child_end, env)
+                    serve(end, env)
                 elif op == "image":
-                    _become_image_zygote(req["config"], fds, child_end)
+                    _become_image_zygote(req["config"], fds, end)
                 else:
-                    _start_member(IsolationConfig(**req["config"]), fds, child_end, env, req)
+                    _start_member(IsolationConfig(**req["config"]), fds, end, env, req)
                 os._exit(0)
-            child_end.close()
             for fd in fds:
                 os.close(fd)
-            wire.send(sock, {"ok": True}, fds=(parent_end.fileno(),))
-            parent_end.close()
+            wire.send(sock, {"ok": True}, fds=(end.fileno(),))
+            end.close()
         else:
             wire.send(sock, {"error": f"unknown op {op!r}"})
+
+
+def _fork_with_socket() -> tuple[int, socket.socket]:
+    """fork, with a socket between the two: (0, its end) in the child, (the child's pid, our
+    end) in the parent."""
+    parent_end, child_end = socket.socketpair()
+    try:
+        pid = os.fork()
+    except OSError:
+        parent_end.close()
+        child_end.close()
+        raise
+    ours, theirs = (child_end, parent_end) if pid == 0 else (parent_end, child_end)
+    theirs.close()
+    return pid, ours
 
 
 def _start_member(
@@ -130,17 +148,16 @@ def image_main() -> None:
     serve(socket.socket(fileno=fd), _fresh_globals())
 
 
-def _become_image_zygote(cfg: dict[str, Any], cgroup_fds: list[int], sock: socket.socket) -> None:
+def _become_image_zygote(cfg: dict[str, Any], fds: list[int], sock: socket.socket) -> None:
     """In a child of a host zygote (the pool's launcher, warm: no interpreter to start): join
     the image zygote's cgroups, enter the image (`isolation.enter_image_zygote`), then become
-    the image's Python, its output going to the template's log. An error before the exec is
-    sent on the socket."""
+    the image's Python, its output going to the pipe passed first (the pool keeps its tail).
+    An error before the exec is sent on the socket."""
     try:
+        log, *cgroup_fds = fds
         join_cgroups(cgroup_fds)
-        log = os.open(cfg["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)  # a host path
-        enter_image_zygote(
-            tuple(cfg["id_map"]), cfg["root_dir"], cfg["layers"], cfg["hidden"], cfg["tmp_bytes"]
-        )
+        id_map = tuple(cfg["id_map"])
+        enter_image_zygote(id_map, cfg["root_dir"], cfg["layers"], cfg["tmp_bytes"], cfg["hidden"])
         for std in (1, 2):
             os.dup2(log, std)
         os.close(log)

@@ -38,15 +38,46 @@ def _import_from(code_dir: str) -> str:
     return f"import sys; sys.path.insert(0, {code_dir!r});"
 
 
+class OutputTail:
+    """The last `keep` bytes a process wrote to a pipe, read as they come by a thread of its
+    own: an image's Python may write without end, and never blocks on a full pipe."""
+
+    def __init__(self, keep: int = 64 << 10) -> None:
+        self._read, self.write_fd = os.pipe()
+        self._keep, self._data, self._lock = keep, bytearray(), threading.Lock()
+        self._thread = threading.Thread(target=self._drain, daemon=True, name="zygote-output")
+        self._thread.start()
+
+    def _drain(self) -> None:
+        while chunk := os.read(self._read, 1 << 16):
+            with self._lock:
+                self._data += chunk
+                del self._data[: -self._keep]
+        os.close(self._read)
+
+    def started(self) -> None:
+        """The process has its copy of the write end: ours goes, so its exit ends the tail."""
+        with contextlib.suppress(OSError):
+            os.close(self.write_fd)
+
+    def last(self, n: int = 2000) -> str:
+        self._thread.join(0.2)  # what a dying process wrote just before its answer
+        with self._lock:
+            return bytes(self._data[-n:]).decode(errors="replace").strip()
+
+
 class Zygote:
     """Handle on a zygote process; one request at a time."""
 
     def __init__(
-        self, sock: socket.socket, proc: subprocess.Popen[bytes] | None, log: str | None = None
+        self,
+        sock: socket.socket,
+        proc: subprocess.Popen[bytes] | None,
+        output: OutputTail | None = None,
     ) -> None:
         self._sock = sock
         self._proc = proc
-        self._log = log  # where an image zygote's stderr goes, quoted in its errors
+        self._output = output  # an image zygote's stdout and stderr, quoted in its errors
         self._lock = threading.Lock()
 
     @classmethod
@@ -63,31 +94,31 @@ class Zygote:
             pass_fds=[theirs.fileno()],
             stdin=subprocess.DEVNULL,
             env=zygote_env(),
+            start_new_session=True,  # no controlling terminal for anything forked from it
         )
         theirs.close()
         return cls(ours, proc)
 
     async def image(
-        self, cgroup_procs: list[str], config: dict[str, Any], log: str, timeout_s: float
+        self, cgroup_procs: list[str], config: dict[str, Any], timeout_s: float
     ) -> Zygote:
         """From this (bare, host) zygote: a child that becomes the image's Python as a zygote
-        (`zygote._become_image_zygote`), in the given cgroup, its output in `log`.
+        (`zygote._become_image_zygote`), in the given cgroup, its output kept in a tail.
         `ZygoteError` when it does not come up."""
-        header = {"op": "image", "config": {**config, "log": log}}
-        zygote = Zygote(await self._new_process(header, cgroup_procs, timeout_s), None, log)
+        output = OutputTail()
+        try:
+            header = {"op": "image", "config": config}
+            sock = await self._new_process(header, cgroup_procs, timeout_s, output.write_fd)
+        finally:
+            output.started()
+        zygote = Zygote(sock, None, output)
         # Up once it answers: a setup of nothing.
         await zygote.setup("ping", "", timeout_s)
         return zygote
 
     def _log_tail(self) -> str:
-        if self._log is None:
-            return ""
-        with contextlib.suppress(OSError), open(self._log, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 2000))
-            tail = f.read().decode(errors="replace").strip()
-            return f"\n{tail}" if tail else ""
-        return ""
+        tail = self._output.last() if self._output is not None else ""
+        return f"\n{tail}" if tail else ""
 
     def _call(
         self, header: dict[str, Any], blob: bytes | None, timeout_s: float, fds: tuple[int, ...]
@@ -104,7 +135,7 @@ class Zygote:
             for fd in got:
                 os.close(fd)
             raise ZygoteError(f"{reply['error']}{self._log_tail()}")
-        return got[0] if got else None
+        return got[0] if got else None  # recv_with_fds took at most one
 
     async def setup(self, name: str, code: str, timeout_s: float) -> None:
         header = {"op": "setup", "name": name}
@@ -118,20 +149,26 @@ class Zygote:
 
     async def fork(self, cgroup_procs: list[str], timeout_s: float = 30.0) -> Zygote:
         sock = await self._new_process({"op": "fork"}, cgroup_procs, timeout_s)
-        return Zygote(sock, None, self._log)
+        return Zygote(sock, None, self._output)
 
     async def _new_process(
-        self, header: dict[str, Any], cgroup_procs: list[str], timeout_s: float
+        self,
+        header: dict[str, Any],
+        cgroup_procs: list[str],
+        timeout_s: float,
+        output_fd: int | None = None,
     ) -> socket.socket:
         """A request that makes a process (a member, a group zygote, an image zygote) in the
-        given cgroups: the socket to it."""
+        given cgroups: the socket to it. An image zygote's `output_fd` goes first."""
         fds = open_cgroups(cgroup_procs)
+        sent = (output_fd, *fds) if output_fd is not None else tuple(fds)
         try:
-            fd = await asyncio.to_thread(self._call, header, None, timeout_s, tuple(fds))
+            fd = await asyncio.to_thread(self._call, header, None, timeout_s, sent)
         finally:
             for f in fds:
                 os.close(f)
-        assert fd is not None
+        if fd is None:
+            raise ZygoteError(f"zygote answered {header['op']} without the new process's socket")
         return socket.socket(fileno=fd)
 
     def close(self) -> None:

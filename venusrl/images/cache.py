@@ -53,11 +53,10 @@ class LayerCache:
         self.unpacked = 0  # layers this process unpacked (the others it found done)
         for sub in ("layers", "locks", "tmp"):
             (root / sub).mkdir(parents=True, exist_ok=True)
-        # Others may traverse (a sandbox's user namespace reads the layers), not list or write.
-        for d in (root, root / "layers"):
-            os.chmod(d, 0o711)
-        os.chmod(root / "locks", 0o700)
-        os.chmod(root / "tmp", 0o700)
+        # The host's root alone: sandboxes see layers only through the mounts it hands them
+        # (read-only clones, made before they enter their user namespace), never by path.
+        for d in (root, root / "layers", root / "locks", root / "tmp"):
+            os.chmod(d, 0o700)
         self._check_meta()
         self._clean_tmp()
 
@@ -79,9 +78,15 @@ class LayerCache:
                 )
 
     def _clean_tmp(self) -> None:
+        """Remove what unpacks that died left behind. An unpack holds its layer's lock alone
+        for as long as its directory exists, so one whose lock is free is over (a pid would not
+        say: the unpacker may live in another pid namespace)."""
         for entry in (self.root / "tmp").iterdir():
-            pid = entry.name.split("-", 1)[0]
-            if pid.isdigit() and not _alive(int(pid)):
+            with open(self.root / "locks" / entry.name.partition(".")[0], "a") as lock:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue
                 shutil.rmtree(entry, ignore_errors=True)
 
     @contextlib.contextmanager
@@ -119,6 +124,7 @@ class LayerCache:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 if not self.layer_dir(layer.diff_id).is_dir():
                     self._unpack(layer, open_blob, what)
+                    os.utime(lock.fileno())  # the newest use, before eviction can see it
                 fcntl.flock(lock, fcntl.LOCK_UN)  # then shared, and look again
         except BaseException:
             lock.close()
@@ -131,7 +137,7 @@ class LayerCache:
         what: str,
     ) -> None:
         room = self._make_room(layer.size or 0)
-        tmp = self.root / "tmp" / f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        tmp = self.root / "tmp" / f"{_key(layer.diff_id)}.{uuid.uuid4().hex[:12]}"
         tmp.mkdir(mode=0o700)
         try:
             with open_blob(layer) as blob:
@@ -143,6 +149,7 @@ class LayerCache:
                     compression,
                     tmp,
                     blob_digest=layer.blob_digest,
+                    blob_size=layer.size,
                     diff_id=layer.diff_id,
                     uid_base=self.uid_base,
                     limits=Limits(max_bytes=room),
@@ -218,19 +225,9 @@ class LayerCache:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 return False  # someone holds it
-            gone = self.root / "tmp" / f"{os.getpid()}-evict-{uuid.uuid4().hex[:12]}"
+            gone = self.root / "tmp" / f"{_key(diff_id)}.evicted-{uuid.uuid4().hex[:12]}"
             with contextlib.suppress(FileNotFoundError):
                 self.layer_dir(diff_id).rename(gone)
             self._meta(diff_id).unlink(missing_ok=True)
         shutil.rmtree(gone, ignore_errors=True)
         return True
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

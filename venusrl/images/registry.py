@@ -88,11 +88,17 @@ class Registry:
         self.name, self.ref = str(ref), ref
         host = "registry-1.docker.io" if ref.registry == DOCKER_HUB else ref.registry
         plain = ref.registry in insecure or bool(_LOOPBACK.match(ref.registry))
-        self.base = f"{'http' if plain else 'https'}://{host}/v2/{ref.repository}"
+        self.plain = plain
+        self.origin = f"{'http' if plain else 'https'}://{host}"
+        self.base = f"{self.origin}/v2/{ref.repository}"
         self.creds = credentials.get(ref.registry) or credentials.get(host)
         if ref.registry == DOCKER_HUB and self.creds is None:
             self.creds = credentials.get("index.docker.io/v1") or credentials.get("index.docker.io")
-        self.client = httpx.Client(timeout=timeout_s, follow_redirects=True)
+        # Blobs are often redirected to a store elsewhere (httpx drops our Authorization
+        # there). Identity encoding: the digests are of the bytes as stored, not as sent.
+        self.client = httpx.Client(
+            timeout=timeout_s, follow_redirects=True, headers={"Accept-Encoding": "identity"}
+        )
         self._auth: str | None = None  # the Authorization header that worked
 
     def close(self) -> None:
@@ -114,7 +120,7 @@ class Registry:
                     raise ImageError(f"image {self.name}: cannot reach {url}: {e}") from None
                 time.sleep(0.5 * 2**attempt)
                 continue
-            if response.status_code == 401 and attempt < _RETRIES - 1:
+            if response.status_code == 401 and attempt < _RETRIES - 1 and self._ours(response):
                 response.close()
                 self._authenticate(response)
                 continue
@@ -134,6 +140,12 @@ class Registry:
             return response
         raise ImageError(f"image {self.name}: GET {url} failed {_RETRIES} times")
 
+    def _ours(self, response: httpx.Response) -> bool:
+        """Whether the answer is the registry's own, not that of a store a redirect led to:
+        only the registry's challenges get the user's credentials."""
+        url = response.url
+        return f"{url.scheme}://{url.netloc.decode()}" == self.origin
+
     def _authenticate(self, response: httpx.Response) -> None:
         scheme, params = _challenge(response.headers.get("WWW-Authenticate", ""))
         basic = None
@@ -149,6 +161,12 @@ class Registry:
             return
         if scheme != "bearer" or "realm" not in params:
             raise ImageError(f"image {self.name}: unsupported auth challenge {scheme!r}")
+        realm = httpx.URL(params["realm"])
+        if realm.scheme != "https" and not (self.plain and realm.scheme == "http"):
+            raise ImageError(
+                f"image {self.name}: the registry sends us for a token to {params['realm']!r}:"
+                " only https, or http for an insecure registry, gets the credentials"
+            )
         query = {"service": params.get("service", "")}
         query["scope"] = params.get("scope") or f"repository:{self.ref.repository}:pull"
         headers = {"Authorization": basic} if basic else {}

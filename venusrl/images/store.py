@@ -51,10 +51,11 @@ class Image:
 
     def lookup(self, path: str) -> tuple[Path, int] | None:
         """(the file, its lstat mode) that `path` is in the merged image, top layer first,
-        honouring whiteouts and opaque directories; symlinks are not followed."""
+        honouring whiteouts and opaque directories; symlinks are not followed (one above
+        `path` ends the lookup, as a file there does: either hides the layers below)."""
         parts = [p for p in path.split("/") if p]
         for layer in reversed(self.layers):
-            hidden = False
+            hidden = False  # under an opaque directory of this layer: not in the ones below
             for depth in range(len(parts) + 1):
                 here = layer.joinpath(*parts[:depth])
                 try:
@@ -66,7 +67,7 @@ class Image:
                 if depth == len(parts):
                     return here, st.st_mode
                 if not stat.S_ISDIR(st.st_mode):
-                    break
+                    return None
                 if depth > 0 and _opaque(here):
                     hidden = True
             if hidden:

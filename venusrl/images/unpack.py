@@ -62,19 +62,43 @@ class UnpackReport:
 
 
 class _Hashing:
-    """A read-only stream that hashes what passes through it."""
+    """A read-only stream that hashes what passes through it, and refuses to pass more than
+    `max_bytes` (what the manifest says the blob is, where it says)."""
 
-    def __init__(self, raw: Readable, digester: Digester) -> None:
-        self.raw, self.digester = raw, digester
+    def __init__(
+        self, raw: Readable, digester: Digester, max_bytes: int | None = None, what: str = ""
+    ) -> None:
+        self.raw, self.digester, self.max_bytes, self.what = raw, digester, max_bytes, what
+        self.seen = 0
 
     def read(self, n: int = -1) -> bytes:
         data = self.raw.read(n)
+        self.seen += len(data)
+        if self.max_bytes is not None and self.seen > self.max_bytes:
+            raise ImageError(
+                f"{self.what}: the blob is longer than the {self.max_bytes} bytes its manifest says"
+            )
         self.digester.update(data)
         return data
 
     def drain(self) -> None:
         while self.read(_CHUNK):
             pass
+
+
+# Headers whose body tarfile reads whole into memory: long names and PAX records.
+_META_TYPES = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE)
+_MAX_META = 1 << 20
+
+
+class _BoundedInfo(tarfile.TarInfo):
+    """A member header that refuses a long-name or PAX body past `_MAX_META` before tarfile
+    reads it: a layer's header could otherwise ask for gigabytes of memory."""
+
+    def _proc_member(self, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
+        if self.type in _META_TYPES and self.size > _MAX_META:
+            raise tarfile.HeaderError(f"a {self.size}-byte extended header (over {_MAX_META})")
+        return super()._proc_member(tarfile_)  # type: ignore[misc]
 
 
 def _decompressed(raw: Readable, compression: str) -> Readable:
@@ -248,6 +272,7 @@ class _Layer:
         target = clean_name(info.linkname, self.what)
         if not target:
             raise self.fail(info.name, "hard-links to the layer's root")
+        self.parent_dir(target, info.name)  # no symlink above the target: lstat follows those
         try:
             st = os.lstat(self.path(target))
         except FileNotFoundError:
@@ -256,7 +281,6 @@ class _Layer:
             ) from None
         if not stat.S_ISREG(st.st_mode):
             raise self.fail(info.name, f"hard-links to {target!r}, which is not a regular file")
-        self.parent_dir(target, info.name)  # no symlink above the target either
         os.link(self.path(target), path, follow_symlinks=False)
 
     def whiteout(self, parent: str, name: str, entry: str) -> None:
@@ -285,20 +309,23 @@ def unpack_layer(
     dest: Path,
     *,
     blob_digest: str | None,
+    blob_size: int | None,
     diff_id: str | None,
     uid_base: int,
     limits: Limits,
     what: str,
 ) -> UnpackReport:
     """Unpack the layer `blob` into the empty directory `dest`, verifying the blob against
-    `blob_digest` and the tar against `diff_id` (None: only computed). `what` names the image
-    and layer in errors. `ImageError` on anything refused; `dest` is then the caller's to
-    delete."""
-    compressed = _Hashing(blob, Digester(blob_digest))
+    `blob_digest` and its length against `blob_size`, and the tar against `diff_id` (None:
+    only computed). `what` names the image and layer in errors. `ImageError` on anything
+    refused; `dest` is then the caller's to delete."""
+    compressed = _Hashing(blob, Digester(blob_digest), blob_size, what)
     raw_tar = _Hashing(_decompressed(compressed, compression), Digester(diff_id))
     layer = _Layer(dest, uid_base, limits, what)
     try:
-        with tarfile.open(fileobj=raw_tar, mode="r|") as tar:  # type: ignore[call-overload]
+        with tarfile.open(  # type: ignore[call-overload]
+            fileobj=raw_tar, mode="r|", tarinfo=_BoundedInfo
+        ) as tar:
             for info in tar:
                 layer.add(tar, info)
         raw_tar.drain()
