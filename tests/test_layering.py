@@ -20,6 +20,7 @@ FLOORS: list[set[str]] = [
     {"engine"},
     {"images"},  # container images: formats, the layer cache, pulls
     {"envs", "trainer"},
+    {"rewards"},  # reward workers: an environment's reward, a reward service, a judge model
     {"coordinator"},
     {"sim", "server"},
     {"gateway"},  # an agent harness's model endpoint, recorded as episodes

@@ -22,6 +22,7 @@ from venusrl.engine.config import EngineConfig
 from venusrl.envs.config import SandboxConfig
 from venusrl.envs.loading import canonical_reference
 from venusrl.model.hub import model_path
+from venusrl.rewards.config import RewardConfig
 from venusrl.runtime.config import FaultsConfig, RunConfig, RuntimeConfig
 from venusrl.sections import Section
 from venusrl.server.config import ServerConfig
@@ -42,6 +43,7 @@ class Config(Section):
     server: ServerConfig = Field(default_factory=ServerConfig)
     run: RunConfig = Field(default_factory=RunConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     faults: FaultsConfig = Field(default_factory=FaultsConfig)

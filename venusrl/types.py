@@ -153,11 +153,12 @@ class Progress(NamedTuple):
     turns: int  # model turns taken
     tool_calls: int  # of them, those whose tool call has returned
     tool_s: float  # the seconds those calls took
+    grading: bool = False  # its turns are over and its reward is being scored
 
     @property
     def in_tool(self) -> bool:
         """Its latest turn's tool call is under way (or its reward, after the last turn)."""
-        return self.tool_calls < self.turns
+        return self.tool_calls < self.turns or self.grading
 
 
 class FailureKind(StrEnum):
@@ -172,6 +173,8 @@ class FailureKind(StrEnum):
     ENVIRONMENT = "environment"  # the environment's own code raised: its author's bug
     TIMEOUT = "timeout"  # an environment step or the reward took longer than its limit
     WORKER = "worker"  # the rollout worker that held it failed or died
+    REWARD = "reward"  # scoring it failed: a reward service that timed out, erred or answered
+    # something that is not a reward, past its retries
 
 
 @dataclass(frozen=True)
@@ -211,6 +214,7 @@ class Trajectory:
     turn_times: list[TurnTimes] = field(default_factory=list)  # one per turn the environment ran
     cut_turns: list[int] = field(default_factory=list)  # turns the engine stopped at max_tokens
     output: str | None = None  # what the episode produced beyond its transcript (a diff)
+    reward_s: float | None = None  # from the end of its turns to its reward: queue and scoring
     # sum(mask), kept as turns are added: asked for at every turn (budgets, progress reports),
     # where a sum over a long record would cost a pass over its whole context each time.
     _model_tokens: int = field(init=False, repr=False, compare=False)

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # the default suite's time: run by scripts/test.sh --slow
 def test_benchmark_prints_one_json_object_with_ratios_and_agreement(tmp_path: Path) -> None:
     proc = subprocess.run(
         [

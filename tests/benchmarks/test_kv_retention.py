@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.benchmarks import refused, run_benchmark
 
 
+@pytest.mark.slow  # the default suite's time: run by scripts/test.sh --slow
 def test_trajectory_retention_reprefills_less_than_lru_with_identical_outputs(
     tmp_path: Path,
 ) -> None:

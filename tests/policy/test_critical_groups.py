@@ -64,6 +64,28 @@ def test_a_tool_call_that_runs_long_counts_what_it_ran_past_the_expected() -> No
     assert remaining(waiting, now=130.0) - remaining(waiting, now=100.0) == pytest.approx(29.5)
 
 
+def test_a_member_being_graded_has_only_its_reward_left_and_what_it_ran_past_it() -> None:
+    graded = MemberView(False, generated_tokens=10, turns=1, reward_since=100.0)
+    view = GroupView("g", "prompt-g", 0, (graded,))
+    snap = CoordinatorSnapshot([view], 1, 0, {}, 100.0, 0.5, now=101.0, reward_s=4.0)
+    assert slowest_remaining_s(view, Prediction(1000, 10), snap) == 4.0  # not 990 tokens to go
+    late = replace(snap, now=110.0)  # 10 s in, past the 4 s a reward takes: as long again
+    assert slowest_remaining_s(view, Prediction(1000, 10), late) == 10.0
+
+
+def test_a_group_whose_members_are_all_being_graded_outranks_one_still_rolling_out() -> None:
+    graded = MemberView(False, generated_tokens=50, turns=3, reward_since=0.0)
+    rolling = MemberView(False, generated_tokens=50, turns=3, waiting_on_tool=True, tool_since=0.0)
+    views = [
+        GroupView("rolling", "p", 0, (rolling,) * 4),
+        GroupView("graded", "p", 1, (graded,) * 4),
+    ]
+    snap = CoordinatorSnapshot(views, 1, 0, {}, 100.0, 0.5, now=0.0, reward_s=30.0)
+    decision = EXACT.decide(snap)
+    assert decision.order == ("graded", "rolling")  # nearer done, though its reward is slow
+    assert decision.priority["graded"] == HIGH
+
+
 def test_a_group_with_7_of_8_done_outranks_one_with_1_of_8_done() -> None:
     snap = snapshot([group("early", done=1, arrival=0), group("almost", done=7, arrival=1)])
     decision = EXACT.decide(snap)

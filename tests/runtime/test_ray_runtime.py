@@ -400,6 +400,7 @@ def test_a_tool_call_relayed_from_a_worker_is_dated_when_it_began_not_when_the_d
     assert abs(made_last - made_first) < 0.25  # ...dated the same: when the call began
 
 
+@pytest.mark.slow  # the default suite's time: run by scripts/test.sh --slow
 def test_a_worker_that_dies_again_while_waiting_for_weights_is_revived_again_and_serves(
     two_nodes: Cluster, tmp_path: Path
 ) -> None:

@@ -8,6 +8,7 @@ import itertools
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -589,11 +590,16 @@ def test_an_environment_whose_reward_raises_loses_those_episodes_not_the_run(
     assert sum(m["env_failures"] for m in metrics) == sum(m["infra_failures"] for m in metrics)
     records = list(read_records(tmp_path / "run"))
     assert all(r["reward"] in (0.0, 1.0) for r in records if r["finish"] != "infra")
-    # The author sees the traceback once, not once per failed episode.
-    shown = [r for r in caplog.records if "reward_raises.reward raised KeyError" in r.getMessage()]
+    # The author sees the traceback once, not once per failed episode, naming the task and the
+    # trajectory it raised for.
+    raised = re.compile(
+        r"reward_raises\.reward \(task \S+, trajectory g\d+-m\d+-a\d+\) raised KeyError"
+    )
+    shown = [r for r in caplog.records if raised.search(r.getMessage())]
     assert len(shown) == 1 and shown[0].exc_info is not None
     assert isinstance(shown[0].exc_info[1].__cause__, KeyError)
-    assert any("reward_raises.reward returned nan" in r.getMessage() for r in caplog.records)
+    returned_nan = re.compile(r"reward_raises\.reward \(task .*\) returned nan")
+    assert any(returned_nan.search(r.getMessage()) for r in caplog.records)
     assert all(math.isfinite(m["loss"]) for m in metrics)
 
 

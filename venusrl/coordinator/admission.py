@@ -45,8 +45,10 @@ class AdmissionWindow:
         self._changed = asyncio.Condition()
 
     @contextlib.asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        """Held for an episode's whole length; waits while the window is full."""
+    async def slot(self) -> AsyncIterator[Callable[[], Awaitable[None]]]:
+        """Held for an episode's length; waits while the window is full. It gives the call
+        that lets the slot go before the block ends (an episode whose turns are over, waiting
+        for its reward): once, whoever calls it."""
         async with self._changed:
             self.waits += not self.policy.admits(self.active, self.window)
             self.waiting += 1
@@ -55,12 +57,20 @@ class AdmissionWindow:
             finally:
                 self.waiting -= 1
             self.active += 1
+        held = True
+
+        async def release() -> None:
+            nonlocal held
+            if held:
+                held = False
+                async with self._changed:
+                    self.active -= 1
+                    self._changed.notify_all()
+
         try:
-            yield
+            yield release
         finally:
-            async with self._changed:
-                self.active -= 1
-                self._changed.notify_all()
+            await release()
 
     async def control(self) -> None:
         """The control loop: one window update a period, until cancelled."""

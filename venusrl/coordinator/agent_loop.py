@@ -16,23 +16,29 @@ message): rendered after a marker for the assistant's text, so any template work
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import hashlib
 import itertools
 import logging
-import math
-import numbers
 import re
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from venusrl.coordinator.config import RolloutConfig
-from venusrl.envs.environment import Environment, ModelTurn, acting_for
+from venusrl.envs.environment import (
+    Environment,
+    EnvironmentFailed,
+    ModelTurn,
+    acting_for,
+    checked_reward,
+    environment_call,
+    raised_by,
+)
 from venusrl.envs.types import InfraFailure, SandboxPreempted
 from venusrl.model.tokenizer import Tokenizer
 from venusrl.model.tool_formats import ToolParser, resolve_tool_parser, with_tool_prompt
+from venusrl.rewards.pool import RewardFailed
 from venusrl.types import (
     FailureKind,
     Finish,
@@ -162,28 +168,6 @@ class ReplayDiverged(InfraFailure):
     """Acting again on a record's turns in a new sandbox did not give its observations back."""
 
 
-class EnvironmentFailed(Exception):
-    """The environment's own code (its reset, step, ended or reward) raised: a bug of its
-    author's, neither the model's turn nor the platform. The episode is lost; the exception it
-    raised is the cause, with the traceback its author needs."""
-
-
-async def _environment(env: Environment, verb: str, call: Awaitable[T]) -> T:
-    with _raised_by(env, verb):
-        return await call
-
-
-@contextlib.contextmanager
-def _raised_by(env: Environment, verb: str) -> Iterator[None]:
-    """An exception of the environment's own code becomes `EnvironmentFailed`, naming it."""
-    try:
-        yield
-    except (InfraFailure, TimeoutError):
-        raise
-    except Exception as e:
-        raise EnvironmentFailed(f"{env.name}.{verb} raised {type(e).__name__}: {e}") from e
-
-
 async def run_episode(
     env: Environment,
     generate: Generate,
@@ -196,6 +180,7 @@ async def run_episode(
     priority: Callable[[], int] = lambda: 0,
     on_progress: Callable[[Trajectory], None] = lambda traj: None,
     replay: Trajectory | None = None,
+    score: Callable[[Environment, Trajectory], Awaitable[float]] | None = None,
 ) -> Trajectory:
     """One episode. Infrastructure failures end it with `Finish.INFRA` and no reward (the
     coordinator replaces or masks it); the model's own failures end it normally and are scored.
@@ -206,12 +191,15 @@ async def run_episode(
     `replay`: the record of this episode up to where its sandbox failed. The environment acts
     again on each of its model turns, in this episode's fresh sandbox, and the episode goes on
     from there: the turns already generated are kept, not sampled again. The observations must
-    come out as recorded (`ReplayDiverged` otherwise: a tool that is not deterministic)."""
+    come out as recorded (`ReplayDiverged` otherwise: a tool that is not deterministic).
+
+    `score`: what scores the finished episode (the run's reward workers, `rewards.pool`); None:
+    the environment's own `reward`, within `rollout.reward_timeout_s`."""
     limit_s = rollout.episode_timeout_s
     deadline = None if limit_s is None else time.monotonic() + limit_s
     env.tool_parser = fmt.tool_parser  # the model's own format, read from its turns
     try:
-        messages = await _environment(env, "reset", env.reset())
+        messages = await environment_call(env, "reset", env.reset())
         prompt = fmt.prompt_ids(messages, env.tool_schemas())
         traj = Trajectory.start(trajectory_id, group_id, prompt_id, prompt)
         try:
@@ -219,13 +207,16 @@ async def run_episode(
             traj.finish = finish or await _turns(
                 env, generate, fmt, sampling, rollout, traj, priority, on_progress, deadline
             )
-            traj.output = await _environment(env, "output", env.output())
-            reward = _environment(env, "reward", env.reward())
-            limit = rollout.reward_timeout_s
-            traj.reward = _checked_reward(
-                env, await _within(reward, limit, f"{env.name}.reward", "reward_timeout_s")
-            )
-        except (InfraFailure, TimeoutError) as e:
+            traj.output = await environment_call(env, "output", env.output())
+            if score is not None:
+                traj.reward = await score(env, traj)
+            else:
+                reward = environment_call(env, "reward", env.reward())
+                limit = rollout.reward_timeout_s
+                traj.reward = checked_reward(
+                    env, await _within(reward, limit, f"{env.name}.reward", "reward_timeout_s")
+                )
+        except (InfraFailure, TimeoutError, RewardFailed) as e:
             traj.fail(failure_kind(e), f"{type(e).__name__}: {e}")
         return traj
     finally:
@@ -248,6 +239,8 @@ def failure_kind(error: Exception) -> FailureKind:
         return FailureKind.TIMEOUT
     if isinstance(error, EnvironmentFailed):
         return FailureKind.ENVIRONMENT
+    if isinstance(error, RewardFailed):
+        return FailureKind.REWARD
     return FailureKind.ENGINE
 
 
@@ -278,15 +271,6 @@ async def _within(call: Awaitable[T], limit_s: float, what: str, key: str) -> T:
         if deadline.expired():
             raise TimeoutError(f"{what} took longer than rollout.{key}={limit_s:g} s") from None
         raise
-
-
-def _checked_reward(env: Environment, reward: object) -> float:
-    """A NaN would poison the advantages, and through them the weights, without an error."""
-    if not isinstance(reward, numbers.Real) or not math.isfinite(reward):
-        raise EnvironmentFailed(
-            f"{env.name}.reward returned {reward!r}: a reward is a finite number"
-        )
-    return float(reward)
 
 
 async def _replay(
@@ -322,9 +306,9 @@ async def _act(
     """The environment acts on a model turn; the observation joins the record, unless the
     episode ends (its finish)."""
     cut = len(traj.turn_starts) - 1 in traj.cut_turns
-    with _raised_by(env, "model_turn"):
+    with raised_by(env, "model_turn"):
         env.model_turn(ModelTurn(traj.turn_starts[-1], len(model_ids), cut))
-    step = _environment(env, "step", env.step(fmt.text(model_ids)))
+    step = environment_call(env, "step", env.step(fmt.text(model_ids)))
     with acting_for(traj.trajectory_id):  # an overrunning tool's warning names the trajectory
         result = await _within(step, rollout.step_timeout_s, f"{env.name}.step", "step_timeout_s")
     traj.tool_calls += result.tool_calls

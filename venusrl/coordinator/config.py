@@ -158,7 +158,10 @@ class RolloutConfig(Section):
         " an infrastructure failure",
     )
     reward_timeout_s: float = Field(
-        120.0, gt=0, description="the longest an environment may take to score an episode"
+        120.0,
+        gt=0,
+        description="the longest one scoring of an episode may take (any reward.kind); past it"
+        " the scoring is tried again (reward.retries), then the episode is replaced or masked",
     )
     tool_wait_pin_s: float | None = Field(
         5.0,

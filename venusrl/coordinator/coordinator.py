@@ -37,7 +37,7 @@ from venusrl.coordinator.rollouts import GroupEpisodes, Rollouts
 from venusrl.envs.environment import Environment, Task
 from venusrl.envs.types import InfraFailure
 from venusrl.policy.critical_groups import TurnRates
-from venusrl.types import Failure, FailureKind, Finish, Trajectory
+from venusrl.types import Failure, FailureKind, Finish, Progress, Trajectory
 
 
 class EpisodesFailing(ValueError):
@@ -54,6 +54,10 @@ class GroupResult:
     infra_failures: int = 0
     env_failures: int = 0  # of the infra failures, those the environment's own code raised
     duration_s: float = 0.0  # from opening the group to its last member's end
+    # When its last member's turns ended, and when its last reward came (time.monotonic()):
+    # what scoring added to the group's time lies between them.
+    rolled_out_at: float = 0.0
+    completed_at: float = 0.0
 
     @property
     def masked(self) -> int:
@@ -73,6 +77,7 @@ class _GroupRun:
     results: list[Trajectory | None]  # per member, its last attempt
     opened_s: float  # time.monotonic()
     duration_s: float = 0.0  # from opening to the last member's end
+    rolled_out_s: float = 0.0  # when the last member's turns ended (time.monotonic())
     infra_failures: int = 0
     env_failures: int = 0
     last_failure: Failure | None = None
@@ -88,6 +93,8 @@ class _GroupRun:
             self.infra_failures,
             self.env_failures,
             self.duration_s,
+            self.rolled_out_s,
+            self.opened_s + self.duration_s,
         )
 
 
@@ -265,11 +272,16 @@ class Coordinator:
             tid = f"{gid}-m{index}-a{attempt}"
             if attempt:
                 self.book.restart_member(gid, index)
-            traj = await episodes.play(
-                tid, lambda p, age: self.book.progress(gid, index, p, time.monotonic() - age)
-            )
+            traj = await episodes.play(tid, lambda p, age: self._progress(gid, index, p, age))
             for turn in turns_played(traj):
                 self.book.rates.observe(*turn)
+            ended = time.monotonic()
+            if traj.reward_s is not None:
+                run.rolled_out_s = max(run.rolled_out_s, ended - traj.reward_s)
+                if traj.finish is not Finish.INFRA:
+                    self.book.rates.observe_reward(traj.reward_s)
+            else:
+                run.rolled_out_s = max(run.rolled_out_s, ended)
             if traj.finish is Finish.INFRA:
                 run.last_failure = traj.failure
                 run.infra_failures += 1
@@ -284,6 +296,13 @@ class Coordinator:
             self.book.member_finished(gid, index, scored, traj.progress())
             self._rerank()
             return
+
+    def _progress(self, group_id: str, index: int, p: Progress, age_s: float) -> None:
+        """A member's report, `age_s` old; one whose turns are over and whose reward is being
+        scored apart makes its group nearer done: the groups are ranked again."""
+        self.book.progress(group_id, index, p, time.monotonic() - age_s)
+        if p.grading:
+            self._rerank()
 
     def _rerank(self) -> None:
         self.rollouts.set_priorities(self.book.rank(self.weight_version(), time.monotonic()))

@@ -113,18 +113,25 @@ class GroupBook(Generic[T]):
 
     def progress(self, group_id: str, index: int, p: Progress, now: float | None = None) -> None:
         """A member's report (`Progress`, at time `now`): after a model turn, its tool call
-        starts; after the call returns, the seconds it took count toward its group's tool time.
+        starts; after the call returns, the seconds it took count toward its group's tool time;
+        once its turns are over and its reward is scored apart, only that reward is left.
         Re-ranking waits for the next member to finish, so a report costs no sort."""
         group = self.open.get(group_id)
         if group is None:  # dropped (it timed out) while the member's report was on its way
             return
         m = group.members[index]
-        if (p.turns, p.tool_calls) < (m.turns, m.tool_calls):
+        if (p.turns, p.tool_calls, p.grading) < (m.turns, m.tool_calls, m.reward_since is not None):
             return  # an older report, relayed after a newer one
+        self.tool_calls_seen += max(p.tool_calls - m.tool_calls, 0)
+        if p.grading:  # a report repeated while it is graded keeps when its reward began
+            since = m.reward_since if m.reward_since is not None else now
+            graded = MemberView(False, p.tokens, p.turns, tool_s=p.tool_s,
+                                tool_calls=p.tool_calls, reward_since=since)  # fmt: skip
+            self._set(group, index, graded)
+            return
         since = None
         if p.in_tool:  # a report repeated during one call keeps when the call started
             since = m.tool_since if m.waiting_on_tool and m.turns == p.turns else now
-        self.tool_calls_seen += max(p.tool_calls - m.tool_calls, 0)
         self._set(group, index, MemberView(False, p.tokens, p.turns, p.in_tool, p.tool_s,
                                            p.tool_calls, since))  # fmt: skip
 
@@ -219,6 +226,7 @@ class GroupBook(Generic[T]):
             self.rates.decode_tokens_per_s,
             self.rates.tool_s_per_turn,
             now,
+            self.rates.reward_s,
         )
 
     def check(self) -> None:

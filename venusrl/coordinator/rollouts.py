@@ -6,29 +6,28 @@ process: the member's sandbox forks from the group's zygote, the agent loop driv
 turn by turn, and every request carries the group's current priority. On a Ray cluster each
 rollout worker runs a `LocalRollouts` of its own next to its engine and its sandbox pool, so an
 episode is one call from the coordinator, not one per turn and per tool call
-(`venusrl.runtime.cluster.worker`).
+(`venusrl.runtime.cluster.worker`). A finished episode is scored by the reward workers
+(`venusrl.rewards`); off the rollout's path its KV and its KV-window place go first.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import traceback
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol
 
 from venusrl.coordinator.admission import AdmissionWindow, TurnWindow
-from venusrl.coordinator.agent_loop import (
-    ChatFormat,
-    EnvironmentFailed,
-    failure_kind,
-    run_episode,
-)
+from venusrl.coordinator.agent_loop import ChatFormat, failure_kind, run_episode
 from venusrl.coordinator.config import RolloutConfig
-from venusrl.envs.environment import Environment, Task
+from venusrl.envs.environment import Environment, EnvironmentFailed, Task
 from venusrl.envs.service import GroupHandle, SandboxService
 from venusrl.envs.types import InfraFailure
 from venusrl.policy.critical_groups import BEST_EFFORT
+from venusrl.rewards.kinds import EnvironmentReward
+from venusrl.rewards.pool import RewardJob, RewardPool
 from venusrl.types import FailureKind, Generate, Progress, SamplingParams, Trajectory
 
 log = logging.getLogger(__name__)
@@ -62,6 +61,10 @@ class Rollouts(Protocol):
         them; groups left out are best effort. Requests sent from now on carry it."""
         ...
 
+    def reward_counters(self) -> dict[str, int]:
+        """The reward workers as a step ends (`RewardPool.counters`)."""
+        ...
+
     @property
     def resumed_episodes(self) -> int:
         """Episodes whose sandbox their pool preempted that went on in a fresh sandbox from
@@ -91,13 +94,15 @@ class LocalRollouts:
         end_trajectory: Callable[[str], Awaitable[None]] | None = None,
         admission: AdmissionWindow | TurnWindow | None = None,
         resume_preempted: bool = True,
+        rewards: RewardPool | None = None,
     ) -> None:
         """`end_trajectory` tells the engine that an episode is over, so that the KV it kept for
         the trajectory between turns can go; `admission`: episodes run only while its window
         has room, or (a `TurnWindow`) each turn only while its trajectory holds a place in the
         engine's KV window (None: all at once); `resume_preempted`: an episode whose sandbox
         the pool preempted goes on here in a fresh one (False: it ends `Finish.INFRA`, for a caller
-        that moves it elsewhere, as the Ray fleet does)."""
+        that moves it elsewhere, as the Ray fleet does); `rewards`: the reward workers (None: the
+        environment's own reward, inline)."""
         self.pool, self.generate, self.fmt = pool, generate, fmt
         self.sampling, self.rollout = sampling, rollout
         self.end_trajectory = end_trajectory
@@ -106,7 +111,9 @@ class LocalRollouts:
         if self.turns is not None:
             self.generate = self.turns.gate(generate)
         self.resume_preempted = resume_preempted
+        self.rewards = rewards or RewardPool(EnvironmentReward(), None, rollout.reward_timeout_s)
         self.priority: Mapping[str, int] = {}
+        self.ranked: dict[str, int] = {}  # open group id -> its place in the ranking
         self.groups: dict[str, GroupHandle] = {}  # open groups' sandboxes, by group id
         self.resumed: list[str] = []  # trajectory ids, in the order they resumed
         self.tracebacks_shown: set[tuple[str, str]] = set()  # (environment, where it raised)
@@ -114,6 +121,15 @@ class LocalRollouts:
     @property
     def resumed_episodes(self) -> int:
         return len(self.resumed)
+
+    def reward_counters(self) -> dict[str, int]:
+        return self.rewards.counters()
+
+    def rank(self, group_id: str) -> tuple[int, int]:
+        """Where a group's rewards wait for a worker: critical groups first, in ranking order."""
+        return -self.priority.get(group_id, BEST_EFFORT), self.ranked.get(
+            group_id, len(self.ranked)
+        )
 
     async def open_group(
         self, group_id: str, env: type[Environment], task: Task, priority: int
@@ -127,10 +143,15 @@ class LocalRollouts:
     def set_priorities(self, priority: Mapping[str, int]) -> None:
         """Each open group's priority, in the ranking's order."""
         self.priority = priority
+        self.ranked = {gid: i for i, gid in enumerate(priority)}
         if self.turns is not None:
             self.turns.set_ranking(priority)
         for group_id, handle in self.groups.items():  # the pool admits and preempts by it
             handle.set_priority(priority.get(group_id, BEST_EFFORT))
+
+
+async def _no_slot() -> None:
+    """The slot an episode holds without an admission window: nothing to let go."""
 
 
 class LocalGroup:
@@ -166,13 +187,40 @@ class LocalGroup:
                 traj = await self._episode(trajectory_id, on_progress, traj)
             return traj
         finally:
-            if r.turns is not None:
-                r.turns.end(trajectory_id)
-            if r.end_trajectory is not None:
-                # A hint for the engine's cache: an engine that cannot take it (down,
-                # restarting) has lost that KV anyway.
-                with contextlib.suppress(Exception):
-                    await r.end_trajectory(trajectory_id)
+            await self._turns_over(trajectory_id)
+
+    async def _turns_over(self, trajectory_id: str) -> None:
+        """The trajectory's place in the KV window and its KV go (again: harmless)."""
+        r = self.rollouts
+        if r.turns is not None:
+            r.turns.end(trajectory_id)
+        if r.end_trajectory is not None:
+            # A hint for the engine's cache: an engine that cannot take it (down, restarting)
+            # has lost that KV anyway.
+            with contextlib.suppress(Exception):
+                await r.end_trajectory(trajectory_id)
+
+    async def _score(
+        self,
+        env: Environment,
+        traj: Trajectory,
+        on_progress: OnProgress,
+        leave_slot: Callable[[], Awaitable[None]],
+    ) -> float:
+        """The finished episode's reward from the run's reward workers; off the rollout's path
+        its places (its admission slot, its KV-window place and its KV) go first, and the
+        coordinator learns that only its reward is left."""
+        r, gid = self.rollouts, self.group_id
+        if not r.rewards.inline:
+            await leave_slot()
+            await self._turns_over(traj.trajectory_id)
+            on_progress(traj.progress()._replace(grading=True), 0.0)
+        started = time.monotonic()
+        try:
+            job = RewardJob(env, self.task, traj, r.fmt.text)
+            return await r.rewards.score(job, lambda: r.rank(gid))
+        finally:
+            traj.reward_s = time.monotonic() - started
 
     async def _episode(
         self, trajectory_id: str, on_progress: OnProgress, replay: Trajectory | None
@@ -186,9 +234,9 @@ class LocalGroup:
                 trajectory_id, gid, self.task, FailureKind.SANDBOX, f"sandbox did not start: {e}"
             )
         # The sandbox is up while the episode waits for admission, as in the simulator.
-        slot = r.admission.slot() if r.admission else contextlib.nullcontext()
+        slot = r.admission.slot() if r.admission else contextlib.nullcontext(_no_slot)
         try:
-            async with slot:
+            async with slot as leave:
                 return await run_episode(
                     self.env(self.task, sandbox),
                     r.generate,
@@ -201,6 +249,7 @@ class LocalGroup:
                     priority=lambda: r.priority.get(gid, BEST_EFFORT),
                     on_progress=lambda t: on_progress(t.progress(), 0.0),
                     replay=replay,
+                    score=lambda env, traj: self._score(env, traj, on_progress, leave),
                 )
         except Exception as e:  # an engine call that failed is the platform's fault too
             # A bug in the environment's code is masked and replaced the same way, so that one

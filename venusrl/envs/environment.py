@@ -35,12 +35,14 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
+import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from venusrl.envs.tool_schema import function_schema
 from venusrl.envs.types import ExecResult, InfraFailure, TemplateSpec
@@ -54,6 +56,7 @@ from venusrl.model.tool_calls import (
 from venusrl.model.tool_formats import ToolParser, tool_parser
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 # How long past `tool_timeout_s` a tool call may run before it is reported as overrunning: a tool
 # that bounds its sandbox calls by the timeout returns within a fraction of a second of it.
 TOOL_OVERRUN_GRACE_S = 2.0
@@ -425,3 +428,35 @@ class Environment(ABC):
             lines = r.stderr.decode(errors="replace").strip().splitlines()
             return f"error: {name} raised {lines[-1] if lines else f'exit {r.exit_code}'}", True
         return r.text().removesuffix("\n"), False
+
+
+class EnvironmentFailed(Exception):
+    """The environment's own code (its reset, step, output or reward) raised: a bug of its
+    author's, neither the model's turn nor the platform. The episode is lost; the exception it
+    raised is the cause, with the traceback its author needs."""
+
+
+@contextlib.contextmanager
+def raised_by(env: Environment, verb: str, where: str = "") -> Iterator[None]:
+    """An exception of the environment's own code becomes `EnvironmentFailed`, naming it (and
+    `where`: the task and the trajectory, for a reward scored away from its episode)."""
+    try:
+        yield
+    except (InfraFailure, TimeoutError):
+        raise
+    except Exception as e:
+        raise EnvironmentFailed(f"{env.name}.{verb}{where} raised {type(e).__name__}: {e}") from e
+
+
+async def environment_call(env: Environment, verb: str, call: Awaitable[T], where: str = "") -> T:
+    with raised_by(env, verb, where):
+        return await call
+
+
+def checked_reward(env: Environment, reward: object, where: str = "") -> float:
+    """A NaN would poison the advantages, and through them the weights, without an error."""
+    if not isinstance(reward, numbers.Real) or not math.isfinite(reward):
+        raise EnvironmentFailed(
+            f"{env.name}.reward{where} returned {reward!r}: a reward is a finite number"
+        )
+    return float(reward)

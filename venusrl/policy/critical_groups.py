@@ -81,6 +81,12 @@ class MemberView:
     tool_s: float = 0.0  # seconds its tool calls took so far (those that returned)
     tool_calls: int = 0  # how many returned
     tool_since: float | None = None  # when the call it waits on began (None: not known)
+    reward_since: float | None = None  # when its reward began, its turns over (None: not yet)
+
+    @property
+    def rolled_out(self) -> bool:
+        """Its turns are over: it is done, or only its reward is left."""
+        return self.done or self.reward_since is not None
 
 
 @dataclass(frozen=True)
@@ -94,7 +100,7 @@ class GroupView:
 
     @cached_property  # a view is ranked over and over while its group does not change
     def completion(self) -> float:
-        return sum(m.done for m in self.members) / len(self.members)
+        return sum(m.rolled_out for m in self.members) / len(self.members)
 
 
 @dataclass(frozen=True)
@@ -111,7 +117,8 @@ class CoordinatorSnapshot:
     predictions: Mapping[str, Prediction]  # per prompt id
     decode_tokens_per_s: float  # of one trajectory, as the engine currently runs it (TurnRates)
     tool_s_per_turn: float
-    now: float = 0.0  # for the elapsed time of tool calls in progress
+    now: float = 0.0  # for the elapsed time of tool calls and rewards in progress
+    reward_s: float = 0.0  # from a member's last turn to its reward, as the run's rewards show
 
 
 @dataclass(frozen=True)
@@ -125,7 +132,8 @@ def slowest_remaining_s(group: GroupView, pred: Prediction, snap: CoordinatorSna
     generate at the engine's decode speed, plus its turns still to come at the group's tool time
     per call (at least the tool call it waits on now, and what that call has run past it: a call
     that has run long is likely to run as long again). Run for every open group at every
-    re-ranking: one plain loop."""
+    re-ranking: one plain loop. A member whose reward is being scored off the rollout's path
+    has only that left: the run's reward latency, or what it has run past it again."""
     calls, spent = 0, 0.0
     for m in group.members:
         calls += m.tool_calls
@@ -134,6 +142,11 @@ def slowest_remaining_s(group: GroupView, pred: Prediction, snap: CoordinatorSna
     slowest = 0.0
     for m in group.members:
         if m.done:
+            continue
+        if m.reward_since is not None:  # graded off the rollout's path: its reward is all left
+            slowest = max(
+                slowest, snap.reward_s + max(snap.now - m.reward_since - snap.reward_s, 0)
+            )
             continue
         tokens = max(pred.total_tokens - m.generated_tokens, OVERRUN * m.generated_tokens, 0.0)
         turns = max(pred.turns - m.turns, OVERRUN * m.turns, 1.0 if m.waiting_on_tool else 0.0)
@@ -229,16 +242,23 @@ class LengthPredictor:
 class TurnRates:
     """What a member's remaining turns cost, as the run's own turns show it: the decode speed of
     one trajectory (a turn's tokens over the seconds from its request to its last token,
-    queueing and prefill included, as a member waits them) and the tool time of a turn that
-    another turn follows (the simulator's `tool_s`). Each is the median of the latest `window`
-    turns that showed it, robust to the odd turn that queued behind a preemption or a tool that
-    hung; the given figures stand until the first such turn. Pure state: the caller measures."""
+    queueing and prefill included, as a member waits them), the tool time of a turn that
+    another turn follows (the simulator's `tool_s`), and a reward's latency where rewards are
+    scored off the rollout's path. Each is the median of the latest `window` that showed it,
+    robust to the odd turn that queued behind a preemption or a tool that hung; the given
+    figures stand until the first such turn. Pure state: the caller measures."""
 
     def __init__(
-        self, decode_tokens_per_s: float = 50.0, tool_s_per_turn: float = 0.5, window: int = 256
+        self,
+        decode_tokens_per_s: float = 50.0,
+        tool_s_per_turn: float = 0.5,
+        window: int = 256,
+        reward_s: float = 1.0,
     ) -> None:
         self.decode_tokens_per_s, self.tool_s_per_turn = decode_tokens_per_s, tool_s_per_turn
+        self.reward_s = reward_s
         self._decode, self._tool = RollingMedian(window), RollingMedian(window)
+        self._reward = RollingMedian(window)
 
     def observe(self, tokens: int, generation_s: float, tool_s: float | None) -> None:
         """One turn: `tokens` generated in `generation_s`, then `tool_s` for the environment to
@@ -249,6 +269,10 @@ class TurnRates:
             self.decode_tokens_per_s = self._decode.add(tokens / generation_s)
         if tool_s is not None:
             self.tool_s_per_turn = self._tool.add(max(tool_s, 0.0))
+
+    def observe_reward(self, reward_s: float) -> None:
+        """One member's reward came in `reward_s` after its last turn (queue and scoring)."""
+        self.reward_s = self._reward.add(max(reward_s, 0.0))
 
 
 class RollingMedian:

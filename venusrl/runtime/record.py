@@ -4,7 +4,8 @@ Each trainer step appends the trajectories of its batch (masked infrastructure f
 so a finished trajectory is on disk once it has been trained on, and a run can be studied, plotted
 or replayed in the simulator afterwards. An object holds:
 
-- `step`, `env`, `trajectory_id`, `group_id`, `prompt_id`, `reward` (null when masked), `finish`,
+- `step`, `env`, `trajectory_id`, `group_id`, `prompt_id`, `reward` (null when masked),
+  `reward_s` (from its last turn to its reward: the reward workers' queue and scoring), `finish`,
   `failure` (what went wrong, for people) and `failure_kind` (`types.FailureKind`), `tool_calls`,
   `output` (what the episode produced beyond its transcript, an SWE episode's diff; null);
 - `token_ids` and `turn_starts` (the whole token record; `mask` follows from the turns, see
@@ -60,6 +61,7 @@ def trajectory_record(traj: Trajectory, step: int, env: str, t0: float) -> dict[
         "group_id": traj.group_id,
         "prompt_id": traj.prompt_id,
         "reward": traj.reward,
+        "reward_s": None if traj.reward_s is None else round(traj.reward_s, 4),
         "finish": None if traj.finish is None else str(traj.finish),
         "failure": None if traj.failure is None else traj.failure.message,
         "failure_kind": None if traj.failure is None else str(traj.failure.kind),

@@ -27,6 +27,7 @@ from venusrl.envs.task_file import read_task_file
 from venusrl.model.directory import load_model
 from venusrl.policy.agent_admission import AimdAdmission
 from venusrl.policy.kv_window import CriticalWindow
+from venusrl.rewards.kinds import reward_pool
 from venusrl.runtime.engines import LocalEngine, ServedEngine, served_engine
 from venusrl.runtime.faults import engine_faults, sandbox_faults
 from venusrl.runtime.run_dir import RunStart
@@ -196,9 +197,12 @@ async def start_rollouts(
     stack.push_async_callback(local.close)
     window = await admission_window(cfg, local)
     generate = engine_faults(local.generate, cfg.faults, cfg.run.seed)
+    rewards = reward_pool(cfg.reward, cfg.rollout.reward_timeout_s)
+    stack.push_async_callback(rewards.close)
     rollouts = LocalRollouts(
-        sandboxes.pool, generate, fmt, sampling, cfg.rollout, local.end_trajectory, window
-    )
+        sandboxes.pool, generate, fmt, sampling, cfg.rollout, local.end_trajectory, window,
+        rewards=rewards,
+    )  # fmt: skip
     return RolloutSide(local, rollouts, window)
 
 

@@ -36,6 +36,23 @@ def admission_metrics(window: AdmissionWindow | TurnWindow | None) -> dict[str, 
     }
 
 
+def reward_wait_s(batch: list[GroupResult], waited_from: float, waited_to: float) -> float:
+    """How long of the trainer's wait for `batch` (from `waited_from` to `waited_to`,
+    `time.monotonic()`) came after every one of its episodes had ended its turns: a wait on
+    rewards alone."""
+    if not batch:
+        return 0.0
+    rolled_out = max(g.rolled_out_at for g in batch)
+    completed = max(g.completed_at for g in batch)
+    return max(min(waited_to, completed) - max(waited_from, rolled_out), 0.0)
+
+
+def _quantile(sorted_values: list[float], q: float) -> float | None:
+    if not sorted_values:
+        return None
+    return round(sorted_values[min(int(q * len(sorted_values)), len(sorted_values) - 1)], 3)
+
+
 def step_metrics(
     step: int,
     batch: list[GroupResult],
@@ -51,6 +68,7 @@ def step_metrics(
     wins = [t for t in trajectories if won(t)]
     model_versions = [v for t in trajectories for v, m in zip(t.versions, t.mask, strict=True) if m]
     durations = sorted(g.duration_s for g in batch)
+    reward_s = sorted(t.reward_s for t in trajectories if t.reward_s is not None)
     return {
         "step": step,
         "reward_mean": sum(scored) / len(scored) if scored else None,
@@ -69,6 +87,9 @@ def step_metrics(
         "infra_failures": sum(g.infra_failures for g in batch),
         "env_failures": sum(g.env_failures for g in batch),  # of them, the environment's bugs
         "masked": sum(g.masked for g in batch),
+        # From a trajectory's last turn to its reward (the reward workers' queue and scoring).
+        "reward_p50_s": _quantile(reward_s, 0.5),
+        "reward_p95_s": _quantile(reward_s, 0.95),
         "tool_calls_mean": sum(t.tool_calls for t in trajectories) / max(len(trajectories), 1),
         # How the batch's episodes ended: done, turn_cap, context_cap, time_cap, token_cap, infra.
         "finishes": dict(Counter(str(t.finish) for t in trajectories)),

@@ -41,7 +41,7 @@ from venusrl.runtime.roles import (
     start_rollouts,
 )
 from venusrl.runtime.run_dir import RunStart, prepare_run_dir, start_policy
-from venusrl.runtime.step_metrics import admission_metrics, since, step_metrics
+from venusrl.runtime.step_metrics import admission_metrics, reward_wait_s, since, step_metrics
 from venusrl.runtime.warm_start import OnTrainer, prepare_model, warm_start
 from venusrl.trainer.api import Trainer
 from venusrl.trainer.grpo import group_advantages
@@ -181,6 +181,8 @@ class _Run:
             # Where the step's time went: waiting for its batch, training, publishing.
             line.update(batch_wait_s=round(t1 - t0, 3), train_s=round(t2 - t1, 3),
                         publish_s=round(t3 - t2, 3))  # fmt: skip
+            # The share of the step the trainer waited on rewards alone, its batch rolled out.
+            line["reward_wait_share"] = round(reward_wait_s(batch, t0, t1) / (t3 - t0), 4)
             line["since_last_step"] = failures.since_last_step()
             untrained.observe(line)
             self._record(step, batch, started)
@@ -238,6 +240,7 @@ class _Run:
             "tool_calls_seen": coordinator.stats.tool_calls_seen,
             "episodes_resumed": self.side.rollouts.resumed_episodes,
             **admission_metrics(self.side.window),
+            **self.side.rollouts.reward_counters(),
             "engine": engine,
             **pool,
         }

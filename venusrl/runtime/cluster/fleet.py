@@ -466,6 +466,10 @@ class RolloutFleet:
     def resumed_episodes(self) -> int:
         return len(self.migrated)
 
+    def reward_counters(self) -> dict[str, int]:
+        """Each worker scores with a pool of its own; their queues are not gathered here."""
+        return {}
+
     def set_priorities(self, priority: Mapping[str, int]) -> None:
         """Each worker gets the priorities of the groups it holds, when they changed; one push
         in flight per worker, the latest mapping sent after it."""

@@ -29,6 +29,7 @@ from venusrl.envs.sandbox import Sandbox
 from venusrl.envs.types import ExecResult, GiB, SandboxCrashed, TemplateSpec
 from venusrl.model.tokenizer import Tokenizer
 from venusrl.model.weight_stream import Bucket, Spec
+from venusrl.rewards.kinds import reward_pool
 from venusrl.runtime.cluster.ray_cluster import ActorLost, at_default_priority
 from venusrl.runtime.cluster.weight_feed import WeightFeed
 from venusrl.runtime.engines import LocalEngine
@@ -124,6 +125,7 @@ class RolloutWorker:
             self._pool(), generate, fmt, sampling, self.cfg.rollout,
             end_trajectory=self.engine.end_trajectory,
             resume_preempted=False,  # the fleet moves it to another worker
+            rewards=reward_pool(self.cfg.reward, self.cfg.rollout.reward_timeout_s),
         )  # fmt: skip
         # From here on: the warm start's sandboxes are spared, as in one process.
         self._faults = sandbox_faults(self._pool(), self.cfg.faults, seed)
@@ -265,6 +267,8 @@ class RolloutWorker:
     async def shutdown(self) -> None:
         for task in self._faults:
             task.cancel()
+        if self.rollouts is not None:
+            await self.rollouts.rewards.close()
         if self.engine is not None:
             await self.engine.close()
         if self.pool is not None:
