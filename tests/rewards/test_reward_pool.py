@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterator
 
 import pytest
@@ -163,3 +164,30 @@ def test_the_breaker_opens_after_failures_in_a_row_and_one_probe_decides() -> No
     assert b.wait_s(33) == 0
     b.succeeded()
     assert b.wait_s(33) == 0 and b.wait_s(33) == 0 and b.trips == 2
+
+
+def test_a_wait_cancelled_while_another_reward_ends_leaks_no_place() -> None:
+    async def main() -> tuple[int, int, list[str]]:
+        gate = Gate()
+        pool = RewardPool(gate, workers=1, timeout_s=5)
+        running = asyncio.create_task(pool.score(job("running")))
+        await asyncio.sleep(0.01)
+        gone = asyncio.create_task(pool.score(job("gone")))
+        after = asyncio.create_task(pool.score(job("after")))
+        await asyncio.sleep(0.01)
+        gate.go.set()  # the running reward ends and hands its place on...
+        gone.cancel()  # ...to a wait whose future is cancelled, its task not yet woken
+        await asyncio.gather(running, after)
+        with contextlib.suppress(asyncio.CancelledError):
+            await gone
+        return pool.busy, pool.queued, gate.started
+
+    assert asyncio.run(main()) == (0, 0, ["running", "after"])
+
+
+def test_a_probe_that_gets_no_answer_lets_the_next_caller_probe() -> None:
+    b = CircuitBreaker(failures=1, cooldown_s=1)
+    b.failed(0)
+    assert b.wait_s(1) == 0  # the probe goes, and is cancelled on its way
+    b.abandoned()
+    assert b.wait_s(1) == 0  # not stuck half open: another probe goes

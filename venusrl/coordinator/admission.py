@@ -63,8 +63,8 @@ class AdmissionWindow:
             nonlocal held
             if held:
                 held = False
-                async with self._changed:
-                    self.active -= 1
+                self.active -= 1  # at once: a release cancelled while it waits for the lock
+                async with self._changed:  # still lets the slot go
                     self._changed.notify_all()
 
         try:

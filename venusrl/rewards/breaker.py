@@ -34,6 +34,11 @@ class CircuitBreaker:
         self.probing = True
         return 0.0
 
+    def abandoned(self) -> None:
+        """A request went without an answer either way (it was cancelled): were it the probe,
+        the next caller probes instead."""
+        self.probing = False
+
     def succeeded(self) -> None:
         self.in_a_row = self.opened = 0
         self.open_until, self.probing = None, False

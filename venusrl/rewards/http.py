@@ -59,12 +59,15 @@ class ServiceClient:
             await self._circuit_closed()
             self.requests += 1
             try:
-                async with self.in_flight:
+                async with self.in_flight, asyncio.timeout(c.request_timeout_s):
                     response = await self.http.post(url, content=content)
-            except httpx.HTTPError as e:
+            except (httpx.HTTPError, TimeoutError) as e:
                 problem = f"no answer ({type(e).__name__}: {e})"
                 self._failed()
                 continue
+            except BaseException:  # cancelled, or a bug: no verdict on the service
+                self.breaker.abandoned()
+                raise
             if response.status_code == 429 or response.status_code >= 500:
                 problem = f"HTTP {response.status_code}: {response.text[:200]}"
                 retry_after = response.headers.get("Retry-After")

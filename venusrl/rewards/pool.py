@@ -172,9 +172,9 @@ class RewardPool:
         except asyncio.CancelledError:
             if waiting.granted.done() and not waiting.granted.cancelled():
                 self.busy -= 1  # granted as it was cancelled: the place goes to the next
-                self._grant()
-            else:
+            elif waiting in self._waiting:
                 self._waiting.remove(waiting)
+            self._grant()
             raise
 
     def _grant(self) -> None:
@@ -182,5 +182,7 @@ class RewardPool:
         while self.busy < limit and self._waiting:
             best = min(self._waiting, key=lambda w: (*w.rank(), w.seq))
             self._waiting.remove(best)
+            if best.granted.done():  # cancelled, its task not yet woken: no place for it
+                continue
             self.busy += 1
             best.granted.set_result(None)
