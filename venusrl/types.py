@@ -10,6 +10,7 @@ trainer sees exactly the tokens the engine saw.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -272,6 +273,15 @@ class Trajectory:
     @property
     def model_tokens(self) -> int:
         return self._model_tokens
+
+    def turn_spans(self) -> list[tuple[int, int, int]]:
+        """Each turn's (start, end of the model's tokens, end): the model's tokens, then the
+        observation that followed them (none after the last)."""
+        bounds = [*self.turn_starts, len(self.token_ids)]
+        return [
+            (start, start + [*self.mask[start:end], 0].index(0), end)
+            for start, end in itertools.pairwise(bounds)
+        ]
 
     def progress(self) -> Progress:
         """How far the episode is: what the environment acted on counts as a returned call."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
-import itertools
 import logging
 import re
 import time
@@ -277,9 +276,7 @@ async def _replay(
     env: Environment, fmt: ChatFormat, rollout: RolloutConfig, record: Trajectory, traj: Trajectory
 ) -> Finish | None:
     """Act again on each model turn of `record`; a finish if the episode ended there."""
-    turns = [*record.turn_starts, len(record.token_ids)]
-    for start, following in itertools.pairwise(turns):
-        end = start + [*record.mask[start:following], 0].index(0)  # the model's tokens
+    for start, end, _ in record.turn_spans():
         model_ids = record.token_ids[start:end]
         if traj.token_ids != record.token_ids[:start]:
             raise ReplayDiverged(f"turn {len(traj.turn_starts)}: the observation came out changed")

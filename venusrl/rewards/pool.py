@@ -49,12 +49,7 @@ class RewardJob:
     def turns(self) -> list[str]:
         """The model's turns, as text."""
         t = self.trajectory
-        ends = [*t.turn_starts[1:], len(t.token_ids)]
-        out = []
-        for start, end in zip(t.turn_starts, ends, strict=True):
-            own = t.mask[start:end]
-            out.append(self.decode(t.token_ids[start : start + [*own, 0].index(0)]))
-        return out
+        return [self.decode(t.token_ids[start:model_end]) for start, model_end, _ in t.turn_spans()]
 
 
 class Scorer(Protocol):

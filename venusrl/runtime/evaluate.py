@@ -162,10 +162,8 @@ def episode_record(traj: Trajectory, sample: int, tokenizer: Tokenizer) -> dict[
     """One line of `venusrl eval --out`: the episode's outcome and its transcript, each part
     decoded from the tokens the model and the environment produced (special tokens shown: the
     chat's markup and the tool calls are as the model wrote them)."""
-    bounds = [*traj.turn_starts, len(traj.token_ids)]
     parts = [("prompt", 0, traj.prompt_len)]
-    for start, end in itertools.pairwise(bounds):
-        model_end = start + [*traj.mask[start:end], 0].index(0)
+    for start, model_end, end in traj.turn_spans():
         parts += [("model", start, model_end), ("observation", model_end, end)]
     transcript = [
         {"role": role, "text": tokenizer.decode(traj.token_ids[a:b], skip_special_tokens=False)}

@@ -8,6 +8,7 @@ from typing import Any
 
 from venusrl.coordinator.admission import AdmissionWindow, TurnWindow
 from venusrl.coordinator.coordinator import GroupResult
+from venusrl.sim.executor import quantile
 from venusrl.types import Trajectory
 
 
@@ -47,10 +48,8 @@ def reward_wait_s(batch: list[GroupResult], waited_from: float, waited_to: float
     return max(min(waited_to, completed) - max(waited_from, rolled_out), 0.0)
 
 
-def _quantile(sorted_values: list[float], q: float) -> float | None:
-    if not sorted_values:
-        return None
-    return round(sorted_values[min(int(q * len(sorted_values)), len(sorted_values) - 1)], 3)
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 3)
 
 
 def step_metrics(
@@ -88,8 +87,8 @@ def step_metrics(
         "env_failures": sum(g.env_failures for g in batch),  # of them, the environment's bugs
         "masked": sum(g.masked for g in batch),
         # From a trajectory's last turn to its reward (the reward workers' queue and scoring).
-        "reward_p50_s": _quantile(reward_s, 0.5),
-        "reward_p95_s": _quantile(reward_s, 0.95),
+        "reward_p50_s": _rounded(quantile(reward_s, 0.5)),
+        "reward_p95_s": _rounded(quantile(reward_s, 0.95)),
         "tool_calls_mean": sum(t.tool_calls for t in trajectories) / max(len(trajectories), 1),
         # How the batch's episodes ended: done, turn_cap, context_cap, time_cap, token_cap, infra.
         "finishes": dict(Counter(str(t.finish) for t in trajectories)),
