@@ -41,7 +41,7 @@ def compare(run_dir: Path, checkpoint: Path, trajectories: int, page_size: int) 
     with (run_dir / "trajectories.jsonl").open() as f:
         for line in f:
             t = json.loads(line)
-            if t["step"] == step and t["turn_starts"]:
+            if t["step"] == step and t["turn_starts"] and not t.get("replaced"):
                 records.append(t)
             if len(records) == trajectories:
                 break

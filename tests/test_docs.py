@@ -72,6 +72,10 @@ RUN_BY: dict[str, tuple[str, ...]] = {
     ".venv/bin/venusrl sim --scenario search-short --policies sync,async,venus --steps 3": (
         "tests/sim/test_cli.py::test_sim_prints_one_json_object_with_speedups_per_policy",
     ),
+    "sudo .venv/bin/venusrl train reward.kind=remote"
+    " reward.service.url=http://127.0.0.1:8080/score": (
+        "tests/runtime/test_train.py::test_venusrl_train_scores_its_episodes_with_a_remote_reward_service",
+    ),
     "sudo .venv/bin/venusrl train --runtime ray runtime.engines=2": (
         "tests/runtime/test_ray_runtime.py::test_two_workers_keep_each_trajectory_on_one_engine_and_each_group_on_one_node",
     ),

@@ -66,6 +66,16 @@ def test_a_workload_file_overrides_its_base_by_field_name(tmp_path: Path) -> Non
     assert isinstance(w.sandbox_start_s, Mixture)
 
 
+def test_a_workload_file_may_grade_every_reward_at_once_or_bound_the_graders(
+    tmp_path: Path,
+) -> None:
+    f = tmp_path / "graders.yaml"
+    f.write_text("reward_workers: null\n")
+    assert load_workload(f).reward_workers is None
+    f.write_text("reward_workers: 8\n")
+    assert load_workload(f).reward_workers == 8
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -98,6 +108,9 @@ def test_a_workload_file_overrides_its_base_by_field_name(tmp_path: Path) -> Non
         ("prompts_per_batch: 1000000\n", "1,000,000 trajectories"),
         ("trajectory_limit_s: 0\n", "trajectory_limit_s must be > 0"),
         ("trajectory_limit_s: .inf\n", "trajectory_limit_s: needs a float"),
+        ("reward_workers: 0\n", r"reward_workers must be in \[1, 1000000\] or null"),
+        ("reward_workers: true\n", "reward_workers: needs a count of graders or null"),
+        ("reward_workers: 2.5\n", "reward_workers: needs a count of graders or null"),
     ],
 )
 def test_a_bad_workload_file_says_which_field(tmp_path: Path, text: str, message: str) -> None:

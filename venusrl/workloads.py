@@ -229,7 +229,13 @@ class Workload:
     )
     sandbox_rss_gb: Dist = LogNormal(1.5, 0.6)
     sandbox_shared_fraction: float = 0.7  # of a member's pages shared within its group
-    reward_s: Dist = LogNormal(20, 1.0, 0, 1200)
+    reward_s: Dist = LogNormal(22, 1.0, 0, 1800)
+    # Rewards graded at once across the cluster, at most (CPU set apart for grading); None:
+    # every trajectory graded as its turns end.
+    reward_workers: int | None = 64
+    # Whether the reward reads the episode's sandbox; False: it is graded in a fresh one, as
+    # SWE-bench's harness and the swe environment do, so reward workers let the episode's go.
+    reward_reads_sandbox: bool = False
     success_beta: tuple[float, float] = (0.6, 1.4)  # per-prompt pass rate ~ Beta(a, b)
     infra_failure_rate: float = 0.01  # of trajectories, at a uniform point in time
     # The harness's wall-clock limit on a trajectory, from its start: one that runs past it
@@ -263,6 +269,10 @@ class Workload:
             problems.append(
                 f"prompts_per_batch x group_size must be <= 1,000,000 trajectories a batch, got "
                 f"{self.prompts_per_batch * self.group_size}"
+            )
+        if self.reward_workers is not None and not 1 <= self.reward_workers <= 1_000_000:
+            problems.append(
+                f"reward_workers must be in [1, 1000000] or null, got {self.reward_workers}"
             )
         if not self.trajectory_limit_s > 0:
             problems.append(f"trajectory_limit_s must be > 0, got {self.trajectory_limit_s}")
@@ -369,7 +379,10 @@ _SWE_SOURCES = {
     "observation_tokens": "[D] 2.4-3.8K characters per step",
     "tool_s": "[D] median 0.4 s, 2.4-3.7 % over 10 s, ~1 % over 60 s",
     "sandbox_start_s": "[A] published container and microVM start times",
-    "reward_s": "[A] DeepSWE's reward timeout is 1,200 s",
+    "reward_s": "[D] SWE-bench's harness grades Lite's 300 instances in ~15 min on 12 workers"
+    " with images cached (~36 worker-s each); tails past 15 min reported; its timeout 1,800 s",
+    "reward_workers": "[A] 64 cores set apart for grading, ~1 core per task instance (NeMo Gym)",
+    "reward_reads_sandbox": "[V] SWE-bench's harness grades in a fresh container of the image",
     "success_beta": "[A] 20-45 % pass rates reported",
     "infra_failure_rate": "[A]",
     "sandbox_rss_gb": "[A] the figure to measure",
@@ -391,6 +404,7 @@ SEARCH_SHORT = Workload(
     tool_s=ToolLatency(LogNormal(0.08, 0.6), 0.02, LogNormal(1.5, 0.7)),
     sandbox=False,
     reward_s=LogNormal(0.05, 0.5),
+    reward_workers=None,
     success_beta=(1.0, 1.0),
     infra_failure_rate=0.0,
     sources={"all": "WORKLOADS.md, scenario search-short"},
@@ -437,6 +451,7 @@ SCENARIOS: dict[str, Workload] = {
         sandbox_start_s=LogNormal(0.05, 0.5),
         sandbox_rss_gb=LogNormal(0.2, 0.4),
         reward_s=LogNormal(0.05, 0.5),
+        reward_workers=None,
         success_beta=(1.0, 1.0),
         infra_failure_rate=0.0,
         sources={"all": "WORKLOADS.md, scenario math-python"},
@@ -508,6 +523,10 @@ def load_workload(path: str | Path) -> Workload:
 
 
 def _field(key: str, value: Any, current: Any, where: str) -> Any:
+    if key == "reward_workers":
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ValueError(f"{where}: needs a count of graders or null, got {value!r}")
+        return value
     if key == "turns":
         spec = dict(value)
         if "prompt_median" in spec:

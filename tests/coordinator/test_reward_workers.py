@@ -20,6 +20,7 @@ from venusrl.coordinator.mixing import GroupTask
 from venusrl.coordinator.rollouts import LocalRollouts
 from venusrl.envs import SandboxPool
 from venusrl.envs.builtin.guess_number import GuessNumber
+from venusrl.envs.environment import OpenSandbox, Task
 from venusrl.model.directory import init_model_dir
 from venusrl.model.tokenizer import Tokenizer
 from venusrl.policy.agent_admission import AimdAdmission, CacheSignal
@@ -51,22 +52,43 @@ async def until(condition: Callable[[], bool], timeout_s: float = 60) -> None:
             await asyncio.sleep(0.01)
 
 
+class FreshGraded(HeldReward):
+    """Graded from its output alone in a fresh sandbox of its group, as the swe environment is:
+    its reward reads nothing of the episode's own."""
+
+    reward_reads_sandbox = False
+
+    @classmethod
+    async def grade(cls, task: Task, output: str | None, open_sandbox: OpenSandbox) -> float:
+        await HeldReward.let_in.wait()
+        grader = await open_sandbox()
+        try:
+            r = await grader.run_python("print(1 + 1)", timeout_s=30)
+        finally:
+            await grader.close()
+        return 1.0 if r.stdout.strip() == b"2" else 0.0
+
+
 def run_group(
-    tmp_path: Path, workers: int | None, look: Callable[..., Any], aimd: bool = False
+    tmp_path: Path,
+    workers: int | None,
+    look: Callable[..., Any],
+    aimd: bool = False,
+    env: type[HeldReward] = HeldReward,
 ) -> Any:
-    """One group of two members to a batch; `look(coordinator, window, rewards)` runs while
-    their rewards are held, then they are let in. `aimd`: episodes in an admission window of
-    one (rollout.admission=aimd), else the KV window (critical)."""
+    """One group of two members of `env` to a batch; `look(coordinator, window, rewards, pool)`
+    runs while their rewards are held, then they are let in. `aimd`: episodes in an admission
+    window of one (rollout.admission=aimd), else the KV window (critical)."""
     tokenizer = Tokenizer.load(init_model_dir(tmp_path / "tiny", preset="tiny", seed=0))
     assert tokenizer is not None
-    tasks = (GroupTask(HeldReward, task, group_size=2) for task in HeldReward.tasks(seed=1))
+    tasks = (GroupTask(env, task, group_size=2) for task in env.tasks(seed=1))
     config = RolloutConfig(batch_groups=1, max_staleness=0, batch_timeout_s=300,
                            max_context=8192, max_tokens_per_turn=256)  # fmt: skip
 
     async def main() -> Any:
         HeldReward.let_in = asyncio.Event()
         async with SandboxPool(memory_budget_bytes=2 << 30) as pool:
-            await pool.prepare_template(HeldReward.template)
+            await pool.prepare_template(env.template)
             window: TurnWindow | AdmissionWindow = TurnWindow(
                 CriticalWindow(lane=1.0, migrate=False), 1 << 20
             )
@@ -79,7 +101,7 @@ def run_group(
             coordinator = Coordinator(tasks, rollouts, config, weight_version=lambda: 0)
             coordinator.start()
             try:
-                seen = await look(coordinator, window, rewards)
+                seen = await look(coordinator, window, rewards, pool)
                 HeldReward.let_in.set()
                 batch = await coordinator.next_batch()
             finally:
@@ -92,7 +114,9 @@ def run_group(
 def test_a_finished_episode_gives_its_window_place_up_and_its_group_ranks_as_nearly_done(
     tmp_path: Path,
 ) -> None:
-    async def look(coordinator: Coordinator, window: TurnWindow, rewards: RewardPool) -> Any:
+    async def look(
+        coordinator: Coordinator, window: TurnWindow, rewards: RewardPool, *_: Any
+    ) -> Any:
         await until(lambda: rewards.busy + rewards.queued == 2)
         group = next(iter(coordinator.book.open.values()))
         return dict(window.agents), (rewards.busy, rewards.queued), list(group.members)
@@ -107,7 +131,9 @@ def test_a_finished_episode_gives_its_window_place_up_and_its_group_ranks_as_nea
 
 
 def test_an_inline_reward_keeps_its_window_place_until_it_is_in(tmp_path: Path) -> None:
-    async def look(coordinator: Coordinator, window: TurnWindow, rewards: RewardPool) -> Any:
+    async def look(
+        coordinator: Coordinator, window: TurnWindow, rewards: RewardPool, *_: Any
+    ) -> Any:
         await until(lambda: rewards.busy == 2)
         group = next(iter(coordinator.book.open.values()))
         return sorted(window.agents), list(group.members)
@@ -121,7 +147,9 @@ def test_an_inline_reward_keeps_its_window_place_until_it_is_in(tmp_path: Path) 
 def test_an_episode_scored_off_its_path_lets_its_admission_slot_go_to_the_next_member(
     tmp_path: Path,
 ) -> None:
-    async def look(coordinator: Coordinator, window: AdmissionWindow, rewards: RewardPool) -> Any:
+    async def look(
+        coordinator: Coordinator, window: AdmissionWindow, rewards: RewardPool, *_: Any
+    ) -> Any:
         await until(lambda: rewards.busy + rewards.queued == 2)  # both played, in one slot
         return window.active
 
@@ -133,7 +161,9 @@ def test_an_episode_scored_off_its_path_lets_its_admission_slot_go_to_the_next_m
 def test_an_inline_reward_holds_its_admission_slot_so_the_next_member_waits(
     tmp_path: Path,
 ) -> None:
-    async def look(coordinator: Coordinator, window: AdmissionWindow, rewards: RewardPool) -> Any:
+    async def look(
+        coordinator: Coordinator, window: AdmissionWindow, rewards: RewardPool, *_: Any
+    ) -> Any:
         await until(lambda: rewards.busy == 1 and window.waiting == 1)
         await asyncio.sleep(0.5)  # it stays so while the first member's reward is held
         return rewards.busy, window.active, window.waiting
@@ -141,3 +171,21 @@ def test_an_inline_reward_holds_its_admission_slot_so_the_next_member_waits(
     held, batch = run_group(tmp_path, workers=None, look=look, aimd=True)
     assert held == (1, 1, 1)
     assert all(t.reward is not None for t in batch[0].trajectories)
+
+
+@pytest.mark.parametrize("env", [HeldReward, FreshGraded])
+def test_a_trajectory_waiting_for_its_reward_holds_a_sandbox_only_if_its_reward_reads_it(
+    tmp_path: Path, env: type[HeldReward]
+) -> None:
+    async def look(
+        coordinator: Coordinator, window: TurnWindow, rewards: RewardPool, pool: SandboxPool
+    ) -> int:
+        await until(lambda: rewards.busy + rewards.queued == 2)
+        await asyncio.sleep(0.2)
+        return pool.sandboxes_running()
+
+    running, batch = run_group(tmp_path, workers=1, look=look, env=env)
+    assert running == (2 if env.reward_reads_sandbox else 0)
+    assert all(t.reward is not None for t in batch[0].trajectories)
+    if env is FreshGraded:  # graded in a sandbox of its own, opened after the episode's closed
+        assert all(t.reward == 1.0 for t in batch[0].trajectories)

@@ -91,6 +91,42 @@ def test_the_demonstrators_fix_is_graded_resolved_in_a_fresh_sandbox_and_its_dif
 
 
 @requires_root
+def test_an_episode_is_graded_from_its_diff_alone_once_its_sandbox_has_closed(
+    test_images: BuiltImages, tasks: list[Task]
+) -> None:
+    # What reward workers do: the episode's sandbox goes as its turns end; its diff is graded in
+    # a fresh sandbox of the group, opened for the grading (`Swe.grade`).
+    task = next(t for t in tasks if t.id == "intervaltools__intervaltools-1")
+    policy = Swe.demonstrator(task, 0)
+    assert policy is not None
+    opened: list[int] = []
+
+    async def main() -> tuple[float, float, int]:
+        async with SandboxPool(6 << 30, images=test_images.store()) as pool:
+            group = await pool.open_group(Swe.template_for(task))
+            sandbox = await group.add()
+            env = Swe(task, sandbox)
+            await env.reset()
+            for _ in range(6):
+                if (await env.step(policy(""))).done:
+                    break
+            diff = await env.output()
+            await sandbox.close()
+
+            async def open_sandbox() -> Any:
+                opened.append(pool.sandboxes_running())
+                return await group.add()
+
+            fixed = await Swe.grade(task, diff, open_sandbox)
+            unchanged = await Swe.grade(task, "", open_sandbox)  # no sandbox for no change
+            return fixed, unchanged, pool.sandboxes_running()
+
+    fixed, unchanged, left = asyncio.run(main())
+    assert (fixed, unchanged) == (1.0, 0.0)
+    assert opened == [0] and left == 0  # one grader, opened after the episode's closed
+
+
+@requires_root
 def test_editing_the_tests_earns_nothing(test_images: BuiltImages, tasks: list[Task]) -> None:
     """The agent writes the failing test itself, passing, without fixing the code: the test
     patch resets the file and puts the real test back."""

@@ -31,7 +31,8 @@ class Scored(Environment):
 def job(tid: str, task: str = "t0") -> RewardJob:
     traj = Trajectory.start(tid, "g0", task, [1, 2])
     traj.add_model_turn([3, 4], [0.0, 0.0], [0, 0])
-    return RewardJob(Scored(Task(task, "a prompt"), None), Task(task, "a prompt"), traj, str)  # type: ignore[arg-type]
+    episode = Scored(Task(task, "a prompt"), None)  # type: ignore[arg-type]
+    return RewardJob.of(episode, traj, str)
 
 
 class Gate:
@@ -49,6 +50,9 @@ class Gate:
         await self.go.wait()
         self.running -= 1
         return 1.0
+
+    def reads_sandbox(self, env: type[Environment]) -> bool:
+        return False
 
     async def close(self) -> None:
         pass

@@ -145,6 +145,60 @@ def test_an_environment_in_a_file_outside_any_package_runs_on_the_workers(
     assert sum(w["episodes_played"] for w in workers) >= len(records)
 
 
+GRADED = """
+from venusrl.envs.builtin.guess_number import GuessNumber
+
+
+class GradedGuess(GuessNumber):
+    \"\"\"guess_number graded from its output alone, in a fresh sandbox, as swe is.\"\"\"
+
+    name = "graded_guess"
+    reward_reads_sandbox = False
+
+    async def output(self):
+        r = await self.sandbox.run_python("print(solved)", timeout_s=self.tool_timeout_s)
+        return r.stdout.decode().strip()
+
+    @classmethod
+    async def grade(cls, task, output, open_sandbox):
+        grader = await open_sandbox()  # the grading's own sandbox, in a clean start state
+        try:
+            r = await grader.run_python("print(solved)", timeout_s=30)
+        finally:
+            await grader.close()
+        assert r.stdout.strip() == b"False", r.text()
+        return 1.0 if output == "True" else 0.0
+"""
+
+
+def test_rewards_are_graded_by_a_reward_worker_on_a_node_of_its_own(
+    two_nodes: Cluster, tmp_path: Path
+) -> None:
+    # A CPU-only node declaring the reward resource: the reward worker goes there, apart from
+    # the rollout workers, and grades every trajectory in fresh sandboxes of its own pool.
+    node = two_nodes.add_node(num_cpus=0, resources={"reward": 1})
+    try:
+        env = tmp_path / "graded_guess.py"
+        env.write_text(GRADED)
+        cfg = load_config(None, [*RAY_RUN, "run.steps=2", f"rollout.env={env}:GradedGuess",
+                                 "reward.ray_resource=reward", "reward.workers=2",
+                                 "run.warm_start_episodes=0"])  # fmt: skip
+        metrics = asyncio.run(train(cfg, tmp_path / "run"))
+    finally:
+        two_nodes.remove_node(node)
+    assert [m["step"] for m in metrics] == [0, 1]
+    assert sum(m["infra_failures"] for m in metrics) == 0
+    records = list(read_records(tmp_path / "run"))
+    assert len(records) == 2 * 2 * 2 and all(r["reward"] in (0.0, 1.0) for r in records)
+    report = json.loads((tmp_path / "run" / "cluster.json").read_text())
+    rewards = report["reward_worker"]
+    assert rewards["node"] == node.node_id
+    assert rewards["node"] not in {w["node"] for w in report["workers"]}
+    assert rewards["rewards_scored"] >= len(records) and rewards["rewards_failed"] == 0
+    assert rewards["sandboxes_created"] == rewards["rewards_scored"]  # one grader's each
+    assert metrics[-1]["rewards_scored"] >= 2 * 2 * 2  # the step line reads the actor's
+
+
 def test_engines_the_cluster_cannot_hold_are_refused_before_any_actor_starts(
     two_nodes: Cluster,
 ) -> None:

@@ -22,6 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.conftest import StandIn
 from tests.runtime import SMALL
 from venusrl import cli
 from venusrl.config import load_config
@@ -425,6 +426,28 @@ def test_a_run_trains_on_an_environment_of_the_users_own_named_by_its_file(
     assert all(r["prompt_id"].startswith("arith-") for r in records)
 
 
+def test_venusrl_train_scores_its_episodes_with_a_remote_reward_service(
+    tmp_path: Path, warm_started_small: list[str], stand_in: StandIn
+) -> None:
+    # The service (a real HTTP server) gives each group's first member 1, the others 0.
+    stand_in.replies["/score"] = lambda body: (
+        200,
+        {"reward": float("-m0-" in body["trajectory_id"])},
+    )
+    remote = ["reward.kind=remote", f"reward.service.url={stand_in.url}/score", "run.steps=2"]
+    metrics = asyncio.run(train(load_config(None, [*warm_started_small, *remote]), tmp_path))
+    assert [m["step"] for m in metrics] == [0, 1]
+    assert sum(m["infra_failures"] for m in metrics) == 0
+    records = list(read_records(tmp_path))
+    assert len(records) == 2 * 2 * 2
+    assert all(r["reward"] == float("-m0-" in r["trajectory_id"]) for r in records)
+    scored = {body["trajectory_id"]: body for _, body in stand_in.requests}
+    assert {r["trajectory_id"] for r in records} <= scored.keys()
+    body = scored[records[0]["trajectory_id"]]
+    assert body["environment"] == "treasure_hunt" and body["turns"] and body["task_id"]
+    assert metrics[-1]["rewards_scored"] >= len(records)
+
+
 def test_venusrl_train_plays_a_jsonl_task_file_resumes_in_it_and_eval_replays_it(
     tmp_path: Path, warm_started_small: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -590,6 +613,9 @@ def test_an_environment_whose_reward_raises_loses_those_episodes_not_the_run(
     assert sum(m["env_failures"] for m in metrics) == sum(m["infra_failures"] for m in metrics)
     records = list(read_records(tmp_path / "run"))
     assert all(r["reward"] in (0.0, 1.0) for r in records if r["finish"] != "infra")
+    # The episodes whose reward raised are kept as they were played, for the author to read.
+    buggy = [r for r in records if r["failure_kind"] == "environment"]
+    assert buggy and all(r["turns"] and r["reward"] is None for r in buggy)
     # The author sees the traceback once, not once per failed episode, naming the task and the
     # trajectory it raised for.
     raised = re.compile(

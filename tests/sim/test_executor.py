@@ -133,7 +133,10 @@ def test_a_train_bound_above_the_start_bound_lets_batches_overtake_stragglers() 
         ("venus@\u0661", "after '@' comes a staleness bound"),
         ("venus@99999999999", "staleness bounds go up to 64"),
         ("venus@1:65", "staleness bounds go up to 64"),
-        ("venus[foo=1]", "foo: not a knob of venus; its knobs: pin_s, release_overtaken, fill"),
+        (
+            "venus[foo=1]",
+            "foo: not a knob of venus; its knobs: pin_s, release_overtaken, reward_pool, fill",
+        ),
         ("venus[lane]", "'lane' is not KEY=VALUE"),
         ("venus[lane=]", "'lane=' is not KEY=VALUE"),
         ("venus[]", "no KNOB=VALUE between the brackets; venus's knobs: pin_s, release"),
@@ -500,9 +503,12 @@ def test_iterations_run_as_one_event_give_the_figures_of_deciding_every_one(poli
 def test_draining_engines_for_new_weights_waits_on_the_turns_in_flight(policy: str) -> None:
     """`weight_update=drain`: each engine runs its turns in flight to their end, admitting none,
     before the weights load; `keep` loads between two iterations. Same work, same weights."""
-    # Long enough episodes that turns are in flight when a step's weights are published.
+    # Long enough episodes, and rewards short enough, that turns are in flight when a step's
+    # weights are published.
     workload = SMALL.scaled_for(
-        name="swe-small-long", turns=Turns("lognormal", LogNormal(30, 0.35))
+        name="swe-small-long",
+        turns=Turns("lognormal", LogNormal(30, 0.35)),
+        reward_s=LogNormal(0.5, 0.5),
     )
     runs = {
         mode: Simulation(
@@ -541,3 +547,31 @@ def test_an_unknown_weight_update_mode_is_refused() -> None:
         ValueError, match="weight_update must be one of keep, flush, drain, got 'pause'"
     ):
         SimConfig(weight_update="pause")
+
+
+def test_the_graders_bound_holds_and_reward_workers_grade_the_critical_groups_first() -> None:
+    # One grader for minute-long rewards: grading is where the batch waits. The reward pool
+    # takes the most critical group's trajectory first, so those wait less than the best-effort
+    # groups' (inline, every policy of RL frameworks, each waits in the order its turns ended).
+    workload = SMALL.scaled_for(reward_workers=1, reward_s=LogNormal(30, 0.5))
+    pool = run("venus", workload, steps=4)
+    assert pool["graders_peak"] == 1
+    waits = pool["grader_wait_s"]
+    assert waits["critical"] * 1.2 < waits["best_effort"]
+    assert pool["reward_p50_s"] > 30  # a reward's latency counts its wait for the grader
+    unbounded = run("venus", SMALL.scaled_for(reward_workers=None), steps=4)
+    assert unbounded["graders_peak"] > 1 and max(unbounded["grader_wait_s"].values()) == 0
+
+
+def test_a_trajectory_waiting_for_a_grader_holds_no_sandbox_unless_its_reward_reads_it() -> None:
+    # Off the rollout's path the episode's sandbox closes as its turns end and the grader opens
+    # a fresh one (SWE-bench's grading); inline, or when the reward reads the episode's sandbox,
+    # the sandbox waits with it.
+    workload = SMALL.scaled_for(reward_workers=1, reward_s=LogNormal(30, 0.5))
+    inline = run("venus[reward_pool=false]", workload, steps=4)
+    pool = run("venus", workload, steps=4)
+    reads = run("venus", workload.scaled_for(reward_reads_sandbox=True), steps=4)
+    per_step = {k: r["sandbox_gb_s"] / r["simulated_s"] for k, r in
+                (("inline", inline), ("pool", pool), ("reads", reads))}  # fmt: skip
+    assert per_step["pool"] < 0.8 * per_step["inline"]
+    assert per_step["pool"] < 0.8 * per_step["reads"]

@@ -217,6 +217,10 @@ async def run_episode(
                 )
         except (InfraFailure, TimeoutError, RewardFailed) as e:
             traj.fail(failure_kind(e), f"{type(e).__name__}: {e}")
+        except EnvironmentFailed as e:  # its author's bug, reported with the episode kept
+            traj.fail(failure_kind(e), f"{type(e).__name__}: {e}")
+            e.record = traj
+            raise
         return traj
     finally:
         try:

@@ -28,7 +28,7 @@ import asyncio
 import itertools
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from venusrl.coordinator.config import RolloutConfig
 from venusrl.coordinator.group_book import Group, GroupBook
@@ -58,6 +58,9 @@ class GroupResult:
     # what scoring added to the group's time lies between them.
     rolled_out_at: float = 0.0
     completed_at: float = 0.0
+    # Attempts the platform failed that a replacement member played again: not trained on,
+    # kept for the record (what an environment's bug did, as far as its episode went).
+    replaced: list[Trajectory] = field(default_factory=list)
 
     @property
     def masked(self) -> int:
@@ -81,6 +84,7 @@ class _GroupRun:
     infra_failures: int = 0
     env_failures: int = 0
     last_failure: Failure | None = None
+    replaced: list[Trajectory] = field(default_factory=list)
 
     def result(self, group: Group[_GroupRun]) -> GroupResult:
         trajectories = [t for t in self.results if t is not None]
@@ -95,6 +99,7 @@ class _GroupRun:
             self.duration_s,
             self.rolled_out_s,
             self.opened_s + self.duration_s,
+            self.replaced,
         )
 
 
@@ -290,6 +295,7 @@ class Coordinator:
                 self._infra_failures += 1
                 self._env_failures += env_failed
                 if run.infra_failures <= self.config.max_infra_retries:
+                    run.replaced.append(traj)
                     continue  # a replacement member runs the same task
             run.results[index] = traj
             scored = traj.finish is not Finish.INFRA

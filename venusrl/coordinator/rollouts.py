@@ -23,11 +23,11 @@ from venusrl.coordinator.admission import AdmissionWindow, TurnWindow
 from venusrl.coordinator.agent_loop import ChatFormat, failure_kind, run_episode
 from venusrl.coordinator.config import RolloutConfig
 from venusrl.envs.environment import Environment, EnvironmentFailed, Task
-from venusrl.envs.service import GroupHandle, SandboxService
+from venusrl.envs.service import GroupHandle, SandboxHandle, SandboxService
 from venusrl.envs.types import InfraFailure
-from venusrl.policy.critical_groups import BEST_EFFORT
+from venusrl.policy.critical_groups import BEST_EFFORT, reward_rank
 from venusrl.rewards.kinds import EnvironmentReward
-from venusrl.rewards.pool import RewardJob, RewardPool
+from venusrl.rewards.pool import RewardJob, RewardPool, Rewards
 from venusrl.types import FailureKind, Generate, Progress, SamplingParams, Trajectory
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ class LocalRollouts:
         end_trajectory: Callable[[str], Awaitable[None]] | None = None,
         admission: AdmissionWindow | TurnWindow | None = None,
         resume_preempted: bool = True,
-        rewards: RewardPool | None = None,
+        rewards: Rewards | None = None,
     ) -> None:
         """`end_trajectory` tells the engine that an episode is over, so that the KV it kept for
         the trajectory between turns can go; `admission`: episodes run only while its window
@@ -111,7 +111,9 @@ class LocalRollouts:
         if self.turns is not None:
             self.generate = self.turns.gate(generate)
         self.resume_preempted = resume_preempted
-        self.rewards = rewards or RewardPool(EnvironmentReward(), None, rollout.reward_timeout_s)
+        self.rewards: Rewards = rewards or RewardPool(
+            EnvironmentReward(), None, rollout.reward_timeout_s
+        )
         self.priority: Mapping[str, int] = {}
         self.ranked: dict[str, int] = {}  # open group id -> its place in the ranking
         self.groups: dict[str, GroupHandle] = {}  # open groups' sandboxes, by group id
@@ -127,9 +129,7 @@ class LocalRollouts:
 
     def rank(self, group_id: str) -> tuple[int, int]:
         """Where a group's rewards wait for a worker: critical groups first, in ranking order."""
-        return -self.priority.get(group_id, BEST_EFFORT), self.ranked.get(
-            group_id, len(self.ranked)
-        )
+        return reward_rank(group_id, self.priority, self.ranked)
 
     async def open_group(
         self, group_id: str, env: type[Environment], task: Task, priority: int
@@ -206,18 +206,22 @@ class LocalGroup:
         traj: Trajectory,
         on_progress: OnProgress,
         leave_slot: Callable[[], Awaitable[None]],
+        sandbox: SandboxHandle,
     ) -> float:
         """The finished episode's reward from the run's reward workers; off the rollout's path
-        its places (its admission slot, its KV-window place and its KV) go first, and the
-        coordinator learns that only its reward is left."""
+        its places (its admission slot, its KV-window place, its KV and, where the scorer does
+        not read it, its sandbox) go first, and the coordinator learns that only its reward is
+        left."""
         r, gid = self.rollouts, self.group_id
         if not r.rewards.inline:
             await leave_slot()
             await self._turns_over(traj.trajectory_id)
+            if not r.rewards.reads_sandbox(type(env)):
+                await sandbox.close()
             on_progress(traj.progress()._replace(grading=True), 0.0)
         started = time.monotonic()
         try:
-            job = RewardJob(env, self.task, traj, r.fmt.text)
+            job = RewardJob.of(env, traj, r.fmt.text, self.handle.add)
             return await r.rewards.score(job, lambda: r.rank(gid))
         finally:
             traj.reward_s = time.monotonic() - started
@@ -249,7 +253,7 @@ class LocalGroup:
                     priority=lambda: r.priority.get(gid, BEST_EFFORT),
                     on_progress=lambda t: on_progress(t.progress(), 0.0),
                     replay=replay,
-                    score=lambda env, traj: self._score(env, traj, on_progress, leave),
+                    score=lambda env, traj: self._score(env, traj, on_progress, leave, sandbox),
                 )
         except Exception as e:  # an engine call that failed is the platform's fault too
             # A bug in the environment's code is masked and replaced the same way, so that one
@@ -260,6 +264,8 @@ class LocalGroup:
             if isinstance(e, EnvironmentFailed) and kind not in r.tracebacks_shown:
                 r.tracebacks_shown.add(kind)
                 log.warning("episode %s: %s", trajectory_id, e, exc_info=e)
+            if isinstance(e, EnvironmentFailed) and e.record is not None:
+                return e.record  # what the episode played is kept, not trained on
             return failed(
                 trajectory_id, gid, self.task, failure_kind(e), f"{type(e).__name__}: {e}"
             )

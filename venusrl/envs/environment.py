@@ -54,6 +54,7 @@ from venusrl.model.tool_calls import (
     json_type,
 )
 from venusrl.model.tool_formats import ToolParser, tool_parser
+from venusrl.types import Trajectory
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -93,6 +94,15 @@ class SandboxVerbs(Protocol):
 
     async def write_file(self, path: str, data: bytes, /) -> None: ...
 
+
+class SandboxHandle(SandboxVerbs, Protocol):
+    """A sandbox its holder closes."""
+
+    async def close(self) -> None: ...
+
+
+# Opens a fresh sandbox of a task's template, in its start state, for its caller to close.
+OpenSandbox = Callable[[], Awaitable[SandboxHandle]]
 
 # run(sandbox, arguments, timeout_s) -> observation text. It must bound its own waits by timeout_s.
 ToolRunner = Callable[[SandboxVerbs, dict[str, Any], float], Awaitable[str]]
@@ -235,6 +245,11 @@ class Environment(ABC):
     # Where a file's row holds the task's id and prompt, when not in `id` and `prompt` (SWE
     # datasets: instance_id, problem_statement); `task_fields` overrides it.
     default_columns: ClassVar[Mapping[str, str]] = {}
+    # Whether `reward` reads the episode's sandbox. False: the environment grades an episode
+    # from its output alone, in a fresh sandbox of the task's template (`grade`), as SWE-bench
+    # does; reward workers then grade it apart from its rollout (its sandbox closed as its
+    # turns end, on a node of their own on Ray).
+    reward_reads_sandbox: ClassVar[bool] = True
 
     def __init__(self, task: Task, sandbox: SandboxVerbs) -> None:
         self.task = task
@@ -251,9 +266,25 @@ class Environment(ABC):
         """An endless stream of tasks; the same seed gives the same stream. Ids never repeat in
         it: a resumed run skips the ids it has trained on."""
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if not cls.reward_reads_sandbox and cls.grade.__func__ is Environment.grade.__func__:  # type: ignore[attr-defined]
+            raise TypeError(
+                f"{cls.__name__}: reward_reads_sandbox = False says its episodes are graded from"
+                " their output alone: it needs a `grade` classmethod that does it"
+            )
+
     @abstractmethod
     async def reward(self) -> float:
         """The episode's score, read from the sandbox's state; 0 for a failed episode."""
+
+    @classmethod
+    async def grade(cls, task: Task, output: str | None, open_sandbox: OpenSandbox) -> float:
+        """The reward of an episode of `task` that produced `output` (`output()`), graded from it
+        alone: in fresh sandboxes of the task's template that `open_sandbox` opens, where it needs
+        one (it closes them). For an environment whose reward reads nothing of the episode's own
+        sandbox (`reward_reads_sandbox` False); its `reward` may grade the same way."""
+        raise NotImplementedError(f"{cls.name}: its reward reads its episode's sandbox")
 
     async def flag_reward(self, variable: str) -> float:
         """1 when the sandbox interpreter's `variable` is True, else 0: the reward of a game
@@ -432,12 +463,16 @@ class Environment(ABC):
 
 class EnvironmentFailed(Exception):
     """The environment's own code (its reset, step, output or reward) raised: a bug of its
-    author's, neither the model's turn nor the platform. The episode is lost; the exception it
-    raised is the cause, with the traceback its author needs."""
+    author's, neither the model's turn nor the platform. The episode is not trained on; the
+    exception it raised is the cause, with the traceback its author needs, and `record` the
+    episode as far as it went (its turns and output, for the author to look at), once the agent
+    loop has one."""
+
+    record: Trajectory | None = None
 
 
 @contextlib.contextmanager
-def raised_by(env: Environment, verb: str, where: str = "") -> Iterator[None]:
+def raised_by(env: Environment | type[Environment], verb: str, where: str = "") -> Iterator[None]:
     """An exception of the environment's own code becomes `EnvironmentFailed`, naming it (and
     `where`: the task and the trajectory, for a reward scored away from its episode)."""
     try:
@@ -448,12 +483,14 @@ def raised_by(env: Environment, verb: str, where: str = "") -> Iterator[None]:
         raise EnvironmentFailed(f"{env.name}.{verb}{where} raised {type(e).__name__}: {e}") from e
 
 
-async def environment_call(env: Environment, verb: str, call: Awaitable[T], where: str = "") -> T:
+async def environment_call(
+    env: Environment | type[Environment], verb: str, call: Awaitable[T], where: str = ""
+) -> T:
     with raised_by(env, verb, where):
         return await call
 
 
-def checked_reward(env: Environment, reward: object, where: str = "") -> float:
+def checked_reward(env: Environment | type[Environment], reward: object, where: str = "") -> float:
     """A NaN would poison the advantages, and through them the weights, without an error."""
     if not isinstance(reward, numbers.Real) or not math.isfinite(reward):
         raise EnvironmentFailed(

@@ -7,12 +7,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Protocol
 
-from venusrl.envs.environment import SandboxVerbs
+from venusrl.envs.environment import SandboxHandle
 from venusrl.envs.types import TemplateSpec
 
-
-class SandboxHandle(SandboxVerbs, Protocol):
-    async def close(self) -> None: ...
+__all__ = ["GroupHandle", "SandboxHandle", "SandboxService", "SandboxSource"]
 
 
 class GroupHandle(Protocol):

@@ -72,6 +72,16 @@ def critical(priority: int) -> bool:
     return priority >= HIGH
 
 
+def reward_rank(
+    group_id: str, ranking: Mapping[str, int], place: Mapping[str, int]
+) -> tuple[int, int]:
+    """Where a group's finished trajectories wait for a reward worker, lowest first: by their
+    group's priority in `ranking` (the latest, in its order), then by its `place` in that order:
+    the groups the next batch needs are graded first. The rule of the runtime's reward pool and
+    of the simulator's graders."""
+    return -ranking.get(group_id, BEST_EFFORT), place.get(group_id, len(place))
+
+
 @dataclass(frozen=True)
 class MemberView:
     done: bool

@@ -118,6 +118,13 @@ class RewardConfig(Section):
         " answered no reward) is scored again this many times; past that its trajectory is"
         " replaced or masked, never scored 0",
     )
+    ray_resource: str | None = Field(
+        None,
+        min_length=1,
+        description="on Ray (runtime.kind=ray): a custom resource the nodes for the reward"
+        " worker declare (`ray start --resources='{\"reward\": 1}'`, CPU-only nodes); it is"
+        " placed on one of them, apart from the rollout workers (None: wherever Ray places it)",
+    )
     service: ServiceConfig = Field(default_factory=ServiceConfig)
     judge: JudgeConfig = Field(default_factory=JudgeConfig)
 

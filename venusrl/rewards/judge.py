@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from venusrl.envs.environment import Environment
 from venusrl.rewards.config import JudgeConfig, ServiceConfig
 from venusrl.rewards.http import ServiceClient
 from venusrl.rewards.pool import RewardJob
@@ -40,7 +41,7 @@ correctly). Explain in one or two sentences, then end with a line of the form "S
 
 
 def judge_prompt(template: str, job: RewardJob) -> str:
-    turns = job.turns()
+    turns = job.turns
     fields = {
         "prompt": job.task.prompt,
         "response": turns[-1] if turns else "",
@@ -55,6 +56,9 @@ class JudgeReward:
         self.service, self.judge = ServiceClient(service), judge
         self.template = RUBRIC if judge.prompt_file is None else Path(judge.prompt_file).read_text()
         self.pattern = re.compile(judge.score_pattern)
+
+    def reads_sandbox(self, env: type[Environment]) -> bool:
+        return False  # it reads the record alone
 
     async def score(self, job: RewardJob) -> float:
         j = self.judge

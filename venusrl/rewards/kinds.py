@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from venusrl.envs.environment import checked_reward, environment_call
+from venusrl.envs.environment import Environment, checked_reward, environment_call
 from venusrl.rewards.config import RewardConfig
 from venusrl.rewards.judge import JudgeReward
 from venusrl.rewards.pool import RewardJob, RewardPool, Scorer
@@ -11,11 +11,23 @@ from venusrl.rewards.remote import RemoteReward
 
 class EnvironmentReward:
     """The environment's own `reward`: the swe environment's grading runs the task's tests in a
-    fresh sandbox of its image, so with the pool's workers bounded, so are graders' sandboxes."""
+    fresh sandbox of its image, so with the pool's workers bounded, so are graders' sandboxes
+    (and the episode's own has closed by then: `Environment.reward_reads_sandbox`)."""
+
+    def reads_sandbox(self, env: type[Environment]) -> bool:
+        return env.reward_reads_sandbox
 
     async def score(self, job: RewardJob) -> float:
         env = job.env
-        reward = await environment_call(env, "reward", env.reward(), job.where)
+        if env.reward_reads_sandbox:
+            if job.episode is None:
+                raise ValueError(f"{env.name}'s reward reads its episode, which is not here")
+            verb, call = "reward", job.episode.reward()
+        else:
+            if job.open_sandbox is None:
+                raise ValueError(f"{env.name} grades in fresh sandboxes; no pool opens them here")
+            verb, call = "grade", env.grade(job.task, job.trajectory.output, job.open_sandbox)
+        reward = await environment_call(env, verb, call, job.where)
         return checked_reward(env, reward, job.where)
 
     async def close(self) -> None:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from venusrl.envs.environment import Environment, Task
+from venusrl.envs.environment import Environment, OpenSandbox, Task
 from venusrl.types import Trajectory
 
 # How a waiting trajectory ranks for a place, lowest first: its group's priority (negated) and
@@ -33,27 +33,48 @@ Rank = Callable[[], tuple[int, int]]
 
 @dataclass(frozen=True)
 class RewardJob:
-    """One finished trajectory to score, with the environment that played it (its sandbox is
-    still open: an environment's reward may read what the episode left there)."""
+    """One finished trajectory to score: its environment's class, its task, its record and the
+    model's turns as text. An environment's reward that reads the episode's sandbox gets the
+    episode (`episode`, its sandbox still open); one graded from the output alone gets fresh
+    sandboxes of the task's template (`open_sandbox`, `Environment.grade`). All but those two
+    travel to a reward worker on another node."""
 
-    env: Environment
+    env: type[Environment]
     task: Task
     trajectory: Trajectory
-    decode: Callable[[Sequence[int]], str]  # the model's token ids as text
+    turns: tuple[str, ...]
+    episode: Environment | None = None
+    open_sandbox: OpenSandbox | None = None
+
+    @classmethod
+    def of(
+        cls,
+        episode: Environment,
+        trajectory: Trajectory,
+        decode: Callable[[Sequence[int]], str],
+        open_sandbox: OpenSandbox | None = None,
+    ) -> RewardJob:
+        """The job of `episode`'s finished `trajectory` (`decode`: token ids to text); the
+        episode goes with it only where its reward reads its sandbox."""
+        t = trajectory
+        turns = tuple(decode(t.token_ids[start:end]) for start, end, _ in t.turn_spans())
+        env = type(episode)
+        kept = episode if env.reward_reads_sandbox else None
+        return cls(env, episode.task, trajectory, turns, kept, open_sandbox)
 
     @property
     def where(self) -> str:
         """What an error says the reward was for."""
         return f" (task {self.task.id}, trajectory {self.trajectory.trajectory_id})"
 
-    def turns(self) -> list[str]:
-        """The model's turns, as text."""
-        t = self.trajectory
-        return [self.decode(t.token_ids[start:model_end]) for start, model_end, _ in t.turn_spans()]
-
 
 class Scorer(Protocol):
     """A kind of reward (`reward.kind`)."""
+
+    def reads_sandbox(self, env: type[Environment]) -> bool:
+        """Whether scoring an episode of `env` reads its sandbox (else it closes as the turns
+        end)."""
+        ...
 
     async def score(self, job: RewardJob) -> float:
         """The trajectory's reward; `RewardUnavailable` when the platform failed to give it."""
@@ -68,6 +89,24 @@ class RewardUnavailable(Exception):
 
 class RewardFailed(Exception):
     """Scoring failed for the platform past its retries: the trajectory is replaced or masked."""
+
+
+class Rewards(Protocol):
+    """What the rollout scores its finished trajectories with: a `RewardPool` here, or the run's
+    reward worker on Ray (`runtime.cluster.reward_worker`)."""
+
+    @property
+    def inline(self) -> bool:
+        """Scored in the episode, holding its places (`reward.placement=inline`)."""
+        ...
+
+    def reads_sandbox(self, env: type[Environment]) -> bool: ...
+
+    async def score(self, job: RewardJob, rank: Rank = ...) -> float: ...
+
+    def counters(self) -> dict[str, int]: ...
+
+    async def close(self) -> None: ...
 
 
 @dataclass
@@ -105,6 +144,9 @@ class RewardPool:
     @property
     def queued(self) -> int:
         return len(self._waiting)
+
+    def reads_sandbox(self, env: type[Environment]) -> bool:
+        return self.scorer.reads_sandbox(env)
 
     async def score(self, job: RewardJob, rank: Rank = lambda: (0, 0)) -> float:
         """`job`'s reward, once a worker is free for it (`rank` orders the waiting)."""

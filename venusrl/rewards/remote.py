@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from venusrl.envs.environment import Environment
 from venusrl.rewards.config import ServiceConfig
 from venusrl.rewards.http import ServiceClient
 from venusrl.rewards.pool import RewardJob
@@ -25,7 +26,7 @@ def request(job: RewardJob) -> dict[str, Any]:
         "environment": job.env.name,
         "prompt": job.task.prompt,
         "reference": dict(job.task.reference),
-        "turns": job.turns(),
+        "turns": list(job.turns),
         "output": t.output,
         "finish": None if t.finish is None else str(t.finish),
     }
@@ -44,6 +45,9 @@ def reward_of(answer: Any) -> float:
 class RemoteReward:
     def __init__(self, config: ServiceConfig) -> None:
         self.service = ServiceClient(config)
+
+    def reads_sandbox(self, env: type[Environment]) -> bool:
+        return False  # it reads the record alone
 
     async def score(self, job: RewardJob) -> float:
         return await self.service.post("", request(job), reward_of)

@@ -1,13 +1,15 @@
 """The run's record of its trajectories: `trajectories.jsonl`, one object per trajectory trained on.
 
-Each trainer step appends the trajectories of its batch (masked infrastructure failures included),
-so a finished trajectory is on disk once it has been trained on, and a run can be studied, plotted
-or replayed in the simulator afterwards. An object holds:
+Each trainer step appends the trajectories of its batch (masked infrastructure failures included,
+and the attempts a replacement member played again), so a finished trajectory is on disk once it
+has been trained on, and a run can be studied, plotted or replayed in the simulator afterwards.
+An object holds:
 
 - `step`, `env`, `trajectory_id`, `group_id`, `prompt_id`, `reward` (null when masked),
   `reward_s` (from its last turn to its reward: the reward workers' queue and scoring), `finish`,
   `failure` (what went wrong, for people) and `failure_kind` (`types.FailureKind`), `tool_calls`,
-  `output` (what the episode produced beyond its transcript, an SWE episode's diff; null);
+  `output` (what the episode produced beyond its transcript, an SWE episode's diff; null),
+  `replaced` (true: an attempt the platform failed, played again by a replacement member);
 - `token_ids` and `turn_starts` (the whole token record; `mask` follows from the turns, see
   `turns`), `versions`: how many model tokens each weight version produced (`{"3": 41}`);
 - `turns`: per turn the model's tokens (`action_tokens`), the observation's (`observation_tokens`,
@@ -32,7 +34,9 @@ FILE = "trajectories.jsonl"
 METRICS_FILE = "metrics.jsonl"
 
 
-def trajectory_record(traj: Trajectory, step: int, env: str, t0: float) -> dict[str, Any]:
+def trajectory_record(
+    traj: Trajectory, step: int, env: str, t0: float, replaced: bool = False
+) -> dict[str, Any]:
     """The JSON object of one trajectory of environment `env`; `t0` is the run's start on
     `time.monotonic()`."""
     bounds = [*traj.turn_starts, len(traj.token_ids)]
@@ -67,6 +71,7 @@ def trajectory_record(traj: Trajectory, step: int, env: str, t0: float) -> dict[
         "failure_kind": None if traj.failure is None else str(traj.failure.kind),
         "tool_calls": traj.tool_calls,
         "output": traj.output,
+        "replaced": replaced,
         "versions": {str(v): n for v, n in sorted(versions.items())},
         "turns": turns,
         "turn_starts": traj.turn_starts,

@@ -262,7 +262,10 @@ class _Run:
     def _record(self, step: int, batch: list[GroupResult], started: float) -> None:
         """The batch's trajectories on disk; the state the next checkpoint saves."""
         records = (
-            record.trajectory_record(t, step, g.env, started) for g in batch for t in g.trajectories
+            record.trajectory_record(t, step, g.env, started, replaced)
+            for g in batch
+            for replaced, kept in ((False, g.trajectories), (True, g.replaced))
+            for t in kept
         )
         record.append_records(self.run_dir, records)
         state = self.start.state

@@ -41,7 +41,7 @@ from venusrl.policy.agent_admission import (
     CacheSignal,
     ConcurAdmission,
 )
-from venusrl.policy.critical_groups import TurnRates, critical
+from venusrl.policy.critical_groups import TurnRates, critical, reward_rank
 from venusrl.policy.engine_schedule import (
     PriorityScheduler,
 )
@@ -76,6 +76,11 @@ class SimPolicy:
     admission: AgentAdmission | CriticalWindow | None = None  # agent-level admission control
     max_train_staleness: int | None = None  # policy.staleness; None: max_staleness
     release_overtaken: bool = False  # policy.staleness: an overtaken group frees its start place
+    # Rewards graded by reward workers off the rollout's path (`rewards.pool`): a trajectory's
+    # places go as its turns end, the ranking learns only its reward is left, and the graders
+    # take the most critical group's first. False: graded inline, as each episode ends, holding
+    # its places until its reward is in (`reward.placement=inline`).
+    reward_pool: bool = False
 
 
 # Every policy that runs ahead of the trainer may train a straggling group up to this many
@@ -108,6 +113,7 @@ POLICIES = {
         "trajectory",
         admission=CriticalWindow(),
         max_train_staleness=TRAIN_BOUND,
+        reward_pool=True,
     ),
     # Ours without moving a member's KV to a lighter engine (what migration is worth).
     "venus-nomigrate": SimPolicy(
@@ -117,6 +123,7 @@ POLICIES = {
         "trajectory",
         admission=CriticalWindow(migrate=False),
         max_train_staleness=TRAIN_BOUND,
+        reward_pool=True,
     ),
     # Ours before the KV window (the `venus` of BENCHMARKS.md's tables to 2026-12-04): every
     # trajectory admitted at once, so on long trajectories the cache thrashes.
@@ -184,7 +191,7 @@ def sim_policy(name: str) -> SimPolicy:
 
 
 # The policy's own knobs; the others are its admission control's.
-OWN_KNOBS = ("pin_s", "release_overtaken")
+OWN_KNOBS = ("pin_s", "release_overtaken", "reward_pool")
 
 
 def knobs(policy: SimPolicy) -> dict[str, float | int | bool]:
@@ -313,6 +320,12 @@ class SimTrajectory:
     # When its latest turn went to the engine, and in which `Simulation._phase`.
     submitted: tuple[float, str] = (0.0, "")
     asked_at: float | None = None  # when its turn asked for a place (None: not asking now)
+    turns_over_at: float | None = None  # when its last turn ended (its reward since)
+    critical_at_end: bool = False  # its group was critical then
+    graded_from: float | None = None  # when a grader took it
+    # When its sandbox closed before its reward (a reward worker grades it in a fresh one).
+    sandbox_closed_at: float | None = None
+    let_go: bool = False  # it gave up its engine's count and its KV-window place
 
     @property
     def group_id(self) -> str:
@@ -383,6 +396,14 @@ class Simulation:
         self.infra_failures = 0
         self.timeouts = 0  # trajectories cut at the workload's trajectory_limit_s
         self.finished_work = Work()  # of every trajectory finished (`work_floor`)
+        # Trajectories whose turns are over, waiting for a grader; graders busy; each reward's
+        # seconds from the last turn (queue and grading).
+        self._to_grade: list[SimTrajectory] = []
+        self._grading = 0
+        self.graders_peak = 0
+        self.reward_s: list[float] = []
+        # Seconds each waited for a grader, by whether its group was critical as its turns ended.
+        self.grader_waits: dict[str, list[float]] = {}
         self._arrivals = itertools.count()
         # First turns held back by admission control, and per engine the trajectories it paused
         # at a turn boundary (oldest first).
@@ -392,7 +413,8 @@ class Simulation:
         self._control_due = False  # a control period of admission control is scheduled
         # What the group ranking assumes of a trajectory: its decode speed on a loaded engine
         # (a batch of its share of the trajectories, each at half its final context on average)
-        # and the median tool call; both from draws of the workload, not from this run.
+        # the median tool call and reward, all from draws of the workload, not from this run (the
+        # reward's latency is then learned from the run's own, as the coordinator learns it).
         probe = WorkloadSampler(w, seed=-1)
         plans = [probe.trajectory(probe.next_prompt(), 0) for _ in range(64)]
         contexts = [
@@ -402,7 +424,11 @@ class Simulation:
         batch = max(1, round(w.prompts_per_batch * w.group_size / len(self.engines)))
         step_s = self.cost.decode_step_s(batch, batch * statistics.fmean(contexts))
         tools = [t.tool_s for p in plans for t in p.turns[:-1]]
-        rates = TurnRates(1.0 / step_s, statistics.median(tools) if tools else 0.0)
+        rates = TurnRates(
+            1.0 / step_s,
+            statistics.median(tools) if tools else 0.0,
+            reward_s=statistics.median(p.reward_s for p in plans),
+        )
         self.book: GroupBook[SimGroup] = GroupBook(
             bound, policy.priorities, rates, time_limit_s=w.trajectory_limit_s
         )
@@ -563,8 +589,7 @@ class Simulation:
                 self._member_finished(t, scored=False)
             return
         if t.turn == len(t.plan.turns) - 1:
-            t.engine.finish_trajectory(t.tid)
-            self.clock.at(now + t.plan.reward_s, lambda: self._scored(t))
+            self._turns_over(t)
             return
         deadline = t.started_at + self.workload.trajectory_limit_s
         if now + t.plan.turns[t.turn].tool_s > deadline:  # the harness cuts it at its limit
@@ -586,7 +611,57 @@ class Simulation:
         t.turn += 1
         self._request_turn(t)
 
-    def _end_trajectory(self, t: SimTrajectory) -> None:
+    def _turns_over(self, t: SimTrajectory) -> None:
+        """`t`'s last turn is decoded: it waits for one of the workload's graders. With reward
+        workers its places go first and the book learns that only its reward is left (the
+        runtime's `LocalGroup._score`); inline it holds them until its reward is in."""
+        assert t.engine is not None
+        now = t.turns_over_at = self.clock.now
+        t.critical_at_end = critical(self.book.priority(t.group.gid))
+        t.engine.finish_trajectory(t.tid)
+        if self.policy.reward_pool:
+            self._let_go(t)
+            if not self.workload.reward_reads_sandbox:
+                t.sandbox_closed_at = now
+            self.book.progress(t.group.gid, t.index, t.progress()._replace(grading=True), now)
+            self._rerank()
+        self._to_grade.append(t)
+        self._grade()
+
+    def _grade(self) -> None:
+        """Free graders take waiting trajectories: inline, in the order their turns ended (each
+        episode grades itself); reward workers take the most critical group's first, in the
+        ranking's order (`RewardPool`)."""
+        most = self.workload.reward_workers or math.inf
+        while self._to_grade and self._grading < most:
+            queue, first = self._to_grade, 0
+            if self.policy.reward_pool and len(queue) > 1:
+                ranking, place = self.book.priorities, {g: i for i, g in enumerate(self.book.order)}
+                ranks = [reward_rank(t.group.gid, ranking, place) for t in queue]
+                first = min(range(len(queue)), key=lambda i: (ranks[i], i))
+            t = queue.pop(first)
+            t.graded_from = self.clock.now
+            self._grading += 1
+            self.graders_peak = max(self.graders_peak, self._grading)
+            self.clock.at(self.clock.now + t.plan.reward_s, functools.partial(self._graded, t))
+
+    def _graded(self, t: SimTrajectory) -> None:
+        """`t`'s reward is in; its latency (queue and grading) is the coordinator's to learn."""
+        assert t.turns_over_at is not None and t.graded_from is not None
+        self._grading -= 1
+        reward_s = self.clock.now - t.turns_over_at
+        self.book.rates.observe_reward(reward_s)
+        self.reward_s.append(reward_s)
+        whose = "critical" if t.critical_at_end else "best_effort"
+        self.grader_waits.setdefault(whose, []).append(t.graded_from - t.turns_over_at)
+        self._scored(t)
+        self._grade()
+
+    def _let_go(self, t: SimTrajectory) -> None:
+        """`t` gives up its engine's count and its KV-window place; waiting agents come in."""
+        if t.let_go:
+            return
+        t.let_go = True
         assert t.engine is not None
         t.engine.finish_trajectory(t.tid)
         t.engine.trajectories -= 1
@@ -595,8 +670,11 @@ class Simulation:
             self.windows.admit()
         else:
             self._admit_waiting()
+
+    def _end_trajectory(self, t: SimTrajectory) -> None:
+        self._let_go(t)
         assert t.asked_at is None, "a trajectory ends at a turn it ran, never while it asks"
-        self.sandboxes.held += t.plan.sandbox_rss_gb * (self.clock.now - t.started_at)
+        self.sandboxes.held += self._sandbox_gb_s(t)
         del self._open[t.tid]
 
     def _admitted(self, t: SimTrajectory) -> None:
@@ -605,6 +683,15 @@ class Simulation:
             self.sandboxes.waited(t.turn, t.plan.sandbox_rss_gb * (self.clock.now - t.asked_at))
             t.asked_at = None
 
+    def _sandbox_gb_s(self, t: SimTrajectory) -> float:
+        """The sandbox memory `t` has held so far: its episode's sandbox, and, where that closed
+        as its turns ended, the fresh one a reward worker grades it in."""
+        now, rss = self.clock.now, t.plan.sandbox_rss_gb
+        if t.sandbox_closed_at is None:
+            return rss * (now - t.started_at)
+        grading = 0.0 if t.graded_from is None else now - t.graded_from
+        return rss * (t.sandbox_closed_at - t.started_at + grading)
+
     def _sandbox_figures(self) -> dict[str, float]:
         """The sandbox memory held, the trajectories still open at the end of the run included
         (a policy that keeps more of them waiting would look cheaper without), and the shares of
@@ -612,7 +699,7 @@ class Simulation:
         sandbox only once its trajectory is admitted would save) and between turns."""
         now, books = self.clock.now, replace(self.sandboxes)
         for t in self._open.values():
-            books.held += t.plan.sandbox_rss_gb * (now - t.started_at)
+            books.held += self._sandbox_gb_s(t)
             if t.asked_at is not None:
                 books.waited(t.turn, t.plan.sandbox_rss_gb * (now - t.asked_at))
         held = books.held
@@ -844,6 +931,11 @@ class Simulation:
             "turn_s_per_token": {
                 k: v[1] / v[2] if v[2] else None for k, v in sorted(self.turn_speed.items())
             },
+            # From a trajectory's last turn to its reward: the wait for a grader and the grading.
+            "reward_p50_s": quantile(sorted(self.reward_s), 0.5),
+            "reward_p95_s": quantile(sorted(self.reward_s), 0.95),
+            "grader_wait_s": {k: statistics.fmean(v) for k, v in sorted(self.grader_waits.items())},
+            "graders_peak": self.graders_peak,
             "group_completion_p50_s": quantile(completion, 0.5),
             "group_completion_p99_s": quantile(completion, 0.99),
             "staleness_mean": statistics.fmean(staleness) if staleness else 0.0,

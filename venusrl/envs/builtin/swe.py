@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
-from venusrl.envs.environment import Environment, SandboxVerbs, Task, Tool
+from venusrl.envs.environment import Environment, OpenSandbox, SandboxVerbs, Task, Tool
 from venusrl.envs.swe.grading import Grade, episode_diff, grade, start_state, without_harness
 from venusrl.envs.swe.tasks import SweTask, hunks, swe_task, swe_template
 from venusrl.envs.types import GiB, MiB, SandboxError, TemplateSpec
@@ -190,6 +190,18 @@ async def _submit(sandbox: SandboxVerbs, arguments: dict[str, Any], timeout_s: f
     return SUBMITTED
 
 
+async def graded(swe: SweTask, diff: str, open_sandbox: OpenSandbox, timeout_s: float) -> Grade:
+    """The grade of `diff`, in a fresh sandbox `open_sandbox` opens (none for a diff that
+    changes nothing: the start state, unresolved)."""
+    if not without_harness(diff)[0].strip():
+        return await grade(None, swe, diff, timeout_s)
+    grader = await open_sandbox()
+    try:
+        return await grade(grader, swe, diff, timeout_s)
+    finally:
+        await grader.close()
+
+
 class Swe(Environment):
     name = "swe"
     # The base template, for what needs one before any task (the tool check); each task's
@@ -240,6 +252,7 @@ class Swe(Environment):
     # Each sandbox may write this much over its image (the whole root is writable).
     writable_bytes: ClassVar[int] = 1 * GiB
     grade_timeout_s: ClassVar[float] = 900.0
+    reward_reads_sandbox = False  # graded from the diff `output` took, in a fresh sandbox
 
     def __init__(self, task: Task, sandbox: SandboxVerbs) -> None:
         super().__init__(task, sandbox)
@@ -334,18 +347,16 @@ class Swe(Environment):
     async def reward(self) -> float:
         """SWE-bench's: 1 when the diff, graded in a fresh sandbox of the task's image, makes
         every listed test pass (`envs/swe/grading.py`)."""
-        diff = await self.output()
-        if not without_harness(diff)[0].strip():  # the start state: unresolved, nothing to run
-            self.last_grade = await grade(None, self.swe, diff, self.grade_timeout_s)
-            return 0.0
         fresh = getattr(self.sandbox, "fresh", None)
         if fresh is None:
             raise RuntimeError(
                 "the swe environment grades in a fresh sandbox: its sandbox must be a pool's"
             )
-        grader = await fresh()
-        try:
-            self.last_grade = await grade(grader, self.swe, diff, self.grade_timeout_s)
-        finally:
-            await grader.close()
+        self.last_grade = await graded(self.swe, await self.output(), fresh, self.grade_timeout_s)
         return 1.0 if self.last_grade.resolved else 0.0
+
+    @classmethod
+    async def grade(cls, task: Task, output: str | None, open_sandbox: OpenSandbox) -> float:
+        swe = SweTask.from_reference(task.reference)
+        verdict = await graded(swe, output or "", open_sandbox, cls.grade_timeout_s)
+        return 1.0 if verdict.resolved else 0.0

@@ -61,6 +61,7 @@ from venusrl.runtime.cluster.ray_cluster import (
     call,
     until_alive,
 )
+from venusrl.runtime.cluster.reward_worker import RewardWorker, reward_actor
 from venusrl.runtime.cluster.worker import RolloutWorker, WorkerReport
 from venusrl.trainer.api import Trainer
 from venusrl.types import FailureKind, Finish, SamplingParams, Trajectory, TurnTimes
@@ -224,6 +225,12 @@ class RolloutFleet:
             .remote(cfg, i)
             for i in range(rt.engines)
         ]
+        # Off the rollout's path, the run's reward workers: an actor of their own.
+        self.rewards = reward_actor(cfg) if cfg.reward.placement == "pool" else None
+        self._ranking_pushed: Mapping[str, int] = {}
+        self._ranking_push: asyncio.Task[None] | None = None
+        self._reward_counts: dict[str, int] = {}
+        self.reward_node: list[str] = []  # the reward worker's node, once it started
         n = len(self.workers)
         # Restarts per worker are its epochs: keys made before the latest one are gone.
         self.replicas = Replicas(n, self._revive, rt.actor_restarts)
@@ -242,7 +249,7 @@ class RolloutFleet:
         self._pushed: list[dict[str, int]] = [{} for _ in range(n)]
         self._to_push: dict[int, dict[str, int]] = {}
         self._pushers: dict[int, asyncio.Task[None]] = {}
-        self._engine: tuple[dict[str, bytes], int, SamplingParams] | None = None
+        self._engine: tuple[dict[str, bytes], int, SamplingParams, Any] | None = None
         self._published: int | None = None  # the version of the last publish
         # Workers restarted since it, their engines loaded, waiting for the next; a wait leaves
         # only as it is resolved (`_resolve`), so no publish, however it fails, can lose one.
@@ -257,18 +264,19 @@ class RolloutFleet:
 
     async def __aenter__(self) -> RolloutFleet:
         try:
-            self.nodes = list(
-                await asyncio.wait_for(
-                    asyncio.gather(*(call(w, RolloutWorker.node_id) for w in self.workers)),
-                    START_TIMEOUT_S,
-                )
+            started = asyncio.gather(
+                *(call(w, RolloutWorker.node_id) for w in self.workers),
+                *([call(self.rewards, RewardWorker.node_id)] if self.rewards else []),
             )
+            nodes = list(await asyncio.wait_for(started, START_TIMEOUT_S))
+            self.nodes, self.reward_node = nodes[: len(self.workers)], nodes[len(self.workers) :]
         except TimeoutError:
             await self.close()
             raise ValueError(
-                f"the {len(self.workers)} rollout workers did not start within "
-                f"{START_TIMEOUT_S:.0f} s: is every node's venusrl install importable, and is "
-                "there room for them?"
+                f"the {len(self.workers)} rollout workers"
+                f"{' and the reward worker' if self.rewards else ''} did not start within"
+                f" {START_TIMEOUT_S:.0f} s: is every node's venusrl install importable, is there"
+                " room for them (and a node with reward.ray_resource, where it is set)?"
             ) from None
         try:
             await asyncio.gather(
@@ -306,7 +314,7 @@ class RolloutFleet:
         no filesystem)."""
         files = {p.name: p.read_bytes() for p in sorted(model_dir.iterdir()) if p.is_file()}
         # Held for the fleet's life: a restarted worker loads the model from it again.
-        self._engine = (by_ref(files), version, sampling)
+        self._engine = (by_ref(files), version, sampling, self.rewards)
         await asyncio.gather(
             *(
                 self.call(i, self.replicas.restarts[i], RolloutWorker.start_engine, *self._engine)
@@ -414,6 +422,9 @@ class RolloutFleet:
             self._counters[i] = (epoch, counts)
 
         await asyncio.gather(*(read(i) for i in self.up()))
+        if self.rewards is not None:  # read with the engines', for the step line
+            with contextlib.suppress(ActorLost):
+                self._reward_counts = await call(self.rewards, RewardWorker.counters)
         total = dict(self._carried)
         for _, counts in self._counters.values():
             _add(total, counts)
@@ -467,13 +478,18 @@ class RolloutFleet:
         return len(self.migrated)
 
     def reward_counters(self) -> dict[str, int]:
-        """Each worker scores with a pool of its own; their queues are not gathered here."""
-        return {}
+        """The reward worker's, as the engines' counters last read them (a restarted one counts
+        from its restart); nothing inline."""
+        return dict(self._reward_counts)
 
     def set_priorities(self, priority: Mapping[str, int]) -> None:
         """Each worker gets the priorities of the groups it holds, when they changed; one push
         in flight per worker, the latest mapping sent after it."""
         self._priority = priority
+        if self.rewards is not None and priority != self._ranking_pushed:
+            self._ranking_pushed = priority
+            if self._ranking_push is None:
+                self._ranking_push = asyncio.ensure_future(self._push_ranking())
         for i in self.up():
             mine = {g: p for g, p in priority.items() if i in self._group_workers.get(g, ())}
             if mine != self._pushed[i]:
@@ -492,6 +508,18 @@ class RolloutFleet:
                     )
         finally:
             del self._pushers[i]
+
+    async def _push_ranking(self) -> None:
+        """The whole ranking to the reward worker (it grades every worker's groups), the latest
+        after the push in flight."""
+        sent: Mapping[str, int] | None = None
+        try:
+            while sent is not self._ranking_pushed:
+                sent = self._ranking_pushed
+                with contextlib.suppress(ActorLost):
+                    await call(self.rewards, RewardWorker.set_priorities, dict(sent))
+        finally:
+            self._ranking_push = None
 
     def sandboxes_running(self) -> int:
         return sum(self.active) + self.single_sandboxes
@@ -581,8 +609,17 @@ class RolloutFleet:
             "waiting_for_weights": self.waiting_for_weights(),
             "migrated_episodes": len(self.migrated),
             "migrated_completed": self.migrated_completed,
+            "reward_worker": await self._reward_report(),
             "actor_calls": self.cluster.actor_calls(),
         }
+
+    async def _reward_report(self) -> dict[str, Any] | None:
+        if self.rewards is None:
+            return None
+        try:
+            return await call(self.rewards, RewardWorker.report)
+        except ActorLost:
+            return {"node": self.reward_node[0] if self.reward_node else None, "up": False}
 
     async def _report(self, i: int) -> WorkerReport | None:
         if i not in self.replicas.up:
@@ -597,10 +634,13 @@ class RolloutFleet:
             return
         self._closed = True
         self.replicas.cancel()
-        for task in list(self._pushers.values()):
+        for task in [*self._pushers.values(), *filter(None, [self._ranking_push])]:
             task.cancel()
         for i in self.up():
             with contextlib.suppress(ActorLost):
                 await call(self.workers[i], RolloutWorker.shutdown)
-        for worker in self.workers:
-            ray.kill(worker, no_restart=True)
+        if self.rewards is not None:
+            with contextlib.suppress(ActorLost):
+                await call(self.rewards, RewardWorker.shutdown)
+        for actor in [*self.workers, *filter(None, [self.rewards])]:
+            ray.kill(actor, no_restart=True)

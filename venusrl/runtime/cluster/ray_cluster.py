@@ -101,6 +101,15 @@ def at_default_priority() -> None:
         pass
 
 
+def available_memory_bytes() -> int:
+    """This node's available memory (what its actors' sandbox pools are sized from)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("/proc/meminfo has no MemAvailable")
+
+
 def check_reachable(address: str | None) -> None:
     """A `host:port` nobody answers on makes `ray.init` retry for minutes: say so at once."""
     if address is None or address == "auto" or "://" in address:

@@ -14,7 +14,7 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import ray
 import torch
@@ -30,7 +30,13 @@ from venusrl.envs.types import ExecResult, GiB, SandboxCrashed, TemplateSpec
 from venusrl.model.tokenizer import Tokenizer
 from venusrl.model.weight_stream import Bucket, Spec
 from venusrl.rewards.kinds import reward_pool
-from venusrl.runtime.cluster.ray_cluster import ActorLost, at_default_priority
+from venusrl.rewards.pool import RewardPool, Rewards
+from venusrl.runtime.cluster.ray_cluster import (
+    ActorLost,
+    at_default_priority,
+    available_memory_bytes,
+)
+from venusrl.runtime.cluster.reward_worker import RemoteRewards
 from venusrl.runtime.cluster.weight_feed import WeightFeed
 from venusrl.runtime.engines import LocalEngine
 from venusrl.runtime.faults import engine_faults, sandbox_faults
@@ -49,14 +55,6 @@ class WorkerReport(TypedDict):
 
 def _node_id() -> str:
     return str(ray.get_runtime_context().get_node_id())
-
-
-def _available_memory_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise OSError("/proc/meminfo has no MemAvailable")
 
 
 class RolloutWorker:
@@ -90,7 +88,7 @@ class RolloutWorker:
             # Sized from the node: the configured budget, but never more than the node can give.
             node_budget = min(
                 int(sb.memory_budget_gib * GiB),
-                int(NODE_MEMORY_FRACTION * _available_memory_bytes()),
+                int(NODE_MEMORY_FRACTION * available_memory_bytes()),
             )
             pool = SandboxPool.from_config(sb, node_budget // workers_on_node)
             await pool.start()
@@ -107,7 +105,10 @@ class RolloutWorker:
         model_files: dict[str, bytes],
         version: int,
         sampling: SamplingParams,
+        reward_worker: Any | None = None,
     ) -> None:
+        """`reward_worker`: the run's reward workers (a Ray actor, `reward_worker.RewardWorker`),
+        or None to score inline."""
         # The engine and the tokenizer read the files once: the directory goes right after, so a
         # worker that is killed leaves nothing behind in /tmp.
         with tempfile.TemporaryDirectory(prefix="venusrl-engine-") as tmp:
@@ -121,11 +122,15 @@ class RolloutWorker:
         seed = self.cfg.run.seed + self.index
         generate = engine_faults(self._generate, self.cfg.faults, seed)
         fmt = ChatFormat(tokenizer, self.cfg.rollout.tool_parser)
+        rewards: Rewards = reward_pool(self.cfg.reward, self.cfg.rollout.reward_timeout_s)
+        if reward_worker is not None:
+            assert isinstance(rewards, RewardPool)
+            rewards = RemoteRewards(reward_worker, rewards, self.cfg.reward.retries)
         self.rollouts = LocalRollouts(
             self._pool(), generate, fmt, sampling, self.cfg.rollout,
             end_trajectory=self.engine.end_trajectory,
             resume_preempted=False,  # the fleet moves it to another worker
-            rewards=reward_pool(self.cfg.reward, self.cfg.rollout.reward_timeout_s),
+            rewards=rewards,
         )  # fmt: skip
         # From here on: the warm start's sandboxes are spared, as in one process.
         self._faults = sandbox_faults(self._pool(), self.cfg.faults, seed)
