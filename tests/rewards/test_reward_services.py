@@ -188,7 +188,6 @@ def test_a_remote_or_judge_reward_without_a_url_is_a_config_error() -> None:
         JudgeConfig(score_pattern=r"Score: \d+")
 
 
-@pytest.mark.slow  # the default suite's time: run by scripts/test.sh --slow
 def test_a_judge_on_venusrl_serve_that_writes_no_score_fails_its_rewards_never_zero(
     tmp_path: Path,
 ) -> None:

@@ -37,3 +37,32 @@ def test_a_draining_engine_whose_new_weights_are_refused_takes_new_turns_again(
             await engine.close()
 
     assert asyncio.run(main()) == 4
+
+
+def test_the_engines_version_is_the_last_load_that_completed_what_staleness_counts_from(
+    tiny_qwen3: Path, tmp_path: Path
+) -> None:
+    """The coordinator counts a group's staleness from the version the engine holds: while new
+    weights are on their way (the trainer already at the next version) or after a load that was
+    refused, it is still the old one."""
+    other = write_hf_model(tmp_path / "other", "qwen3", seed=5, head_dim=16)
+    whole = list(iter_safetensors(other))
+    short = [(k, v) for k, v in whole if "norm" not in k]
+    cfg = load_config(None, ["engine.threads=1"])
+
+    async def main() -> list[int]:
+        engine = LocalEngine(tiny_qwen3, cfg, 3)
+        seen = [engine.version]
+        try:
+            with pytest.raises(ModelConfigError):
+                await engine.load_weights(short, 4)
+            seen.append(engine.version)
+            loading = asyncio.ensure_future(engine.load_weights(whole, 4))
+            seen.append(engine.version)  # on its way: not held yet
+            await loading
+            seen.append(engine.version)
+            return seen
+        finally:
+            await engine.close()
+
+    assert asyncio.run(main()) == [3, 3, 3, 4]

@@ -353,6 +353,7 @@ async def serve(
     await fleet.publish(trainer, tmp, model)
 
 
+@pytest.mark.slow  # the default suite's time; a killed worker's run completes in it (above)
 def test_a_restarted_worker_gets_the_templates_and_the_model_back_and_serves_from_the_next_publish(
     two_nodes: Cluster, tmp_path: Path
 ) -> None:

@@ -319,6 +319,7 @@ def test_training_against_venusrl_serve_over_http(tmp_path: Path) -> None:
         server.wait(10)
 
 
+@pytest.mark.slow  # the default suite's time; the learning test below checks it at full size
 def test_the_warm_start_imitates_poor_demonstrations_written_in_a_tokenizer_learnt_from_them(
     tmp_path: Path,
 ) -> None:

@@ -35,6 +35,7 @@ class LocalEngine:
     def __init__(self, model_dir: Path, cfg: Config, version: int) -> None:
         core = Engine.from_model_dir(model_dir, cfg.engine, weight_version=version)
         self.engine = AsyncEngine(core).start()
+        self.version = version  # of the weights it holds: the last load that completed
         self.generate = self.engine.generate
         self.weight_update = cfg.engine.weight_update
         self._lost = 0  # re-prefill tokens after eviction, at the last cache signal
@@ -79,6 +80,7 @@ class LocalEngine:
             await self.engine.call(
                 lambda e: e.update_weights(weights, version=version, flush_cache=flush)
             )
+            self.version = version
         finally:  # a refused or broken load, too: the engine must not stay closed to new turns
             if drain:
                 await self.engine.call(lambda e: e.resume_admission())
@@ -111,8 +113,9 @@ class ServedClient(Protocol):
 class ServedEngine:
     """An engine behind HTTP: weights go through a directory both can read."""
 
-    def __init__(self, remote: ServedClient) -> None:
+    def __init__(self, remote: ServedClient, version: int) -> None:
         self.remote = remote
+        self.version = version  # of the weights it holds: the last update it answered
         self.generate = self.remote.generate
         self.end_trajectory = self.remote.end_trajectory
 
@@ -130,6 +133,7 @@ class ServedEngine:
         out = run_dir / "published" / f"v{trainer.version}"
         await asyncio.to_thread(trainer.write_model_dir, out, model_dir)
         await self.remote.update_weights(out, trainer.version)
+        self.version = trainer.version
         for old in (run_dir / "published").glob("v*"):
             if old != out:
                 shutil.rmtree(old, ignore_errors=True)
@@ -147,7 +151,7 @@ async def served_engine(cfg: Config, model_dir: Path, version: int) -> ServedEng
     run writes its start model only now), so every token it samples is of a known version."""
     assert cfg.run.engine_url is not None
     if cfg.rollout.backend == "venus":
-        return ServedEngine(RemoteEngine(cfg.run.engine_url))
+        return ServedEngine(RemoteEngine(cfg.run.engine_url), version)
     eos = read_model_config(model_dir).eos_token_ids
     client = BACKENDS[cfg.rollout.backend](cfg.run.engine_url, eos, version)
     try:
@@ -157,4 +161,4 @@ async def served_engine(cfg: Config, model_dir: Path, version: int) -> ServedEng
     except RemoteEngineError as e:
         await client.close()
         raise ValueError(f"rollout.backend={cfg.rollout.backend}: {e}") from None
-    return ServedEngine(client)
+    return ServedEngine(client, version)

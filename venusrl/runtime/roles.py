@@ -49,6 +49,12 @@ class RolloutEngine(Protocol):
 
     async def publish(self, trainer: Trainer, run_dir: Path, model_dir: Path) -> None: ...
 
+    @property
+    def version(self) -> int:
+        """The weight version the engines hold (the last publish that reached them): what the
+        coordinator counts staleness from, never the trainer's version while it publishes."""
+        ...
+
     async def counters(self) -> dict[str, float]:
         """The engines' totals (`Engine.counters`), summed; never lower than before."""
         ...

@@ -100,7 +100,7 @@ async def train(
                 mixed_tasks(mix, cfg.run.seed, set(start.state.consumed_tasks)),
                 side.rollouts,
                 cfg.rollout,
-                weight_version=lambda: trainer.version,
+                weight_version=lambda: side.engine.version,
             )
             stack.push_async_callback(coordinator.close)
             coordinator.start()

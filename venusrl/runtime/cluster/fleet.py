@@ -251,6 +251,7 @@ class RolloutFleet:
         self._pushers: dict[int, asyncio.Task[None]] = {}
         self._engine: tuple[dict[str, bytes], int, SamplingParams, Any] | None = None
         self._published: int | None = None  # the version of the last publish
+        self._started_version = 0  # the engines' version before any publish
         # Workers restarted since it, their engines loaded, waiting for the next; a wait leaves
         # only as it is resolved (`_resolve`), so no publish, however it fails, can lose one.
         self._awaiting: dict[int, asyncio.Future[None]] = {}
@@ -315,6 +316,7 @@ class RolloutFleet:
         files = {p.name: p.read_bytes() for p in sorted(model_dir.iterdir()) if p.is_file()}
         # Held for the fleet's life: a restarted worker loads the model from it again.
         self._engine = (by_ref(files), version, sampling, self.rewards)
+        self._started_version = version
         await asyncio.gather(
             *(
                 self.call(i, self.replicas.restarts[i], RolloutWorker.start_engine, *self._engine)
@@ -365,6 +367,11 @@ class RolloutFleet:
         self._published = trainer.version
         for i, waiting in awaiting.items():  # every one left has the whole set
             self._resolve(i, waiting, None)
+
+    @property
+    def version(self) -> int:
+        """The weight version the engines hold: the last publish's, once one completed."""
+        return self._started_version if self._published is None else self._published
 
     def waiting_for_weights(self) -> list[int]:
         """Workers restarted and loaded, out of service until the next publish."""
