@@ -71,7 +71,7 @@ sys.path.insert(0, str(ROOT))
 from venusrl.engine.engine import tool_return_wait_mean_s  # noqa: E402
 from venusrl.envs.builtin.agent_workload import AgentWorkload  # noqa: E402
 from venusrl.runtime.record import read_records  # noqa: E402
-from venusrl.sim.executor import quantile  # noqa: E402
+from venusrl.sim.report import quantile  # noqa: E402
 
 POLICIES: dict[str, list[str]] = {
     "fifo": [

@@ -56,8 +56,10 @@ import time
 from typing import Any
 
 from venusrl.sim.cost_model import parse_overrides
-from venusrl.sim.executor import SimConfig, SimPolicy, sim_policies, simulate, workload_cost
+from venusrl.sim.executor import simulate, workload_cost
+from venusrl.sim.policies import SimPolicy, sim_policies
 from venusrl.sim.report import over_seeds, parse_seeds, speedups
+from venusrl.sim.types import SimConfig
 from venusrl.workloads import SCENARIOS, Workload, load_workload
 
 FIGURES = (  # their means over the seeds; the step time and speedups by seed

@@ -38,7 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from venusrl.runtime.record import read_metrics  # noqa: E402
-from venusrl.sim.executor import sim_policies, simulate  # noqa: E402
+from venusrl.sim.executor import simulate  # noqa: E402
+from venusrl.sim.policies import sim_policies  # noqa: E402
 from venusrl.sim.types import SimConfig  # noqa: E402
 from venusrl.workloads import SCENARIOS  # noqa: E402
 

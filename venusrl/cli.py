@@ -644,8 +644,10 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _sim(args: argparse.Namespace) -> int:
     from venusrl.sim.cost_model import parse_overrides
-    from venusrl.sim.executor import SimConfig, sim_policies, simulate, workload_cost
+    from venusrl.sim.executor import simulate, workload_cost
+    from venusrl.sim.policies import sim_policies
     from venusrl.sim.report import over_seeds, parse_seeds
+    from venusrl.sim.types import SimConfig
     from venusrl.workloads import SCENARIOS, load_workload
 
     if args.workload:

@@ -77,7 +77,7 @@ def test_unloaded_runs_every_trajectory_alone_at_each_bound_and_reports_the_ceil
 
 def test_the_unloaded_scenario_has_an_engine_for_every_trajectory_its_bound_lets_run() -> None:
     from benchmarks.sim_scenarios import unloaded
-    from venusrl.sim.executor import sim_policies
+    from venusrl.sim.policies import sim_policies
     from venusrl.workloads import SCENARIOS
 
     w = SCENARIOS["swe-long-32b"]

@@ -42,8 +42,9 @@ from venusrl.policy.engine_schedule import (
 from venusrl.policy.kv_retention import IdleKV, RetentionPolicy
 from venusrl.policy.kv_window import CriticalWindow
 from venusrl.sim.cost_model import CostModel, GpuSpec, ModelSpec
-from venusrl.sim.executor import POLICIES, SimConfig, Simulation, Submission
-from venusrl.sim.types import Counters
+from venusrl.sim.executor import Simulation, Submission
+from venusrl.sim.policies import POLICIES
+from venusrl.sim.types import Counters, SimConfig
 from venusrl.types import SamplingParams, TurnMeta
 from venusrl.workloads import LogNormal, ToolLatency, Turns, Workload
 

@@ -14,16 +14,10 @@ from venusrl.policy.agent_admission import ConcurAdmission
 from venusrl.policy.engine_schedule import PriorityScheduler
 from venusrl.policy.kv_window import CriticalWindow
 from venusrl.sim.cost_model import CostModel
-from venusrl.sim.executor import (
-    POLICIES,
-    TRAIN_BOUND,
-    SimConfig,
-    Simulation,
-    sim_policies,
-    sim_policy,
-    simulate,
-)
+from venusrl.sim.executor import Simulation, simulate
 from venusrl.sim.kv import SimKV
+from venusrl.sim.policies import POLICIES, TRAIN_BOUND, sim_policies, sim_policy
+from venusrl.sim.types import SimConfig
 from venusrl.workloads import SCENARIOS, Constant, LogNormal, ToolLatency, Turns
 
 # swe-short's shape, small enough to simulate in a fraction of a second.

@@ -8,7 +8,7 @@ from typing import Any
 
 from venusrl.coordinator.admission import AdmissionWindow, TurnWindow
 from venusrl.coordinator.coordinator import GroupResult
-from venusrl.sim.executor import quantile
+from venusrl.sim.report import quantile
 from venusrl.types import Trajectory
 
 

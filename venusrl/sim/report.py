@@ -65,3 +65,12 @@ def parse_seeds(text: str) -> list[int]:
     if len(set(seeds)) < len(seeds):
         raise ValueError(f"--seeds: a seed listed twice in {text!r} would count its run twice")
     return seeds
+
+
+def quantile(sorted_values: list[float], q: float) -> float | None:
+    """The value below which a share `q` of `sorted_values` lies (the one at index q n): the
+    percentiles of the simulator's figures, of the step line's reward latency and of the e2e
+    benchmark's group completion."""
+    if not sorted_values:
+        return None
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
