@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +49,26 @@ def test_it_runs_the_engines_own_scheduler_object() -> None:
     assert all(type(engine.scheduler) is PriorityScheduler for engine in sim.engines)
     sim.run()
     assert sim.counters.decisions > 0 and sim.counters.iterations > sim.counters.decisions
+
+
+def test_the_ranking_learns_its_rates_from_the_turns_the_run_plays_as_the_coordinator_does() -> (
+    None
+):
+    # As `Coordinator` does with each episode that returns: every turn of a trajectory that ended
+    # goes to the book's rates (its tokens, the seconds from its request, queueing included, to
+    # its last token, and its tool call's seconds where another turn followed).
+    sim = Simulation(SMALL, POLICIES["venus"], 0, SimConfig(steps=3))
+    assumed = (sim.book.rates.decode_tokens_per_s, sim.book.rates.tool_s_per_turn)
+    seen: list[tuple[int, float, float | None]] = []
+    observe = sim.book.rates.observe
+    sim.book.rates.observe = lambda *turn: (seen.append(turn), observe(*turn))[1]  # type: ignore[method-assign]
+    sim.run()
+    assert seen and all(tokens > 0 and seconds > 0 for tokens, seconds, _ in seen)
+    tools = [tool for _, _, tool in seen if tool is not None][-256:]  # each its own window
+    speeds = [tokens / seconds for tokens, seconds, _ in seen][-256:]
+    learned = (sim.book.rates.decode_tokens_per_s, sim.book.rates.tool_s_per_turn)
+    assert learned == pytest.approx((statistics.median(speeds), statistics.median(tools)))
+    assert learned != assumed
 
 
 def test_synchronous_training_is_on_policy_and_asynchronous_trains_on_older_groups() -> None:

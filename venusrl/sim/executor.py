@@ -128,6 +128,10 @@ class SimTrajectory:
     # When its latest turn went to the engine, and in which `Simulation._phase`.
     submitted: tuple[float, str] = (0.0, "")
     asked_at: float | None = None  # when its turn asked for a place (None: not asking now)
+    requested_at: float = 0.0  # when its current turn was asked for (the agent loop's request)
+    # Each turn played as the coordinator's rates read it: the model's tokens, the seconds from
+    # the request to the last of them, the tool call's seconds where another turn followed.
+    played: list[tuple[int, float, float | None]] = field(default_factory=list)
     turns_over_at: float | None = None  # when its last turn ended (its reward since)
     critical_at_end: bool = False  # its group was critical then
     graded_from: float | None = None  # when a grader took it
@@ -219,10 +223,10 @@ class Simulation:
         self._paused: list[deque[SimTrajectory]] = [deque() for _ in self.engines]
         self.admission_pauses = 0
         self._control_due = False  # a control period of admission control is scheduled
-        # What the group ranking assumes of a trajectory: its decode speed on a loaded engine
-        # (a batch of its share of the trajectories, each at half its final context on average)
-        # the median tool call and reward, all from draws of the workload, not from this run (the
-        # reward's latency is then learned from the run's own, as the coordinator learns it).
+        # What the group ranking assumes of a trajectory until the run's own turns and rewards
+        # say otherwise (learned as the coordinator learns them, `_end_trajectory`): its decode
+        # speed on a loaded engine (a batch of its share of the trajectories, each at half its
+        # final context on average), the median tool call and reward, from draws of the workload.
         probe = WorkloadSampler(w, seed=-1)
         plans = [probe.trajectory(probe.next_prompt(), 0) for _ in range(64)]
         contexts = [
@@ -321,7 +325,7 @@ class Simulation:
 
     def _request_turn(self, t: SimTrajectory) -> None:
         if t.asked_at is None:  # not when admission control asks it again
-            t.asked_at = self.clock.now
+            t.asked_at = t.requested_at = self.clock.now
         if self.windows is not None:
             self.windows.turn(t)
             return
@@ -386,6 +390,7 @@ class Simulation:
         turns[0] += 1
         turns[1] += now - submitted
         turns[2] += t.plan.turns[t.turn].action_tokens
+        t.played.append((t.plan.turns[t.turn].action_tokens, now - t.requested_at, None))
         self.book.progress(g.gid, t.index, t.progress(), now)
         if t.plan.infra_failure_turn == t.turn:
             self._end_trajectory(t)
@@ -411,6 +416,8 @@ class Simulation:
     def _tool_returned(self, t: SimTrajectory) -> None:
         turn = t.plan.turns[t.turn]
         t.tool_s += turn.tool_s
+        tokens, generation_s, _ = t.played[-1]
+        t.played[-1] = (tokens, generation_s, turn.tool_s)
         if self.windows is not None:
             self.windows.tool_returned(turn.tool_s)
         done = Progress(t.generated, t.turn + 1, t.turn + 1, t.tool_s)
@@ -480,6 +487,10 @@ class Simulation:
             self._admit_waiting()
 
     def _end_trajectory(self, t: SimTrajectory) -> None:
+        """`t` is over: the ranking's rates learn from its turns, as the coordinator's do from
+        each episode that returns (`coordinator.turns_played`)."""
+        for turn in t.played:
+            self.book.rates.observe(*turn)
         self._let_go(t)
         assert t.asked_at is None, "a trajectory ends at a turn it ran, never while it asks"
         self.sandboxes.held += self._sandbox_gb_s(t)
