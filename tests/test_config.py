@@ -89,6 +89,16 @@ def test_yaml_and_dotted_overrides_compose(tmp_path: Path) -> None:
             ["rollout.max_train_staleness=0"],
             "max_train_staleness must be >= max_staleness (1), got 0",
         ),
+        (
+            ["trainer.overlong_buffer_tokens=64"],
+            "trainer.overlong_buffer_tokens needs a length limit: set trainer.overlong_max_tokens",
+        ),
+        (
+            ["trainer.overlong_buffer_tokens=600", "rollout.max_episode_tokens=512"],
+            "overlong_buffer_tokens=600 is longer than the length limit it ends at (512 tokens)",
+        ),
+        (["trainer.overlong_penalty=0"], "trainer.overlong_penalty: Input should be greater"),
+        (["trainer.overlong_buffer_tokens=-1"], "trainer.overlong_buffer_tokens: Input should be"),
     ],
 )
 def test_bad_keys_and_values_name_the_key_and_the_reason(overrides: list[str], words: str) -> None:

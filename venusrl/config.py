@@ -82,6 +82,19 @@ class Config(Section):
                 "engine.weight_update applies to the run's own engines: a served engine"
                 " (run.engine_url) loads new weights its own way; leave it at keep"
             )
+        t = self.trainer
+        if t.overlong_buffer_tokens:
+            limit = t.overlong_max_tokens or self.rollout.max_episode_tokens
+            if limit is None:
+                raise ValueError(
+                    "trainer.overlong_buffer_tokens needs a length limit: set"
+                    " trainer.overlong_max_tokens or rollout.max_episode_tokens"
+                )
+            if t.overlong_buffer_tokens > limit:
+                raise ValueError(
+                    f"trainer.overlong_buffer_tokens={t.overlong_buffer_tokens} is longer than the"
+                    f" length limit it ends at ({limit} tokens)"
+                )
         remote = rt.kind == "ray" or bool(self.run.engine_url)
         if remote and "admission" not in self.rollout.model_fields_set:
             self.rollout.admission = "none"  # the default reads an in-process engine

@@ -199,6 +199,51 @@ def test_rewards_are_graded_by_a_reward_worker_on_a_node_of_its_own(
     assert metrics[-1]["rewards_scored"] >= 2 * 2 * 2  # the step line reads the actor's
 
 
+class KillRewardsWhileGrading(threading.Thread):
+    """Kill the reward worker, as a crashed process would die (Ray restarts it), once the run in
+    `run_dir` has finished its first step and the worker is grading."""
+
+    def __init__(self, run_dir: Path) -> None:
+        super().__init__(daemon=True)
+        self.run_dir, self.killed = run_dir, threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        deadline = time.monotonic() + 600
+        metrics = self.run_dir / "metrics.jsonl"
+        while time.monotonic() < deadline:
+            if metrics.exists() and metrics.read_text().count("\n") >= 1:
+                actor = ray.get_actor("rewards", namespace=NAMESPACE)
+                if ray.get(actor.report.remote())["reward_workers_busy"] >= 1:
+                    ray.kill(actor, no_restart=False)
+                    self.killed.set()
+                    return
+            time.sleep(0.01)
+
+
+@pytest.mark.slow  # the default suite's time: run by scripts/test.sh --slow
+def test_a_killed_reward_worker_loses_no_trajectory_its_scorings_are_sent_again(
+    two_nodes: Cluster, tmp_path: Path
+) -> None:
+    env = tmp_path / "graded_guess.py"
+    env.write_text(GRADED.replace("grader = await open_sandbox()", "await asyncio.sleep(1)\n"
+                                  "        grader = await open_sandbox()")
+                   .replace("from venusrl", "import asyncio\nfrom venusrl", 1))  # fmt: skip
+    cfg = load_config(None, [*RAY_RUN, "run.steps=4", f"rollout.env={env}:GradedGuess",
+                             "run.warm_start_episodes=0", "reward.retries=2"])  # fmt: skip
+    killer = KillRewardsWhileGrading(tmp_path / "run")
+    metrics = asyncio.run(train(cfg, tmp_path / "run"))
+    killer.join()
+    assert killer.killed.is_set()
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3]
+    records = list(read_records(tmp_path / "run"))
+    # Every trajectory trained was scored (sent again after the kill), none scored 0 for it.
+    assert all(r["reward"] in (0.0, 1.0) for r in records if r["finish"] != "infra")
+    assert sum(m["infra_failures"] for m in metrics) == 0
+    workers = json.loads((tmp_path / "run" / "cluster.json").read_text())["workers"]
+    assert sum(w["rewards"]["rewards_lost"] for w in workers) >= 1
+
+
 def test_engines_the_cluster_cannot_hold_are_refused_before_any_actor_starts(
     two_nodes: Cluster,
 ) -> None:

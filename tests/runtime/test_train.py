@@ -449,6 +449,23 @@ def test_venusrl_train_scores_its_episodes_with_a_remote_reward_service(
     assert metrics[-1]["rewards_scored"] >= len(records)
 
 
+def test_overlong_shaping_penalises_long_episodes_and_masks_those_cut_at_the_token_limit(
+    tmp_path: Path, warm_started_small: list[str]
+) -> None:
+    shaping = ["rollout.max_episode_tokens=24", "trainer.overlong_buffer_tokens=12",
+               "trainer.mask_truncated=true", "run.steps=2"]  # fmt: skip
+    metrics = asyncio.run(train(load_config(None, [*warm_started_small, *shaping]), tmp_path))
+    assert [m["step"] for m in metrics] == [0, 1]
+    records = list(read_records(tmp_path))
+    cut = [r for r in records if r["finish"] == "token_cap" and r["reward"] is not None]
+    assert cut, "no episode reached the 24-token limit: the test says nothing"
+    assert sum(m["overlong_masked"] for m in metrics) == len(cut)
+    # The episodes kept that ran into the last 12 tokens before the limit lose reward.
+    assert all(m["overlong_penalty_mean"] <= 0 for m in metrics)
+    assert any(m["overlong_penalty_mean"] < 0 for m in metrics)
+    assert all(math.isfinite(m["loss"]) for m in metrics)
+
+
 def test_venusrl_train_plays_a_jsonl_task_file_resumes_in_it_and_eval_replays_it(
     tmp_path: Path, warm_started_small: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -45,6 +46,7 @@ from venusrl.runtime.step_metrics import admission_metrics, reward_wait_s, since
 from venusrl.runtime.warm_start import OnTrainer, prepare_model, warm_start
 from venusrl.trainer.api import Trainer
 from venusrl.trainer.grpo import group_advantages
+from venusrl.trainer.shaping import Overlong
 from venusrl.trainer.trainer import StepStats
 from venusrl.types import SamplingParams, Trajectory
 
@@ -197,11 +199,22 @@ class _Run:
                 on_step(line)
         return metrics
 
+    @functools.cached_property
+    def overlong(self) -> Overlong:
+        t = self.cfg.trainer
+        limit = t.overlong_max_tokens or self.cfg.rollout.max_episode_tokens
+        return Overlong(limit, t.overlong_buffer_tokens, t.overlong_penalty, t.mask_truncated)
+
     async def _train(self, batch: list[GroupResult]) -> StepStats:
+        """A step on the batch's trajectories, each group's advantages from its rewards as
+        shaped for the loss (`trainer.overlong_*`, `trainer.mask_truncated`)."""
+        shaped = self.overlong.reward
         rows: list[tuple[Trajectory, float]] = [
             (t, a)
             for g in batch
-            for t, a in zip(g.trajectories, group_advantages(g.rewards), strict=True)
+            for t, a in zip(
+                g.trajectories, group_advantages([shaped(t) for t in g.trajectories]), strict=True
+            )
             if a is not None
         ]
         return await self.on_trainer(self.trainer.step, [t for t, _ in rows], [a for _, a in rows])
@@ -241,11 +254,26 @@ class _Run:
             "episodes_resumed": self.side.rollouts.resumed_episodes,
             **admission_metrics(self.side.window),
             **self.side.rollouts.reward_counters(),
+            **self._overlong_metrics(batch),
             "engine": engine,
             **pool,
         }
         version = self.trainer.version
         return step_metrics(step, batch, version, wall_s, extra, by_env=len(self.mix) > 1)
+
+    def _overlong_metrics(self, batch: list[GroupResult]) -> dict[str, Any]:
+        """Where the loss's rewards are shaped: the trajectories masked for their length and
+        the mean penalty of the rest."""
+        overlong = self.overlong
+        if not overlong.on:
+            return {}
+        scored = [t for g in batch for t in g.trajectories if t.reward is not None]
+        kept = [t for t in scored if not overlong.masked(t)]
+        penalties = [overlong.penalty_of(t.model_tokens) for t in kept]
+        return {
+            "overlong_masked": len(scored) - len(kept),
+            "overlong_penalty_mean": round(sum(penalties) / len(penalties), 4) if kept else 0.0,
+        }
 
     async def _pool_counters(self) -> dict[str, Any]:
         """The sandbox pool's totals (`PoolStats`): the run's own pool, or a Ray fleet's

@@ -91,6 +91,27 @@ class TrainerConfig(Section):
     loss_aggregation: LossAggregation = Field(
         "token_mean", description="weigh every model token alike, or every trajectory alike"
     )
+    overlong_buffer_tokens: int = Field(
+        0,
+        ge=0,
+        description="DAPO's soft overlong penalty: a trajectory whose model tokens pass"
+        " overlong_max_tokens minus this loses reward linearly, up to overlong_penalty at the"
+        " limit (0: off)",
+    )
+    overlong_max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="the length limit of the overlong penalty, in model tokens of a trajectory"
+        " (None: rollout.max_episode_tokens)",
+    )
+    overlong_penalty: float = Field(
+        1.0, gt=0, description="what the overlong penalty takes off a reward at the limit"
+    )
+    mask_truncated: bool = Field(
+        False,
+        description="leave trajectories cut at a length limit (finish token_cap or context_cap)"
+        " out of the loss, as DAPO's overlong filtering does",
+    )
 
     world_size: int = Field(
         1,

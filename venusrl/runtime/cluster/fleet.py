@@ -606,6 +606,7 @@ class RolloutFleet:
                     "groups_placed": self.groups_placed[i],
                     "pool": r["pool"].as_dict() if r else None,
                     "trajectories_served": len(r["served"]) if r else None,
+                    "rewards": r["rewards"] if r else None,
                 }
                 for i, r in enumerate(reports)
             ],

@@ -51,6 +51,7 @@ class WorkerReport(TypedDict):
     pool: PoolStats
     served: list[str]  # trajectory ids this engine generated for
     episodes_in_flight: int
+    rewards: dict[str, int]  # its scorings: sent to the reward worker, lost with it, or its own
 
 
 def _node_id() -> str:
@@ -267,6 +268,7 @@ class RolloutWorker:
             "pool": self._pool().stats(),
             "served": sorted(self.served),
             "episodes_in_flight": len(self._progress),
+            "rewards": {} if self.rollouts is None else self.rollouts.reward_counters(),
         }
 
     async def shutdown(self) -> None:
