@@ -466,6 +466,56 @@ def test_overlong_shaping_penalises_long_episodes_and_masks_those_cut_at_the_tok
     assert all(math.isfinite(m["loss"]) for m in metrics)
 
 
+THIRDS = """
+from venusrl.envs.builtin.treasure_hunt import TreasureHunt
+
+
+class Thirds(TreasureHunt):
+    \"\"\"Every third episode to end wins: at most a third of the rewards are 1, so of groups of
+    two at least a quarter agree (both 0), whatever order their episodes end in.\"\"\"
+
+    name = "thirds"
+    ended_episodes = 0
+    wins_every = 3
+
+    async def reward(self):
+        Thirds.ended_episodes += 1
+        return float(Thirds.ended_episodes % Thirds.wins_every == 0)
+"""
+
+
+def test_dynamic_sampling_trains_only_on_groups_whose_rewards_differ_and_opens_others_instead(
+    tmp_path: Path, warm_started_small: list[str]
+) -> None:
+    (tmp_path / "thirds.py").write_text(THIRDS)
+    sampling = ["rollout.dynamic_sampling=raw", "run.steps=3",
+                f"rollout.env={tmp_path}/thirds.py:Thirds"]  # fmt: skip
+    metrics = asyncio.run(
+        train(load_config(None, [*warm_started_small, *sampling]), tmp_path / "r")
+    )
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    groups: dict[str, set[float]] = {}
+    for r in read_records(tmp_path / "r"):
+        if r["reward"] is not None and not r["replaced"]:
+            groups.setdefault(r["group_id"], set()).add(r["reward"])
+    assert len(groups) == 3 * 2 and all(len(rewards) > 1 for rewards in groups.values())
+    # Groups whose two members agreed were dropped, others opened in their place: not failures.
+    assert metrics[-1]["groups_uniform"] > 0
+    assert metrics[-1]["groups_started"] >= 3 * 2 + metrics[-1]["groups_uniform"]
+    assert sum(m["since_last_step"]["infra_failures"] for m in metrics) == 0
+
+
+def test_dynamic_sampling_stops_a_run_whose_groups_all_agree_saying_why(
+    tmp_path: Path, warm_started_small: list[str]
+) -> None:
+    (tmp_path / "thirds.py").write_text(THIRDS.replace("wins_every = 3", "wins_every = 10**9"))
+    sampling = ["rollout.dynamic_sampling=raw", "rollout.max_uniform_in_a_row=6",
+                f"rollout.env={tmp_path}/thirds.py:Thirds"]  # fmt: skip
+    cfg = load_config(None, [*warm_started_small, *sampling])
+    with pytest.raises(EpisodesFailing, match=r"6 groups in a row had rewards that all agreed"):
+        asyncio.run(asyncio.wait_for(train(cfg, tmp_path / "r"), 120))
+
+
 def test_venusrl_train_plays_a_jsonl_task_file_resumes_in_it_and_eval_replays_it(
     tmp_path: Path, warm_started_small: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from venusrl.trainer.grpo import group_advantages, policy_loss
+from venusrl.trainer.grpo import group_advantages, informative, policy_loss
 
 torch.set_num_threads(1)
 
@@ -177,3 +177,9 @@ def test_a_correction_without_the_trainer_logprobs_is_refused() -> None:
     logp = torch.zeros(2)
     with pytest.raises(ValueError, match="off_policy=tis needs"):
         policy_loss(logp, logp, logp, logp, torch.ones(2), off_policy="tis")
+
+
+def test_a_group_whose_rewards_all_agree_or_with_one_scored_member_teaches_nothing() -> None:
+    assert informative([1.0, 0.0, 1.0]) and informative([0.5, None, 0.25])
+    assert not informative([1.0, 1.0, 1.0]) and not informative([0.0, 0.0])
+    assert not informative([1.0, None]) and not informative([None, None])

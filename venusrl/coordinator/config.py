@@ -107,6 +107,19 @@ class RolloutConfig(Section):
         " against max_staleness, so its replacement starts at once rather than at the next"
         " publish; it is still trained within max_train_staleness (policy.staleness)",
     )
+    dynamic_sampling: Literal["off", "raw", "shaped"] = Field(
+        "off",
+        description="DAPO's dynamic sampling: a group whose rewards all agree teaches GRPO"
+        " nothing and is dropped, another opening in its place; raw: the environment's rewards"
+        " (accuracy), shaped: as the loss sees them (trainer.overlong_*, mask_truncated)",
+    )
+    max_uniform_in_a_row: int = Field(
+        256,
+        ge=1,
+        description="under dynamic_sampling the run stops once this many groups in a row had"
+        " rewards that all agreed: the tasks are too hard or too easy for the policy, and no"
+        " batch would ever fill",
+    )
     max_infra_retries: int = Field(2, ge=0, description="replacement members per group")
     priorities: Literal["critical", "fifo"] = Field(
         "critical",

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from venusrl.coordinator.config import RolloutConfig
@@ -108,6 +108,7 @@ class CoordinatorStats:
     groups_started: int = 0
     groups_completed: int = 0
     groups_dropped: int = 0
+    groups_uniform: int = 0  # of those dropped, the ones whose rewards all agreed
     infra_failures: int = 0
     env_failures: int = 0  # of the infra failures, those the environment's own code raised
     masked: int = 0
@@ -121,10 +122,14 @@ class Coordinator:
         rollouts: Rollouts,
         config: RolloutConfig,
         weight_version: Callable[[], int],
+        informative: Callable[[Sequence[Trajectory]], bool] | None = None,
     ) -> None:
         """`tasks`: what each new group plays (`mixing.mixed_tasks`); `rollouts`: where the
-        groups' episodes run."""
+        groups' episodes run; `informative`: whether a complete group's trajectories teach
+        anything (None: every group with two scored members does), else it is dropped and
+        another opens in its place (`rollout.dynamic_sampling`)."""
         self.tasks, self.rollouts = tasks, rollouts
+        self.informative = informative
         self.config = config
         self.weight_version = weight_version
         bound = config.staleness_bound()
@@ -141,6 +146,7 @@ class Coordinator:
         # trainer's next wait raises it instead of waiting out `batch_timeout_s`.
         self._fatal: BaseException | None = None
         self._dropped_in_a_row = 0
+        self._uniform_in_a_row = 0
 
     # --- the trainer's side ---------------------------------------------------------------------
 
@@ -183,6 +189,7 @@ class Coordinator:
             book.groups_started,
             book.groups_completed,
             book.groups_dropped,
+            book.groups_uniform,
             self._infra_failures,
             self._env_failures,
             self._masked,
@@ -244,8 +251,13 @@ class Coordinator:
                 await asyncio.gather(*(self._run_member(group, episodes, i) for i in members))
             run.duration_s = time.monotonic() - run.opened_s
             self._masked += group.masked
-            if self.book.close(gid):
-                self._dropped_in_a_row = 0
+            played = [t for t in run.results if t is not None]
+            informative = self.informative is None or self.informative(played)
+            if self.book.close(gid, informative):
+                self._dropped_in_a_row = self._uniform_in_a_row = 0
+            elif not informative and group.scored >= 2:
+                self._dropped_in_a_row = 0  # its episodes played: no failure to count
+                self._uniform(played)
             else:
                 self._dropped(str(run.last_failure))
         except (TimeoutError, InfraFailure) as e:
@@ -266,6 +278,18 @@ class Coordinator:
             self._fatal = EpisodesFailing(
                 f"{self._dropped_in_a_row} groups in a row were dropped, none completed: their"
                 f" episodes fail. The last failure: {failure}"
+            )
+            self._changed.set()
+
+    def _uniform(self, played: list[Trajectory]) -> None:
+        self._uniform_in_a_row += 1
+        if self._uniform_in_a_row >= self.config.max_uniform_in_a_row and self._fatal is None:
+            rewards = sorted({t.reward for t in played if t.reward is not None})
+            self._fatal = EpisodesFailing(
+                f"{self._uniform_in_a_row} groups in a row had rewards that all agreed (the last:"
+                f" {rewards}): rollout.dynamic_sampling drops them, so no batch fills. The tasks"
+                " are too hard or too easy for this policy: start from a better one, give other"
+                " tasks, or set rollout.dynamic_sampling=off"
             )
             self._changed.set()
 

@@ -78,6 +78,7 @@ class GroupBook(Generic[T]):
         self.priorities: dict[str, int] = {}  # open group id -> priority, from the last ranking
         self.order: tuple[str, ...] = ()  # open group ids, most critical first (the last ranking)
         self.groups_started = self.groups_completed = self.groups_dropped = 0
+        self.groups_uniform = 0  # of those dropped, the ones whose rewards all agreed
         self.tool_calls_seen = 0  # members' returned tool calls the ranking learned of
         # The bound numbers groups from version 0: a resumed run's trained batches count.
         self._groups_before = start_version * bound.batch_groups
@@ -161,16 +162,18 @@ class GroupBook(Generic[T]):
                                            tool_calls=final.tool_calls))  # fmt: skip
         return group.finished
 
-    def close(self, group_id: str) -> bool:
+    def close(self, group_id: str, informative: bool = True) -> bool:
         """Every member finished: the group waits for the trainer (True), or with fewer than two
-        scored members it teaches nothing and is dropped (False)."""
+        scored members it teaches nothing and is dropped (False); so is one whose rewards all
+        agree (`informative` False: dynamic sampling), counted in `groups_uniform` too."""
         group = self._group(group_id)
         if not group.finished:
             raise ValueError(f"group {group_id}: closed with members still running")
         del self.open[group_id]
         self.priorities.pop(group_id, None)
-        if group.scored < 2:
+        if group.scored < 2 or not informative:
             self.groups_dropped += 1
+            self.groups_uniform += group.scored >= 2
             return False
         self.ready.append(group)
         self.groups_completed += 1

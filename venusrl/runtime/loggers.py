@@ -32,7 +32,7 @@ SECTIONS = {
         "staleness_max", "groups", "groups_started", "groups_running", "episodes_resumed",
         "admission_window", "window_kv_tokens", "window_pauses", "window_waits", "episodes_active",
         "episodes_held_back", "sandboxes_running", "versions_per_trajectory_max",
-        "tool_calls_seen",
+        "tool_calls_seen", "groups_uniform",
     ),
     "failures": ("infra_failures", "env_failures", "masked", "groups_dropped"),
 }  # fmt: skip

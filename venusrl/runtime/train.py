@@ -17,7 +17,7 @@ import functools
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +45,7 @@ from venusrl.runtime.run_dir import RunStart, prepare_run_dir, start_policy
 from venusrl.runtime.step_metrics import admission_metrics, reward_wait_s, since, step_metrics
 from venusrl.runtime.warm_start import OnTrainer, prepare_model, warm_start
 from venusrl.trainer.api import Trainer
-from venusrl.trainer.grpo import group_advantages
+from venusrl.trainer.grpo import group_advantages, informative
 from venusrl.trainer.shaping import Overlong
 from venusrl.trainer.trainer import StepStats
 from venusrl.types import SamplingParams, Trajectory
@@ -103,6 +103,7 @@ async def train(
                 side.rollouts,
                 cfg.rollout,
                 weight_version=lambda: side.engine.version,
+                informative=informative_groups(cfg),
             )
             stack.push_async_callback(coordinator.close)
             coordinator.start()
@@ -110,6 +111,28 @@ async def train(
                 cfg, run_dir, start, mix, trainer, sandboxes, side, coordinator, on_trainer, loggers
             )
             return await run.steps(on_step, say)
+
+
+def overlong_shaping(cfg: Config) -> Overlong:
+    """The loss's shaping of rewards (`trainer.overlong_*`, `trainer.mask_truncated`)."""
+    t = cfg.trainer
+    limit = t.overlong_max_tokens or cfg.rollout.max_episode_tokens
+    return Overlong(limit, t.overlong_buffer_tokens, t.overlong_penalty, t.mask_truncated)
+
+
+def informative_groups(cfg: Config) -> Callable[[Sequence[Trajectory]], bool] | None:
+    """`rollout.dynamic_sampling`: whether a group's rewards, raw or as the loss shapes them,
+    teach GRPO anything (None: off)."""
+    mode = cfg.rollout.dynamic_sampling
+    if mode == "off":
+        return None
+    shaped = overlong_shaping(cfg).reward
+    reward: Callable[[Trajectory], float | None] = shaped if mode == "shaped" else _raw
+    return lambda group: informative([reward(t) for t in group])
+
+
+def _raw(traj: Trajectory) -> float | None:
+    return traj.reward
 
 
 @contextlib.contextmanager
@@ -201,9 +224,7 @@ class _Run:
 
     @functools.cached_property
     def overlong(self) -> Overlong:
-        t = self.cfg.trainer
-        limit = t.overlong_max_tokens or self.cfg.rollout.max_episode_tokens
-        return Overlong(limit, t.overlong_buffer_tokens, t.overlong_penalty, t.mask_truncated)
+        return overlong_shaping(self.cfg)
 
     async def _train(self, batch: list[GroupResult]) -> StepStats:
         """A step on the batch's trajectories, each group's advantages from its rewards as
@@ -247,6 +268,7 @@ class _Run:
             "sandboxes_running": self.sandboxes.source.sandboxes_running(),
             "groups_started": coordinator.stats.groups_started,
             "groups_dropped": coordinator.stats.groups_dropped,
+            "groups_uniform": coordinator.stats.groups_uniform,
             "groups_running": coordinator.running_groups,
             # Tool calls the group ranking saw return while their members ran: zero means it
             # ranks on the tool time it was given, not the run's own.

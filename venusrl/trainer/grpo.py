@@ -45,6 +45,12 @@ def group_advantages(rewards: Sequence[float | None], eps: float = 1e-6) -> list
     return [None if r is None else (r - mean) / (std + eps) for r in rewards]
 
 
+def informative(rewards: Sequence[float | None], eps: float = 1e-6) -> bool:
+    """Whether a group's rewards teach GRPO anything: two scored members at least, not all
+    alike (else every advantage is 0, `group_advantages`: DAPO's dynamic sampling drops it)."""
+    return any(a for a in group_advantages(rewards, eps) if a is not None)
+
+
 def row_weights(model_tokens: Sequence[int], aggregation: LossAggregation) -> list[float]:
     """The loss weight of each model token of each row (trajectory), summing to 1 over the batch."""
     if aggregation == "token_mean":
