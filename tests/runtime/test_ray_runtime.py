@@ -10,7 +10,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,14 +41,23 @@ ON_TWO_ENGINES = ["runtime.kind=ray", "runtime.engines=2", f"runtime.namespace={
 RAY_RUN = [*SMALL, *ON_TWO_ENGINES]
 
 
-class KillAfterFirstStep(threading.Thread):
-    """Kill the named rollout worker, as a crashed worker process would die (Ray restarts it),
-    once the run in `run_dir` has finished its first step and the worker plays episodes."""
+def playing(report: dict[str, Any]) -> bool:
+    """A rollout worker's report: several episodes at once, one still running when a kill lands."""
+    return report["episodes_in_flight"] >= 2
 
-    def __init__(self, run_dir: Path, actor: str) -> None:
+
+class KillAfterFirstStep(threading.Thread):
+    """Kill the named actor, as a crashed process would die (Ray restarts it), once the run in
+    `run_dir` has finished its first step and the actor's report says it is `busy` (a rollout
+    worker playing episodes, by default)."""
+
+    def __init__(
+        self, run_dir: Path, actor: str, busy: Callable[[dict[str, Any]], bool] = playing
+    ) -> None:
         super().__init__(daemon=True)
-        self.run_dir, self.actor, self.killed = run_dir, actor, threading.Event()
-        self.pid = 0  # the killed worker process's
+        self.run_dir, self.actor, self.busy = run_dir, actor, busy
+        self.killed = threading.Event()
+        self.pid = 0  # the killed process's
         self.start()
 
     def run(self) -> None:
@@ -57,9 +66,8 @@ class KillAfterFirstStep(threading.Thread):
         while time.monotonic() < deadline:
             if metrics.exists() and metrics.read_text().count("\n") >= 1:
                 worker = ray.get_actor(self.actor, namespace=NAMESPACE)
-                # Several at once: one of them is still running when the kill lands.
                 report = ray.get(worker.report.remote())
-                if report["episodes_in_flight"] >= 2:
+                if self.busy(report):
                     self.pid = report["pid"]
                     ray.kill(worker, no_restart=False)
                     self.killed.set()
@@ -199,26 +207,9 @@ def test_rewards_are_graded_by_a_reward_worker_on_a_node_of_its_own(
     assert metrics[-1]["rewards_scored"] >= 2 * 2 * 2  # the step line reads the actor's
 
 
-class KillRewardsWhileGrading(threading.Thread):
-    """Kill the reward worker, as a crashed process would die (Ray restarts it), once the run in
-    `run_dir` has finished its first step and the worker is grading."""
-
-    def __init__(self, run_dir: Path) -> None:
-        super().__init__(daemon=True)
-        self.run_dir, self.killed = run_dir, threading.Event()
-        self.start()
-
-    def run(self) -> None:
-        deadline = time.monotonic() + 600
-        metrics = self.run_dir / "metrics.jsonl"
-        while time.monotonic() < deadline:
-            if metrics.exists() and metrics.read_text().count("\n") >= 1:
-                actor = ray.get_actor("rewards", namespace=NAMESPACE)
-                if ray.get(actor.report.remote())["reward_workers_busy"] >= 1:
-                    ray.kill(actor, no_restart=False)
-                    self.killed.set()
-                    return
-            time.sleep(0.01)
+def grading(report: dict[str, Any]) -> bool:
+    """The reward worker's report: a scoring in flight."""
+    return report["reward_workers_busy"] >= 1
 
 
 @pytest.mark.slow  # the default suite's time: run by scripts/test.sh --slow
@@ -231,7 +222,7 @@ def test_a_killed_reward_worker_loses_no_trajectory_its_scorings_are_sent_again(
                    .replace("from venusrl", "import asyncio\nfrom venusrl", 1))  # fmt: skip
     cfg = load_config(None, [*RAY_RUN, "run.steps=4", f"rollout.env={env}:GradedGuess",
                              "run.warm_start_episodes=0", "reward.retries=2"])  # fmt: skip
-    killer = KillRewardsWhileGrading(tmp_path / "run")
+    killer = KillAfterFirstStep(tmp_path / "run", "rewards", grading)
     metrics = asyncio.run(train(cfg, tmp_path / "run"))
     killer.join()
     assert killer.killed.is_set()
