@@ -235,6 +235,20 @@ def test_a_killed_reward_worker_loses_no_trajectory_its_scorings_are_sent_again(
     assert sum(w["rewards"]["rewards_lost"] for w in workers) >= 1
 
 
+def test_a_reward_resource_no_node_declares_is_refused_before_any_actor_starts(
+    two_nodes: Cluster,
+) -> None:
+    cfg = load_config(None, [*RAY_RUN, "reward.ray_resource=grader"])
+
+    async def start() -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(start_fleet(cfg, stack))
+
+    with pytest.raises(ValueError, match=r"reward\.ray_resource='grader': no node of the cluster"):
+        asyncio.run(start())
+    assert ray.util.list_named_actors() == []
+
+
 def test_engines_the_cluster_cannot_hold_are_refused_before_any_actor_starts(
     two_nodes: Cluster,
 ) -> None:

@@ -433,13 +433,14 @@ class Simulation:
         assert t.engine is not None
         now = t.turns_over_at = self.clock.now
         t.critical_at_end = critical(self.book.priority(t.group.gid))
-        t.engine.finish_trajectory(t.tid)
         if self.policy.reward_pool:
-            self._let_go(t)
+            self._let_go(t)  # its KV with its places
             if not self.workload.reward_reads_sandbox:
                 t.sandbox_closed_at = now
             self.book.progress(t.group.gid, t.index, t.progress()._replace(grading=True), now)
             self._rerank()
+        else:
+            t.engine.finish_trajectory(t.tid)  # its KV goes; its places wait for its reward
         self._to_grade.append(t)
         self._grade()
 

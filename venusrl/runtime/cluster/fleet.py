@@ -212,6 +212,9 @@ class RolloutFleet:
     def __init__(self, cfg: Config, cluster: RayCluster) -> None:
         rt = cfg.runtime
         self.cfg, self.cluster = cfg, cluster
+        # Off the rollout's path, the run's reward workers: an actor of their own (first: a
+        # resource no node has is refused before any actor starts).
+        self.rewards = reward_actor(cfg) if cfg.reward.placement == "pool" else None
         self.workers: list[Any] = [  # Ray's handles, untyped: called through `call`
             ray.remote(RolloutWorker)
             .options(
@@ -225,8 +228,6 @@ class RolloutFleet:
             .remote(cfg, i)
             for i in range(rt.engines)
         ]
-        # Off the rollout's path, the run's reward workers: an actor of their own.
-        self.rewards = reward_actor(cfg) if cfg.reward.placement == "pool" else None
         self._ranking_pushed: Mapping[str, int] = {}
         self._ranking_push: asyncio.Task[None] | None = None
         self._reward_counts: dict[str, int] = {}

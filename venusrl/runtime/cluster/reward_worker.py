@@ -42,8 +42,14 @@ GRADER_MEMORY_FRACTION = 0.25
 
 
 def reward_actor(cfg: Config) -> Any:
-    """The run's reward worker, started (Ray's handle: called through `ray_cluster.call`)."""
+    """The run's reward worker, started (Ray's handle: called through `ray_cluster.call`).
+    A `reward.ray_resource` no node declares is refused at once: Ray would keep it pending."""
     rt, resource = cfg.runtime, cfg.reward.ray_resource
+    if resource and resource not in ray.cluster_resources():
+        raise ValueError(
+            f"reward.ray_resource={resource!r}: no node of the cluster declares it (start the"
+            f" reward worker's node with `ray start --resources='{{\"{resource}\": 1}}'`)"
+        )
     return (
         ray.remote(RewardWorker)
         .options(

@@ -30,7 +30,7 @@ from venusrl.envs.types import ExecResult, GiB, SandboxCrashed, TemplateSpec
 from venusrl.model.tokenizer import Tokenizer
 from venusrl.model.weight_stream import Bucket, Spec
 from venusrl.rewards.kinds import reward_pool
-from venusrl.rewards.pool import RewardPool, Rewards
+from venusrl.rewards.pool import Rewards
 from venusrl.runtime.cluster.ray_cluster import (
     ActorLost,
     at_default_priority,
@@ -123,10 +123,12 @@ class RolloutWorker:
         seed = self.cfg.run.seed + self.index
         generate = engine_faults(self._generate, self.cfg.faults, seed)
         fmt = ChatFormat(tokenizer, self.cfg.rollout.tool_parser)
-        rewards: Rewards = reward_pool(self.cfg.reward, self.cfg.rollout.reward_timeout_s)
-        if reward_worker is not None:
-            assert isinstance(rewards, RewardPool)
-            rewards = RemoteRewards(reward_worker, rewards, self.cfg.reward.retries)
+        local = reward_pool(self.cfg.reward, self.cfg.rollout.reward_timeout_s)
+        rewards: Rewards = (
+            local
+            if reward_worker is None
+            else RemoteRewards(reward_worker, local, self.cfg.reward.retries)
+        )
         self.rollouts = LocalRollouts(
             self._pool(), generate, fmt, sampling, self.cfg.rollout,
             end_trajectory=self.engine.end_trajectory,
