@@ -49,17 +49,22 @@ def test_yaml_and_dotted_overrides_compose(tmp_path: Path) -> None:
         (["=3"], "must look like section.key=value"),
         (["runtime.kind=slurm"], "runtime.kind"),
         (["runtime.engines=2"], "runtime.engines > 1 needs runtime.kind=ray"),
-        (["runtime.kind=ray", "run.engine_url=http://x"], "run.engine_url trains against one"),
+        (["runtime.kind=ray", "run.engine_url=http://x"], "run.engine_url trains against served"),
+        (["run.engine_url=http://a,ftp://b"], "'ftp://b' is not an http"),
+        (["run.engine_url=http://a,http://a"], "names an engine twice"),
+        (
+            ["rollout.backend=vllm", "run.engine_url=http://x", "rollout.admission=critical"],
+            "a vllm server does not report",
+        ),
         (["rollout.admission=window"], "rollout.admission"),
-        (["rollout.admission=aimd", "runtime.kind=ray"], "rollout.admission reads the cache"),
+        (["rollout.admission=aimd", "runtime.kind=ray"], "rollout.admission=aimd runs in one"),
         (["rollout.admission=aimd", "run.engine_url=http://x"], "in-process engine"),
-        (["rollout.admission=critical", "runtime.kind=ray"], "rollout.admission reads the cache"),
         (["rollout.backend=vllm"], "rollout.backend=vllm generates with a running vllm server"),
         (["rollout.backend=sglang"], "give its URL as run.engine_url"),
         (["rollout.backend=tgi"], "rollout.backend: Input should be 'venus', 'vllm' or 'sglang'"),
         (
             ["rollout.backend=vllm", "run.engine_url=http://x", "runtime.kind=ray"],
-            "run.engine_url trains against one",
+            "run.engine_url trains against served",
         ),
         (["rollout.admission_period_s=0"], "rollout.admission_period_s"),
         (["rollout.admission_initial_window=0"], "rollout.admission_initial_window"),
@@ -141,10 +146,14 @@ def test_unreadable_or_malformed_files_are_config_errors(tmp_path: Path) -> None
         load_config(listy)
 
 
-def test_the_kv_window_is_the_default_on_the_in_process_engine_only() -> None:
+def test_the_kv_window_is_the_default_wherever_the_engines_say_their_device_kv() -> None:
     assert load_config(None, []).rollout.admission == "critical"
-    assert load_config(None, ["runtime.kind=ray"]).rollout.admission == "none"
-    assert load_config(None, ["run.engine_url=http://x"]).rollout.admission == "none"
+    assert load_config(None, ["runtime.kind=ray"]).rollout.admission == "critical"
+    assert load_config(None, ["run.engine_url=http://x"]).rollout.admission == "critical"
+    served_elsewhere = ["run.engine_url=http://x", "rollout.backend=sglang"]
+    assert load_config(None, served_elsewhere).rollout.admission == "none"
+    several = load_config(None, ["run.engine_url=http://a:1, http://b:2"]).run
+    assert several.engine_urls == ["http://a:1", "http://b:2"]
 
 
 def test_the_ranking_s_time_limit_is_the_episode_s_or_the_group_s_whichever_is_shorter() -> None:

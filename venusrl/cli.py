@@ -204,9 +204,9 @@ def _add_sim(sub: Subcommands) -> None:
         "--policies",
         default="sync,async,venus",
         help=(
-            "comma-separated: sync, async, concur, async+window, venus, venus-nomigrate,"
-            " venus-nowindow; NAME+offload gives a baseline the host tier ours has; NAME@N sets"
-            " a staleness bound of N (and trains a group at most N versions after it started),"
+            "comma-separated: sync, async, concur, venus; NAME+offload gives a baseline the host"
+            " tier ours has; NAME@N sets a staleness bound of N (and trains a group at most N"
+            " versions after it started),"
             " NAME@N:L trains it up to L versions after (default: 1:4 for every policy but"
             " sync); NAME[KNOB=VALUE,...] sets its knobs (venus[leave_after_calls=5])"
         ),

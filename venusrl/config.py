@@ -69,7 +69,8 @@ class Config(Section):
             raise ValueError("runtime.engines > 1 needs runtime.kind=ray")
         if rt.kind == "ray" and self.run.engine_url:
             raise ValueError(
-                "run.engine_url trains against one served engine: use runtime.kind=local"
+                "run.engine_url trains against served engines from one process: use"
+                " runtime.kind=local"
             )
         backend = self.rollout.backend
         if backend != "venus" and not self.run.engine_url:
@@ -95,13 +96,24 @@ class Config(Section):
                     f"trainer.overlong_buffer_tokens={t.overlong_buffer_tokens} is longer than the"
                     f" length limit it ends at ({limit} tokens)"
                 )
-        remote = rt.kind == "ray" or bool(self.run.engine_url)
-        if remote and "admission" not in self.rollout.model_fields_set:
-            self.rollout.admission = "none"  # the default reads an in-process engine
-        if self.rollout.admission != "none" and (rt.kind == "ray" or self.run.engine_url):
+        if self.run.engine_url:
+            if backend != "venus" and "admission" not in self.rollout.model_fields_set:
+                self.rollout.admission = "none"  # their servers do not say their device KV
+            if self.rollout.admission == "aimd":
+                raise ValueError(
+                    "rollout.admission=aimd reads the cache of an in-process engine: leave"
+                    " run.engine_url unset, or set rollout.admission=critical or none"
+                )
+            if self.rollout.admission == "critical" and backend != "venus":
+                raise ValueError(
+                    f"rollout.admission=critical places turns by each engine's device KV, which"
+                    f" a {backend} server does not report to its client: set"
+                    " rollout.admission=none, or serve with `venusrl serve`"
+                )
+        if self.rollout.admission == "aimd" and rt.kind == "ray":
             raise ValueError(
-                "rollout.admission reads the cache of an in-process engine: use runtime.kind=local"
-                " without run.engine_url"
+                "rollout.admission=aimd runs in one process: on Ray use critical (each rollout"
+                " worker's engine its own KV window) or none"
             )
         return self
 

@@ -83,10 +83,9 @@ KV = 1000  # the engine's device KV, tokens: a budget of 850
 
 
 def one_engine(leave_after_calls: float = 1e4) -> TurnWindow:
-    """As `venusrl train` runs it: one engine, so no fast lane and nothing to migrate to. Until
-    it has seen a tool call return, the median call it assumes is `TurnRates`' 0.5 s."""
-    policy = CriticalWindow(leave_after_calls=leave_after_calls, lane=1.0, migrate=False)
-    return TurnWindow(policy, KV)
+    """As `venusrl train` runs it on one engine. Until it has seen a tool call return, the
+    median call it assumes is `TurnRates`' 0.5 s."""
+    return TurnWindow(CriticalWindow(leave_after_calls=leave_after_calls), [KV])
 
 
 def test_a_turn_waits_while_the_kv_window_is_full_and_the_most_critical_goes_first() -> None:
@@ -138,12 +137,12 @@ def test_a_member_leaves_after_a_multiple_of_the_median_tool_call_the_window_saw
     async def main() -> None:
         window = one_engine(leave_after_calls=4)
         window.set_ranking({"g": BEST_EFFORT})
-        assert window.rates.tool_s_per_turn == 0.5  # none seen yet: 2 s
+        assert window.book.rates.tool_s_per_turn == 0.5  # none seen yet: 2 s
         for _ in range(3):  # tool calls of 50 ms: a member leaves after 0.2 s
             await window.enter("a", "g", 100)
             window.turn_done("a")
             await asyncio.sleep(0.05)
-        assert 0.05 <= window.rates.tool_s_per_turn < 0.25
+        assert 0.05 <= window.book.rates.tool_s_per_turn < 0.25
         await window.enter("a", "g", 100)
         window.turn_done("a")  # a call of the tail begins
         await asyncio.sleep(0.08)
@@ -165,7 +164,7 @@ def test_a_member_yields_at_its_turn_to_a_more_critical_trajectory_with_no_room(
         assert not c.done()
         a = asyncio.create_task(window.enter("a", "g-other", 520))  # its next turn: it yields
         await asyncio.wait_for(c, 1.0)
-        assert window.pauses == 1 and not a.done()
+        assert window.book.pauses == 1 and not a.done()
         window.end("c")
         await asyncio.wait_for(a, 1.0)
 

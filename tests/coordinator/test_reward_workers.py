@@ -89,9 +89,7 @@ def run_group(
         HeldReward.let_in = asyncio.Event()
         async with SandboxPool(memory_budget_bytes=2 << 30) as pool:
             await pool.prepare_template(env.template)
-            window: TurnWindow | AdmissionWindow = TurnWindow(
-                CriticalWindow(lane=1.0, migrate=False), 1 << 20
-            )
+            window: TurnWindow | AdmissionWindow = TurnWindow(CriticalWindow(), [1 << 20])
             if aimd:
                 window = AdmissionWindow(AimdAdmission(initial_window=1), no_signal)
             rewards = RewardPool(EnvironmentReward(), workers, timeout_s=60)
@@ -119,7 +117,7 @@ def test_a_finished_episode_gives_its_window_place_up_and_its_group_ranks_as_nea
     ) -> Any:
         await until(lambda: rewards.busy + rewards.queued == 2)
         group = next(iter(coordinator.book.open.values()))
-        return dict(window.agents), (rewards.busy, rewards.queued), list(group.members)
+        return dict(window.book.seats), (rewards.busy, rewards.queued), list(group.members)
 
     (agents, load, members), batch = run_group(tmp_path, workers=1, look=look)
     assert agents == {}  # both turned their places in as their turns ended
@@ -136,7 +134,7 @@ def test_an_inline_reward_keeps_its_window_place_until_it_is_in(tmp_path: Path) 
     ) -> Any:
         await until(lambda: rewards.busy == 2)
         group = next(iter(coordinator.book.open.values()))
-        return sorted(window.agents), list(group.members)
+        return sorted(window.book.seats), list(group.members)
 
     (agents, members), batch = run_group(tmp_path, workers=None, look=look)
     assert len(agents) == 2  # held by the episodes that are being scored

@@ -14,7 +14,7 @@ from tests.conftest import StandIn
 from tests.engine.test_backend_clients import vllm_completion, vllm_server_info
 from venusrl.config import load_config
 from venusrl.model.directory import init_model_dir
-from venusrl.runtime.engines import served_engine
+from venusrl.runtime.engines import served_engines
 from venusrl.types import SamplingParams, TurnMeta
 
 
@@ -32,7 +32,7 @@ def test_training_against_vllm_without_its_development_routes_stops_before_it_st
     run would train and never update the sampler, so it does not start."""
     cfg = load_config(None, ["rollout.backend=vllm", f"run.engine_url={stand_in.url}"])
     with pytest.raises(ValueError, match=r"(?s)rollout.backend=vllm: .*VLLM_SERVER_DEV_MODE=1"):
-        asyncio.run(served_engine(cfg, model_dir, 0))
+        asyncio.run(served_engines(cfg, model_dir, 0))
 
 
 def test_starting_against_vllm_loads_the_runs_weights_and_later_turns_carry_their_version(
@@ -47,7 +47,7 @@ def test_starting_against_vllm_loads_the_runs_weights_and_later_turns_carry_thei
     cfg = load_config(None, ["rollout.backend=vllm", f"run.engine_url={stand_in.url}"])
 
     async def start_and_turn() -> list[int]:
-        engine = await served_engine(cfg, model_dir, 7)
+        engine = await served_engines(cfg, model_dir, 7)
         try:
             out = await engine.generate([1, 2], SamplingParams(), TurnMeta())
             return out.weight_versions

@@ -106,6 +106,10 @@ def test_two_workers_keep_each_trajectory_on_one_engine_and_each_group_on_one_no
     # The step metrics carry the engines' counters: every token trained was generated.
     actions = sum(t["action_tokens"] for r in records for t in r["turns"])
     assert metrics[-1]["engine"]["generated_tokens"] >= actions > 0
+    # Each worker's engine ran its own KV window (rollout.admission=critical, the default):
+    # every turn trained was let run by one.
+    turns = sum(len(r["turns"]) for r in records)
+    assert metrics[-1]["engine"]["window_turns"] >= turns > 0
     # Every trained member's tool calls reached the driver's ranking (with its trajectory,
     # if not before: reports while it ran are relayed only beside another episode's end).
     acted = sum("acted" in t for r in records for t in r["turns"])

@@ -281,42 +281,62 @@ def test_dropped_groups_give_their_place_back_so_a_synchronous_run_completes(
     assert sum(s["infra_failures"] for s in since) >= metrics[-1]["groups_dropped"]
 
 
-def test_training_against_venusrl_serve_over_http(tmp_path: Path) -> None:
+def test_training_against_two_venusrl_serve_engines_places_each_turn_by_the_kv_window(
+    tmp_path: Path,
+) -> None:
+    """`run.engine_url` with two URLs: the KV window (the default with `venusrl serve`, which
+    says its device KV) places every turn on one of the engines, and each publish reaches both."""
     model = init_model_dir(tmp_path / "model", preset="tiny", seed=0)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "venusrl.cli", "serve", "--model", str(model), "--port", str(port),
-         "engine.threads=1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    serve = [sys.executable, "-m", "venusrl.cli", "serve", "--model", str(model)]
+    servers = [
+        subprocess.Popen(
+            [*serve, "--port", str(port), "engine.threads=1"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for port in ports
+    ]
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        for url in urls:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                try:
+                    if httpx.get(f"{url}/health").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.2)
         cfg = load_config(
             None,
-            [*SMALL, f"run.engine_url={url}", "run.warm_start_episodes=0"],
+            [*SMALL, f"run.engine_url={','.join(urls)}", "run.warm_start_episodes=0"],
             {"model": str(model)},
         )
+        assert cfg.rollout.admission == "critical"
         said: list[str] = []
         metrics = asyncio.run(train(cfg, tmp_path / "run", on_message=said.append))
         assert [m["weight_version"] for m in metrics] == [1, 2, 3]
         # A random-weight policy never wins: no step trains anything, and the run says why.
         assert all(m["tokens"] == 0 for m in metrics)
         assert any("the last 3 steps trained nothing: every group scored alike" in m for m in said)
-        assert metrics[-1]["engine"]["generated_tokens"] > 0  # read over `GET /stats`
-        reply = httpx.post(f"{url}/generate", json={"input_ids": [5, 6, 7]}).json()
-        assert set(reply["weight_versions"]) == {3}  # the server runs the trained weights
+        # Every turn the records hold was let run by the window, on one engine or the other:
+        # each generated, and their counters (`GET /stats`) are summed in the step line.
+        records = list(read_records(tmp_path / "run"))
+        assert metrics[-1]["window_turns"] >= sum(len(r["turns"]) for r in records) > 0
+        generated = [httpx.get(f"{url}/stats").json()["generated_tokens"] for url in urls]
+        assert min(generated) > 0
+        assert metrics[-1]["engine"]["generated_tokens"] <= sum(generated)
+        for url in urls:  # each server runs the trained weights
+            reply = httpx.post(f"{url}/generate", json={"input_ids": [5, 6, 7]}).json()
+            assert set(reply["weight_versions"]) == {3}
     finally:
-        server.terminate()
-        server.wait(10)
+        for server in servers:
+            server.terminate()
+            server.wait(10)
 
 
 @pytest.mark.slow  # the default suite's time; the learning test below checks it at full size

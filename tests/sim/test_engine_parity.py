@@ -32,7 +32,7 @@ import pytest
 
 from venusrl.engine.config import EngineConfig
 from venusrl.engine.engine import Engine
-from venusrl.policy.agent_admission import ConcurAdmission
+from venusrl.policy.agent_admission import AimdAdmission, ConcurAdmission
 from venusrl.policy.engine_schedule import (
     RETRY_AFTER_S,
     EngineSnapshot,
@@ -43,7 +43,7 @@ from venusrl.policy.kv_retention import IdleKV, RetentionPolicy
 from venusrl.policy.kv_window import CriticalWindow
 from venusrl.sim.cost_model import CostModel, GpuSpec, ModelSpec
 from venusrl.sim.executor import Simulation, Submission
-from venusrl.sim.policies import POLICIES
+from venusrl.sim.policies import POLICIES, SimPolicy
 from venusrl.sim.types import Counters, SimConfig
 from venusrl.types import SamplingParams, TurnMeta
 from venusrl.workloads import LogNormal, ToolLatency, Turns, Workload
@@ -141,6 +141,14 @@ class RecordingRetention:
         return offload
 
 
+# The named policies, and the simulated twins of `venusrl train`'s other admission settings.
+TWINS: dict[str, SimPolicy] = {
+    **POLICIES,
+    "async+aimd": dataclasses.replace(POLICIES["async"], admission=AimdAdmission()),
+    "venus+none": dataclasses.replace(POLICIES["venus"], admission=None),
+}
+
+
 def simulate(policy: str, seed: int, merged: bool = False) -> tuple[Simulation, Decisions]:
     """`merged`: as the simulator runs by default, asking the scheduler only when it cannot
     know the plan."""
@@ -148,7 +156,7 @@ def simulate(policy: str, seed: int, merged: bool = False) -> tuple[Simulation, 
     # So would Concur's control periods, whose window follows the occupancy they read: whether
     # a period at the time an iteration ends sees it ended depends on when each event was
     # scheduled, which merged iterations change.
-    sim_policy = dataclasses.replace(POLICIES[policy], pin_s=4.5)
+    sim_policy = dataclasses.replace(TWINS[policy], pin_s=4.5)
     # And so would the KV window's end of a member's place in a long tool call: 1.1 median
     # calls, a random fraction of seconds (the tools take ~6 s here; with a shorter wait so
     # many members leave that none has to pause at a turn, which the test wants to see).
@@ -253,10 +261,10 @@ def replay(
         ("sync", 0),
         ("async", 1),
         ("concur", 2),
-        ("async+window", 2),
+        ("async+aimd", 2),
         ("venus", 0),
         ("venus", 3),
-        ("venus-nowindow", 0),
+        ("venus+none", 0),
     ],
 )
 def test_the_simulator_decides_what_the_engine_decides_on_the_same_events(
@@ -266,7 +274,7 @@ def test_the_simulator_decides_what_the_engine_decides_on_the_same_events(
     assert sim.submissions is not None and sim.finishes is not None
     end = sim.clock.now
     engine, actual, finishes = replay(
-        tiny_qwen3, POLICIES[policy].retention, sim.submissions, end, seed
+        tiny_qwen3, TWINS[policy].retention, sim.submissions, end, seed
     )
 
     c = sim.counters
@@ -276,8 +284,8 @@ def test_the_simulator_decides_what_the_engine_decides_on_the_same_events(
     if sim.windows is None:
         assert c.preemptions > 0, c
     else:
-        assert sim.windows.pauses > 0, c
-    if POLICIES[policy].retention == "trajectory":
+        assert sim.windows.book.pauses > 0, c
+    if TWINS[policy].retention == "trajectory":
         assert c.host_hit_tokens > 0, c
 
     sim_plans, engine_plans = expected.plans_before(end), actual.plans_before(end)

@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-from venusrl.policy.agent_admission import ConcurAdmission
+from venusrl.policy.agent_admission import AimdAdmission, ConcurAdmission
 from venusrl.policy.engine_schedule import PriorityScheduler
 from venusrl.policy.kv_window import CriticalWindow
 from venusrl.sim.cost_model import CostModel
 from venusrl.sim.executor import Simulation, simulate
 from venusrl.sim.kv import SimKV
-from venusrl.sim.policies import POLICIES, TRAIN_BOUND, sim_policies, sim_policy
+from venusrl.sim.policies import POLICIES, TRAIN_BOUND, SimPolicy, sim_policies, sim_policy
 from venusrl.sim.types import SimConfig
 from venusrl.workloads import SCENARIOS, Constant, LogNormal, ToolLatency, Turns
 
@@ -35,8 +35,15 @@ SMALL = SCENARIOS["swe-short"].scaled_for(
 TIGHT = CostModel.preset("qwen3-4b", "h200", reserved_bytes=112.5e9)
 
 
-def run(policy: str, workload=SMALL, seed: int = 0, steps: int = 3, cost=None) -> dict:
-    return Simulation(workload, sim_policy(policy), seed, SimConfig(steps=steps), cost).run()
+# Ours without its KV window (every trajectory admitted at once), and the Concur-like start
+# window of `rollout.admission=aimd`: what the window and Concur's pauses are measured against.
+UNWINDOWED = dataclasses.replace(POLICIES["venus"], name="venus+none", admission=None)
+START_WINDOW = dataclasses.replace(POLICIES["async"], name="async+aimd", admission=AimdAdmission())
+
+
+def run(policy: str | SimPolicy, workload=SMALL, seed: int = 0, steps: int = 3, cost=None) -> dict:
+    chosen = sim_policy(policy) if isinstance(policy, str) else policy
+    return Simulation(workload, chosen, seed, SimConfig(steps=steps), cost).run()
 
 
 def test_the_same_seed_gives_the_same_run() -> None:
@@ -253,7 +260,7 @@ def test_every_policy_gets_speedups_against_the_others() -> None:
 
 def test_offloading_stops_at_the_host_memory_and_what_does_not_fit_is_dropped() -> None:
     no_host = dataclasses.replace(TIGHT, host_kv_bytes_per_gpu=0.0)
-    for policy in ("venus", "venus-nowindow"):
+    for policy in (POLICIES["venus"], UNWINDOWED):
         roomy_host = run(policy, cost=TIGHT)
         full_host = run(policy, cost=no_host)
         assert roomy_host["offloaded_bytes"] > 0 and roomy_host["reprefill_tokens"] == 0
@@ -287,11 +294,11 @@ def test_the_simulated_kv_keeps_its_books_through_every_offload_load_and_drop(
     assert (result["offloaded_bytes"] > 0) == host and result["evictions"] > 0
 
 
-@pytest.mark.parametrize("policy", ["concur", "async+window"])
+@pytest.mark.parametrize("policy", [POLICIES["concur"], START_WINDOW], ids=lambda p: p.name)
 def test_admission_control_holds_trajectories_back_and_thrashes_less_than_lru_alone(
-    policy: str,
+    policy: SimPolicy,
 ) -> None:
-    sim = Simulation(SMALL, POLICIES[policy], 0, SimConfig(steps=3), TIGHT)
+    sim = Simulation(SMALL, policy, 0, SimConfig(steps=3), TIGHT)
     admitted = sim.run()
     lru = run("async", cost=TIGHT)
     assert admitted["steps"] == 3
@@ -301,7 +308,7 @@ def test_admission_control_holds_trajectories_back_and_thrashes_less_than_lru_al
 
 
 def test_concur_pauses_agents_over_its_window_at_turn_boundaries_and_resumes_them_all() -> None:
-    concur, window = run("concur", cost=TIGHT), run("async+window", cost=TIGHT)
+    concur, window = run("concur", cost=TIGHT), run(START_WINDOW, cost=TIGHT)
     assert concur["admission_pauses"] > 0 == window["admission_pauses"]
     # Every paused trajectory came back: the run trained every step's groups.
     assert concur["steps"] == 3 and concur["groups_dropped"] == 0
@@ -371,7 +378,7 @@ def test_sandbox_memory_idle_between_turns_is_each_turn_s_wait_for_a_place(polic
 
 
 def test_the_kv_window_pauses_agents_instead_of_thrashing_the_cache() -> None:
-    windowed, everyone = run("venus", cost=TIGHT), run("venus-nowindow", cost=TIGHT)
+    windowed, everyone = run("venus", cost=TIGHT), run(UNWINDOWED, cost=TIGHT)
     assert windowed["steps"] == 3 and windowed["groups_dropped"] == 0
     assert windowed["admission_pauses"] > 0 == everyone["admission_pauses"]
     assert windowed["preemptions"] < everyone["preemptions"]
@@ -379,8 +386,8 @@ def test_the_kv_window_pauses_agents_instead_of_thrashing_the_cache() -> None:
 
 def test_the_window_counts_the_kv_its_waiting_agents_ask_and_lanes_only_while_it_is_short() -> None:
     sim = Simulation(SMALL, sim_policy("venus"), 0, SimConfig(steps=3), TIGHT)
-    windows = sim.windows
-    assert windows is not None
+    assert sim.windows is not None
+    windows = sim.windows.book
     lanes: set[float] = set()
 
     def look() -> None:
@@ -396,7 +403,7 @@ def test_the_window_counts_the_kv_its_waiting_agents_ask_and_lanes_only_while_it
 
 
 def test_a_member_moves_to_a_lighter_engine_with_its_kv() -> None:
-    moved, stays = run("venus", cost=TIGHT), run("venus-nomigrate", cost=TIGHT)
+    moved, stays = run("venus", cost=TIGHT), run("venus[migrate=false]", cost=TIGHT)
     assert moved["migrations"] > 0 == stays["migrations"]
     # Its KV went over the host link to the other engine's host tier, not computed again.
     assert moved["moves_dropped"] == 0 and moved["reprefill_tokens"] == 0

@@ -186,7 +186,8 @@ class RolloutConfig(Section):
         "critical",
         description="critical: a turn runs only while its trajectory holds a place in the"
         " engine's KV window, places going to the most critical groups first"
-        " (policy.kv_window; the default on the in-process engine, none elsewhere); none: every"
+        " (policy.kv_window; the default with in-process engines, on Ray each rollout worker's"
+        " its own; none with run.engine_url); none: every"
         " member of every open group runs at once; aimd: episodes run only while fewer run than"
         " a window that grows while the engine's KV cache is healthy and halves when it thrashes"
         " (policy.agent_admission; in-process engine only)",

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Protocol
 
 from venusrl.coordinator.admission import AdmissionWindow, TurnWindow
@@ -95,6 +95,7 @@ class LocalRollouts:
         admission: AdmissionWindow | TurnWindow | None = None,
         resume_preempted: bool = True,
         rewards: Rewards | None = None,
+        engines: Sequence[Generate] | None = None,
     ) -> None:
         """`end_trajectory` tells the engine that an episode is over, so that the KV it kept for
         the trajectory between turns can go; `admission`: episodes run only while its window
@@ -102,14 +103,15 @@ class LocalRollouts:
         engine's KV window (None: all at once); `resume_preempted`: an episode whose sandbox
         the pool preempted goes on here in a fresh one (False: it ends `Finish.INFRA`, for a caller
         that moves it elsewhere, as the Ray fleet does); `rewards`: the reward workers (None: the
-        environment's own reward, inline)."""
+        environment's own reward, inline); `engines`: the engines a `TurnWindow` places turns
+        on, one per capacity it was given (None: `generate` alone)."""
         self.pool, self.generate, self.fmt = pool, generate, fmt
         self.sampling, self.rollout = sampling, rollout
         self.end_trajectory = end_trajectory
         self.admission = admission if isinstance(admission, AdmissionWindow) else None
         self.turns = admission if isinstance(admission, TurnWindow) else None
         if self.turns is not None:
-            self.generate = self.turns.gate(generate)
+            self.generate = self.turns.gate(engines or [generate])
         self.resume_preempted = resume_preempted
         self.rewards: Rewards = rewards or RewardPool(
             EnvironmentReward(), None, rollout.reward_timeout_s

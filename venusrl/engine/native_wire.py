@@ -92,6 +92,7 @@ class Health(NativeBody):
     waiting: Int
     free_device_kv_pages: Int
     free_host_kv_pages: Int
+    device_kv_tokens: Int  # what its device KV holds in all (the KV window's capacity)
 
 
 class GenerateReply(NativeBody):

@@ -20,6 +20,7 @@ from venusrl.engine.native_wire import (
     EndTrajectoryBody,
     GenerateBody,
     GenerateReply,
+    Health,
     UpdateWeightsBody,
     UpdateWeightsReply,
 )
@@ -93,6 +94,14 @@ class RemoteEngine:
         await self._server.call(
             "/end_trajectory", EndTrajectoryBody(trajectory_id=trajectory_id).model_dump()
         )
+
+    async def kv_capacity_tokens(self) -> int:
+        """Tokens of KV the server's device pages hold (`GET /health`)."""
+        data = await self._server.call("/health")
+        try:
+            return Health.model_validate(data).device_kv_tokens
+        except ValidationError as e:
+            raise RemoteEngineError(f"/health: malformed reply: {e.errors()[0]['msg']}") from None
 
     async def counters(self) -> dict[str, float]:
         """The server engine's totals since it started (`Engine.counters`)."""

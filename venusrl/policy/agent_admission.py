@@ -10,9 +10,9 @@ agents with a congestion window driven by cache signals, like TCP.
   while the KV cache is underused, shrinks by a factor when it thrashes (the share of returning
   context found in cache falls) or is nearly full, and holds in between; an agent over the window
   is paused at its next turn boundary and resumed when there is room (never mid-generation).
-- `AimdAdmission` is our first Concur-like window (`async+window`, the runtime's
-  `rollout.admission=aimd`): it only paces the start of new trajectories and halves on any
-  re-prefill, so on long trajectories everything is admitted before the cache fills.
+- `AimdAdmission` is our first Concur-like window (the runtime's `rollout.admission=aimd`): it
+  only paces the start of new trajectories and halves on any re-prefill, so on long
+  trajectories everything is admitted before the cache fills.
 
 Ours bounds the KV the agents hold rather than their number, and chooses them by the group
 ranking: `kv_window.CriticalWindow`.

@@ -47,7 +47,8 @@ class RunConfig(Section):
     engine_url: str | None = Field(
         None,
         description="train against the engine served at this URL instead of in-process:"
-        " `venusrl serve`, or a vLLM or SGLang server (rollout.backend)",
+        " `venusrl serve`, or a vLLM or SGLang server (rollout.backend); several URLs,"
+        " comma-separated, are engines the run's turns are placed among",
     )
     loggers: list[LoggerName] = Field(
         default_factory=_record_only,
@@ -73,6 +74,24 @@ class RunConfig(Section):
         if len(set(loggers)) != len(loggers):
             raise ValueError(f"names a logger twice: {loggers}")
         return loggers
+
+    @field_validator("engine_url")
+    @classmethod
+    def _urls(cls, url: str | None) -> str | None:
+        if url is None:
+            return None
+        urls = [u.strip() for u in url.split(",")]
+        for u in urls:
+            if not u.startswith(("http://", "https://")) or u in ("http://", "https://"):
+                raise ValueError(f"{u!r} is not an http(s) URL (e.g. http://127.0.0.1:8000)")
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"names an engine twice: {url}")
+        return ",".join(urls)
+
+    @property
+    def engine_urls(self) -> list[str]:
+        """The served engines' URLs ([] for the in-process engine)."""
+        return self.engine_url.split(",") if self.engine_url else []
 
     @field_validator("preset")
     @classmethod

@@ -28,7 +28,7 @@ from venusrl.model.directory import load_model
 from venusrl.policy.agent_admission import AimdAdmission
 from venusrl.policy.kv_window import CriticalWindow
 from venusrl.rewards.kinds import reward_pool
-from venusrl.runtime.engines import LocalEngine, ServedEngine, served_engine
+from venusrl.runtime.engines import LocalEngine, ServedEngines, served_engines
 from venusrl.runtime.faults import engine_faults, sandbox_faults
 from venusrl.runtime.run_dir import RunStart
 from venusrl.trainer.api import Trainer
@@ -195,36 +195,39 @@ async def start_rollouts(
         stack.push_async_callback(fleet.close)
         return RolloutSide(fleet, fleet)
     assert sandboxes.pool is not None
-    local: LocalEngine | ServedEngine = (
-        await served_engine(cfg, start.model_dir, version)
+    engine: LocalEngine | ServedEngines = (
+        await served_engines(cfg, start.model_dir, version)
         if cfg.run.engine_url
         else LocalEngine(start.model_dir, cfg, version)
     )
-    stack.push_async_callback(local.close)
-    window = await admission_window(cfg, local)
-    generate = engine_faults(local.generate, cfg.faults, cfg.run.seed)
+    stack.push_async_callback(engine.close)
+    window = await admission_window(cfg, engine)
+    seed = cfg.run.seed
+    # Under the KV window each turn goes to the engine its place is on; without one, the
+    # engine (`ServedEngines`: the fleet) routes each trajectory itself.
+    generate = engine_faults(engine.generate, cfg.faults, seed)
+    engines = [engine_faults(g, cfg.faults, seed + i) for i, g in enumerate(engine.generates)]
     rewards = reward_pool(cfg.reward, cfg.rollout.reward_timeout_s)
     stack.push_async_callback(rewards.close)
     rollouts = LocalRollouts(
-        sandboxes.pool, generate, fmt, sampling, cfg.rollout, local.end_trajectory, window,
-        rewards=rewards,
+        sandboxes.pool, generate, fmt, sampling, cfg.rollout, engine.end_trajectory, window,
+        rewards=rewards, engines=engines,
     )  # fmt: skip
-    return RolloutSide(local, rollouts, window)
+    return RolloutSide(engine, rollouts, window)
 
 
 async def admission_window(
-    cfg: Config, engine: LocalEngine | ServedEngine
+    cfg: Config, engine: LocalEngine | ServedEngines
 ) -> AdmissionWindow | TurnWindow | None:
-    """`rollout.admission`: the window over the in-process engine's cache (the config allows it
-    with that engine only)."""
+    """`rollout.admission`: the KV window over the run's engines (the simulator's `venus`
+    policy, whose books these are too), or the start window over the in-process engine's cache
+    (the config allows it with that engine only)."""
     r = cfg.rollout
     if r.admission == "none":
         return None
-    assert isinstance(engine, LocalEngine)
     if r.admission == "critical":
-        # One engine: no other engine for best-effort work (no fast lane), none to move to.
-        policy = CriticalWindow(lane=1.0, migrate=False)
-        return TurnWindow(policy, await engine.kv_capacity_tokens())
+        return TurnWindow(CriticalWindow(), await engine.kv_capacities())
+    assert isinstance(engine, LocalEngine)
     return AdmissionWindow(
         AimdAdmission(initial_window=r.admission_initial_window, period_s=r.admission_period_s),
         engine.cache_signal,

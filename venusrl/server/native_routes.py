@@ -43,6 +43,7 @@ async def health(model: Model) -> Health:
         waiting=len(engine.waiting),
         free_device_kv_pages=engine.cache.kv.device_pages.num_free,
         free_host_kv_pages=engine.cache.kv.host_pages.num_free,
+        device_kv_tokens=engine.cache.kv.device_pages.capacity * engine.cache.page_size,
     )
 
 

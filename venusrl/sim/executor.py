@@ -123,8 +123,6 @@ class SimTrajectory:
     tool_s: float = 0.0  # its tool calls' seconds so far
     engine: SimEngine | None = None
     expected_cached: int = 0  # tokens of its context the engine cached when it last let go of it
-    member: bool = False  # holds a place in its engine's KV window (`kv_windows`)
-    counted: int = 0  # its context as that window counts it
     # When its latest turn went to the engine, and in which `Simulation._phase`.
     submitted: tuple[float, str] = (0.0, "")
     asked_at: float | None = None  # when its turn asked for a place (None: not asking now)
@@ -248,7 +246,7 @@ class Simulation:
         self.windows: KvWindows[SimTrajectory] | None = None
         self.counting: AgentAdmission | None = None
         if isinstance(policy.admission, CriticalWindow):
-            self.windows = KvWindows(policy.admission, self.engines, self.book, self._submit_turn)
+            self.windows = KvWindows(policy.admission, self.engines, self._submit_turn)
         else:
             self.counting = policy.admission
 
@@ -351,9 +349,8 @@ class Simulation:
             return
 
         def expire() -> None:
-            if t.member and t.turn == turn:
-                windows.leave(t)
-                windows.admit()
+            if t.turn == turn:
+                windows.tool_wait_over(t)
 
         self.clock.at(self.clock.now + windows.leave_after_s(), expire)
 
@@ -482,8 +479,7 @@ class Simulation:
         t.engine.finish_trajectory(t.tid)
         t.engine.trajectories -= 1
         if self.windows is not None:
-            self.windows.leave(t)
-            self.windows.admit()
+            self.windows.end(t)
         else:
             self._admit_waiting()
 
@@ -617,7 +613,7 @@ class Simulation:
     def _rerank(self) -> None:
         self.book.rank(self.version, self.clock.now)
         if self.windows is not None:
-            self.windows.reranked()
+            self.windows.reranked(self.book.priorities)
 
     def _maybe_train(self) -> None:
         if self.trainer_busy:
@@ -766,8 +762,8 @@ class Simulation:
             "groups_dropped": self.book.groups_dropped,
             # turns admission control held back
             "admission_pauses": self.admission_pauses
-            + (self.windows.pauses if self.windows else 0),
-            "migrations": self.windows.migrations if self.windows else 0,
+            + (self.windows.book.pauses if self.windows else 0),
+            "migrations": self.windows.book.migrations if self.windows else 0,
             **asdict(self.counters),
             "simulated_s": self.clock.now,
         }

@@ -9,7 +9,7 @@ import re
 from dataclasses import asdict, dataclass, is_dataclass, replace
 from typing import Any, Literal
 
-from venusrl.policy.agent_admission import AgentAdmission, AimdAdmission, ConcurAdmission
+from venusrl.policy.agent_admission import AgentAdmission, ConcurAdmission
 from venusrl.policy.kv_window import CriticalWindow
 from venusrl.policy.staleness import StalenessBound
 from venusrl.sim.settings import key_values
@@ -50,11 +50,6 @@ POLICIES = {
     "concur": SimPolicy(
         "concur", "fifo", 1, "lru", admission=ConcurAdmission(), max_train_staleness=TRAIN_BOUND
     ),
-    # Our first Concur-like window, which only paces the start of trajectories (the `concur` of
-    # BENCHMARKS.md's tables to 2026-12-04).
-    "async+window": SimPolicy(
-        "async+window", "fifo", 1, "lru", admission=AimdAdmission(), max_train_staleness=TRAIN_BOUND
-    ),
     # Ours: critical groups first, admitted into a per-engine KV window by that rank
     # (policy.kv_window), tool-waiting KV kept or offloaded, never silently dropped.
     "venus": SimPolicy(
@@ -65,21 +60,6 @@ POLICIES = {
         admission=CriticalWindow(),
         max_train_staleness=TRAIN_BOUND,
         reward_pool=True,
-    ),
-    # Ours without moving a member's KV to a lighter engine (what migration is worth).
-    "venus-nomigrate": SimPolicy(
-        "venus-nomigrate",
-        "critical",
-        1,
-        "trajectory",
-        admission=CriticalWindow(migrate=False),
-        max_train_staleness=TRAIN_BOUND,
-        reward_pool=True,
-    ),
-    # Ours before the KV window (the `venus` of BENCHMARKS.md's tables to 2026-12-04): every
-    # trajectory admitted at once, so on long trajectories the cache thrashes.
-    "venus-nowindow": SimPolicy(
-        "venus-nowindow", "critical", 1, "trajectory", max_train_staleness=TRAIN_BOUND
     ),
 }
 # `NAME+offload`: a baseline given the host tier ours has (the same size), as SGLang's HiCache or

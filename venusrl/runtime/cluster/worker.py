@@ -20,6 +20,7 @@ import ray
 import torch
 
 from venusrl.config import Config
+from venusrl.coordinator.admission import TurnWindow
 from venusrl.coordinator.agent_loop import ChatFormat
 from venusrl.coordinator.rollouts import LocalGroup, LocalRollouts
 from venusrl.envs.accounts import PoolStats
@@ -29,6 +30,7 @@ from venusrl.envs.sandbox import Sandbox
 from venusrl.envs.types import ExecResult, GiB, SandboxCrashed, TemplateSpec
 from venusrl.model.tokenizer import Tokenizer
 from venusrl.model.weight_stream import Bucket, Spec
+from venusrl.policy.kv_window import CriticalWindow
 from venusrl.rewards.kinds import reward_pool
 from venusrl.rewards.pool import Rewards
 from venusrl.runtime.cluster.ray_cluster import (
@@ -70,6 +72,7 @@ class RolloutWorker:
         self.pool: SandboxPool | None = None
         self.engine: LocalEngine | None = None
         self.rollouts: LocalRollouts | None = None
+        self.window: TurnWindow | None = None
         self._groups: dict[str, LocalGroup] = {}
         self._sandboxes: dict[str, Sandbox] = {}
         # Episodes in flight: how far each is, and when (this process's clock) it said so.
@@ -129,9 +132,17 @@ class RolloutWorker:
             if reward_worker is None
             else RemoteRewards(reward_worker, local, self.cfg.reward.retries)
         )
+        # Each worker's engine its own KV window (`rollout.admission=critical`), in the
+        # driver's ranking (`set_priorities`); its members stay on this engine.
+        self.window = (
+            TurnWindow(CriticalWindow(), await self.engine.kv_capacities())
+            if self.cfg.rollout.admission == "critical"
+            else None
+        )
         self.rollouts = LocalRollouts(
             self._pool(), generate, fmt, sampling, self.cfg.rollout,
             end_trajectory=self.engine.end_trajectory,
+            admission=self.window,
             resume_preempted=False,  # the fleet moves it to another worker
             rewards=rewards,
         )  # fmt: skip
@@ -147,7 +158,18 @@ class RolloutWorker:
         return await self.engine.generate(prompt_ids, params, meta)
 
     async def engine_counters(self) -> dict[str, float]:
-        return {} if self.engine is None else await self.engine.counters()
+        """The engine's totals, and its KV window's."""
+        if self.engine is None:
+            return {}
+        counted = await self.engine.counters()
+        if self.window is not None:
+            book = self.window.book
+            counted |= {
+                "window_turns": book.turns,
+                "window_pauses": book.pauses,
+                "window_waits": book.waits,
+            }
+        return counted
 
     async def pool_stats(self) -> PoolStats:
         return self._pool().stats()
