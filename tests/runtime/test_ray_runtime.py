@@ -294,6 +294,75 @@ def test_a_killed_rollout_worker_costs_its_episodes_as_infra_failures_and_the_ru
     assert not sandboxes_left({killed, restarted["pid"], other["pid"]})
 
 
+class KillNodeAfterFirstStep(threading.Thread):
+    """Take a node away mid-step, as a machine that fails would (its raylet and every process
+    on it killed): the node of a rollout worker that plays episodes, once the run in `run_dir`
+    has finished its first step. Not the head node, where the driver's cluster services run."""
+
+    def __init__(self, cluster: Cluster, run_dir: Path) -> None:
+        super().__init__(daemon=True)
+        self.cluster, self.run_dir = cluster, run_dir
+        self.killed = threading.Event()
+        self.node = ""  # the killed node's id
+        self.worker = -1
+        self.pids: set[int] = set()  # the killed node's rollout worker
+        self.start()
+
+    def run(self) -> None:
+        deadline = time.monotonic() + 600
+        metrics = self.run_dir / "metrics.jsonl"
+        head = self.cluster.head_node.node_id
+        while time.monotonic() < deadline:
+            if metrics.exists() and metrics.read_text().count("\n") >= 1:
+                for i in range(2):
+                    worker = ray.get_actor(f"rollout-{i}", namespace=NAMESPACE)
+                    report = ray.get(worker.report.remote())
+                    if report["node"] != head and playing(report):
+                        (node,) = (n for n in self.cluster.list_all_nodes()
+                                   if n.node_id == report["node"])  # fmt: skip
+                        self.node, self.worker, self.pids = node.node_id, i, {report["pid"]}
+                        self.cluster.remove_node(node, allow_graceful=False)
+                        self.killed.set()
+                        return
+            time.sleep(0.01)
+
+
+@pytest.mark.slow  # the default suite kills a worker's process (above)
+def test_a_node_killed_mid_step_loses_no_trajectory_and_the_run_goes_on_on_the_other_node(
+    two_nodes: Cluster, tmp_path: Path, warm_started_small: list[str]
+) -> None:
+    steps = 6
+    cfg = load_config(None, [*warm_started_small, *ON_TWO_ENGINES, f"run.steps={steps}"])
+    killer = KillNodeAfterFirstStep(two_nodes, tmp_path)
+    try:
+        metrics = asyncio.run(train(cfg, tmp_path))
+    finally:
+        killer.join()
+        # The module's later tests get their two nodes back.
+        two_nodes.add_node(num_cpus=1, object_store_memory=256 << 20)
+        two_nodes.wait_for_nodes()
+    assert killer.killed.is_set()
+    # Every step trained its whole batch: the episodes on the lost node were played again.
+    assert [m["step"] for m in metrics] == list(range(steps))
+    assert all(m["groups"] == 2 for m in metrics)
+    assert sum(m["infra_failures"] for m in metrics) >= 1
+    report = json.loads((tmp_path / "cluster.json").read_text())
+    # The fleet saw the worker lost at once (Ray's own health check marks the node dead only
+    # ~15 s later, when it restarts the actor elsewhere: this run may be over by then).
+    lost = report["workers"][killer.worker]
+    assert lost["restarts"] == 1
+    assert report["trajectories_on_several_engines"] == []
+    records = list(read_records(tmp_path))
+    assert len(records) >= steps * 2 * 2
+    for r in records:
+        # A trajectory the node took with it is replaced, never scored (0 or otherwise).
+        assert (r["reward"] is None) == (r["finish"] == Finish.INFRA.value)
+        trained_at = metrics[r["step"]]["weight_version"] - 1
+        assert all(0 <= trained_at - int(v) <= 1 for v in r["versions"])
+    workers = killer.pids | {w["pid"] for w in report["workers"] if w["pid"] is not None}
+    assert not sandboxes_left(workers)
+
+
 def test_an_episode_whose_sandbox_is_preempted_moves_to_the_other_worker_and_goes_on_there(
     two_nodes: Cluster, tmp_path: Path, warm_started_small: list[str]
 ) -> None:
