@@ -539,6 +539,7 @@ def test_a_restarted_worker_gets_the_templates_and_the_model_back_and_serves_fro
     assert set(Path(tempfile.gettempdir()).glob("venusrl-engine-*")) == model_copies
 
 
+@pytest.mark.slow  # the default suite's time (~13 s); the book keeps a report's start too
 def test_a_tool_call_relayed_from_a_worker_is_dated_when_it_began_not_when_the_driver_heard(
     two_nodes: Cluster, tmp_path: Path
 ) -> None:
