@@ -239,30 +239,24 @@ def test_a_killed_reward_worker_loses_no_trajectory_its_scorings_are_sent_again(
     assert sum(w["rewards"]["rewards_lost"] for w in workers) >= 1
 
 
-def test_a_reward_resource_no_node_declares_is_refused_before_any_actor_starts(
-    two_nodes: Cluster,
+@pytest.mark.parametrize(
+    ("asked", "refusal"),
+    [
+        ("reward.ray_resource=grader", r"reward\.ray_resource='grader': no node of the cluster"),
+        ("runtime.engines=3", r"engine_cpus=1\.0 needs 3 CPUs; the cluster has 2"),
+    ],
+    ids=["a-reward-resource-no-node-declares", "engines-the-cluster-cannot-hold"],
+)
+def test_what_the_cluster_cannot_give_is_refused_before_any_actor_starts(
+    two_nodes: Cluster, asked: str, refusal: str
 ) -> None:
-    cfg = load_config(None, [*RAY_RUN, "reward.ray_resource=grader"])
+    cfg = load_config(None, [*RAY_RUN, asked])
 
     async def start() -> None:
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(start_fleet(cfg, stack))
 
-    with pytest.raises(ValueError, match=r"reward\.ray_resource='grader': no node of the cluster"):
-        asyncio.run(start())
-    assert ray.util.list_named_actors() == []
-
-
-def test_engines_the_cluster_cannot_hold_are_refused_before_any_actor_starts(
-    two_nodes: Cluster,
-) -> None:
-    cfg = load_config(None, [*RAY_RUN, "runtime.engines=3"])
-
-    async def start() -> None:
-        async with contextlib.AsyncExitStack() as stack:
-            await stack.enter_async_context(start_fleet(cfg, stack))
-
-    with pytest.raises(ValueError, match=r"engine_cpus=1\.0 needs 3 CPUs; the cluster has 2"):
+    with pytest.raises(ValueError, match=refusal):
         asyncio.run(start())
     assert ray.util.list_named_actors() == []
 

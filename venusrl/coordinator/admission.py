@@ -141,6 +141,7 @@ class TurnWindow:
             return await future
         finally:
             self.waiting.pop(tid, None)
+            # Still waiting (or cancelled with the task that awaited it): the book holds it.
             if not future.done() or future.cancelled():
                 self.end(tid)
 

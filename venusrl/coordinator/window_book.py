@@ -3,12 +3,12 @@
 and the group ranking they are ordered by.
 
 Every decision is the policy's; the book keeps what it decides on and says what it decided:
-which turns run now, on which engine, and which members move to another one. The two adapters
-are thin: the simulator's (`sim/kv_windows.py`) and the runtime's (`coordinator/admission.py`)
-say what happened (a turn asks to run, a tool call returned, a member's tool wait ran long, an
-episode ended, the ranking changed) and carry the decisions out on their engines, so the policy
-the simulator credits is the one the runtime runs, decision for decision
-(tests/sim/test_kv_window_parity.py).
+which turns run now and on which engine (another than the one holding a member's KV: it moves).
+The two adapters are thin: the simulator's (`sim/kv_windows.py`) and the runtime's
+(`coordinator/admission.py`) say what happened (a turn asks to run, a tool call returned, a
+member's tool wait ran long, an episode ended, the ranking changed) and carry the decisions out
+on their engines, so the policy the simulator credits is the one the runtime runs, decision for
+decision (tests/sim/test_kv_window_parity.py).
 
 Ties between agents of one group go by arrival: the order in which they first asked for a
 place. An agent has started once it holds a home engine: from its first place on, its KV exists.
@@ -45,7 +45,6 @@ class Go:
     tid: str
     engine: int
     resumed: bool = False  # it waited for its place after it had started
-    moved_from: int | None = None  # its KV is on this other engine: it moves to `engine`
 
 
 class WindowBook:
@@ -112,7 +111,7 @@ class WindowBook:
                     return [Go(tid, home)]
                 self._leave(seat)
                 self._join(seat, lighter)
-                return [Go(tid, lighter, moved_from=home)]
+                return [Go(tid, lighter)]
             self._leave(seat)
             self.pauses += 1
         seat.ready = True
@@ -172,11 +171,9 @@ class WindowBook:
                 continue
             group = Agent(0, self.priority(gid), rank=self.rank(gid))
             for seat in sorted(ready, key=lambda s: s.seq):
-                if seat.home is None and started:
-                    continue
-                if seat.home is not None and not started:
-                    continue
                 home = seat.home
+                if (home is not None) != started:
+                    continue
                 kind = (group.critical, policy.heads(group), None if policy.migrate else home)
                 if seat.context >= refused.get(kind, seat.context + 1):
                     continue
@@ -188,14 +185,22 @@ class WindowBook:
                 seat.ready = False
                 self.waiting -= seat.context
                 self._join(seat, i)
-                moved = home if home is not None and home != i else None
-                gone.append(Go(seat.tid, i, home is not None, moved))
+                gone.append(Go(seat.tid, i, home is not None))
                 self.turns += 1
                 loads, refused = self.loads(), {}
                 policy = self.policy.lanes(loads, self.waiting)
             if not ready:
                 del self.ready[gid]
         return gone
+
+    def counters(self) -> dict[str, int]:
+        """What the window did since it started, as the step line names it."""
+        return {
+            "window_turns": self.turns,
+            "window_pauses": self.pauses,
+            "window_waits": self.waits,
+            "window_migrations": self.migrations,
+        }
 
     # --- what the policy sees ------------------------------------------------------------------
 
@@ -210,7 +215,7 @@ class WindowBook:
 
     def _key(self, s: Seat) -> tuple[int, ...]:
         gid = s.group_id
-        return (*admission_key(self.priority(gid), s.home is not None, self.rank(gid), 0), s.seq)
+        return admission_key(self.priority(gid), s.home is not None, self.rank(gid), s.seq)
 
     def _agent(self, s: Seat, group: Agent | None = None) -> Agent:
         """`s` as the policy sees it; `group`: its group's priority and rank, if known."""
@@ -245,7 +250,7 @@ class WindowBook:
             if not ready or p <= above:
                 continue
             s = min(ready, key=lambda a: (a.home is None, a.seq))
-            key = (*admission_key(p, s.home is not None, rank(gid), 0), s.seq)
+            key = admission_key(p, s.home is not None, rank(gid), s.seq)
             if best is None or key < best_key:
                 best, best_key = s, key
         return best

@@ -26,10 +26,7 @@ def admission_metrics(window: AdmissionWindow | TurnWindow | None) -> dict[str, 
             "window_kv_tokens": window.load,
             "episodes_active": window.members,
             "episodes_held_back": len(window.waiting),
-            "window_turns": window.book.turns,
-            "window_pauses": window.book.pauses,
-            "window_waits": window.book.waits,
-            "window_migrations": window.book.migrations,
+            **window.book.counters(),
         }
     return {
         "admission_window": window.window,

@@ -163,12 +163,7 @@ class RolloutWorker:
             return {}
         counted = await self.engine.counters()
         if self.window is not None:
-            book = self.window.book
-            counted |= {
-                "window_turns": book.turns,
-                "window_pauses": book.pauses,
-                "window_waits": book.waits,
-            }
+            counted |= self.window.book.counters()
         return counted
 
     async def pool_stats(self) -> PoolStats:
